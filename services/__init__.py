@@ -1,0 +1,1 @@
+"""The stage side of Omni Mesh: shared plumbing, the stage service, engines."""

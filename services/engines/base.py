@@ -1,0 +1,149 @@
+"""The engine plug-in contract: what a stage asks of an engine, and what it gets back.
+
+A stage runtime owns intake, segmenting and the wire; an engine only turns one
+request into an async stream of events. Engines are plain Python and are tested
+without gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Protocol
+
+import torch
+
+LoadFormat = Literal["auto", "dummy"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything an engine needs from the stage file, validated once."""
+
+    device: str = "cpu"
+    dtype: str | None = None  # None: the engine's default for the device
+    load_format: LoadFormat = "auto"
+    max_prompt_tokens: int = 4096
+    cache_dir: Path = Path("~/.cache/omni-mesh").expanduser()
+    engine_args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A request's parameters; None means "the stage default"."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    return_hidden_states: bool = False
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    height: int | None = None
+    width: int | None = None
+    preview_every: int | None = None
+    return_png: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    text: str | None = None
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    token_ids: tuple[int, ...] = ()
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    params: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """New tokens of an autoregressive request, in order."""
+
+    token_ids: tuple[int, ...]
+    text: str  # the text these tokens add (may be "" while a character is incomplete)
+    hidden_states: torch.Tensor | None = None  # [len(token_ids), hidden] when asked for
+
+
+@dataclass(frozen=True)
+class Blob:
+    name: str
+    media_type: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class TensorOutput:
+    """Whole outputs such as an image: tensors by name, and encoded blobs."""
+
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    blobs: tuple[Blob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ProgressOutput:
+    step: int
+    total_steps: int
+    preview: torch.Tensor | None = None  # uint8 [H, W, 3]
+
+
+@dataclass(frozen=True)
+class FinishOutput:
+    reason: str  # "length", "stop", "eos", "done"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput
+
+
+@dataclass(frozen=True)
+class KvGeometry:
+    """What one KV page costs: the inputs of DESIGN.md §3's formula."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    tensor_parallel: int = 1
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What ``load`` reports: the bytes the weights take and the KV layout."""
+
+    model_bytes: int
+    kv: KvGeometry | None = None  # None for engines without a KV cache
+    description: str = ""
+
+
+class Engine(Protocol):
+    """An engine plug-in. ``load`` and ``warmup`` block (a stage calls them in a
+    thread); ``generate`` is an async generator that stops at the next step
+    boundary when its consumer stops iterating (cancellation)."""
+
+    name: ClassVar[str]
+    # GenerationParams fields (and `extra` keys as "extra.KEY") this engine honours;
+    # anything else set on a request is refused by name.
+    supported_params: ClassVar[frozenset[str]]
+    # Names of the tensors this engine can emit.
+    output_tensors: ClassVar[tuple[str, ...]]
+
+    def __init__(self, settings: EngineSettings) -> None: ...
+
+    def load(self, model_path: Path) -> ModelInfo: ...
+
+    def warmup(self) -> None: ...
+
+    def check(self, request: EngineRequest) -> None:
+        """Cheap validation at intake; raise ``InvalidArgument`` naming the field."""
+        ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""Plumbing shared by stages and the orchestrator: stubs, errors, tensor codec."""
