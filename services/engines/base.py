@@ -25,7 +25,7 @@ class EngineSettings:
     dtype: str | None = None  # None: the engine's default for the device
     load_format: LoadFormat = "auto"
     max_prompt_tokens: int = 4096
-    cache_dir: Path = Path("~/.cache/omni-mesh").expanduser()
+    cache_dir: Path = field(default_factory=lambda: Path("~/.cache/omni-mesh").expanduser())
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
 
