@@ -1,0 +1,70 @@
+"""A stage service as a child process: started, its port learnt, stopped cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+
+class StageProcess:
+    """``python -m services.stage serve --config FILE --port 0`` as an owned child."""
+
+    def __init__(self, config: Path, *, host: str = "127.0.0.1", log: IO[bytes] | None = None):
+        self.config = config
+        self.host = host
+        self._log = log
+        self._proc: asyncio.subprocess.Process | None = None
+        self.address = ""
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid if self._proc else 0
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode if self._proc else None
+
+    async def start(self, timeout_s: float = 60.0) -> str:
+        """Spawn the stage and return its address once it has bound its port."""
+        cmd = [sys.executable, "-m", "services.stage", "serve", "--config", str(self.config)]
+        cmd += ["--host", self.host, "--port", "0"]
+        self._proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=self._log if self._log is not None else None,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        assert self._proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)
+        except TimeoutError:
+            await self.stop(0)
+            raise RuntimeError(
+                f"stage {self.config} did not bind within {timeout_s:.0f}s"
+            ) from None
+        text = line.decode().strip()
+        if not text.startswith("listening "):
+            code = await self._proc.wait()
+            raise RuntimeError(f"stage {self.config} exited with {code} before binding")
+        self.address = text.removeprefix("listening ")
+        return self.address
+
+    async def stop(self, grace_s: float = 10.0) -> int:
+        """SIGTERM, wait up to grace (+ margin), then SIGKILL. Returns the exit code."""
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return proc.returncode if proc else 0
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(proc.wait(), grace_s + 5.0)
+        except TimeoutError:
+            logger.warning("stage %s ignored SIGTERM; killing pid %d", self.config, proc.pid)
+            proc.kill()
+            return await proc.wait()

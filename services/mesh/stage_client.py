@@ -1,0 +1,83 @@
+"""An asyncio client for one Stage service, for the orchestrator, tools and tests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+
+from services.mesh.errors import InitFailed
+from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+
+
+class StageClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = stage_pb2_grpc.StageStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> StageClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def init_events(self) -> AsyncIterator[stage_pb2.InitEvent]:
+        return self.stub.InitStatus(stage_pb2.InitStatusRequest())
+
+    async def wait_ready(self, timeout_s: float | None = None) -> list[stage_pb2.InitEvent]:
+        """Follow InitStatus to READY; raises InitFailed with the stage's reason."""
+
+        async def follow() -> list[stage_pb2.InitEvent]:
+            seen: list[stage_pb2.InitEvent] = []
+            async for event in self.init_events():
+                seen.append(event)
+                if event.phase == stage_pb2.FAILED:
+                    raise InitFailed(f"stage {event.stage} failed: {event.reason}")
+                if event.phase == stage_pb2.READY:
+                    return seen
+            raise InitFailed(f"stage at {self.address} ended InitStatus before READY")
+
+        return await asyncio.wait_for(follow(), timeout_s)
+
+    async def describe(self) -> stage_pb2.StageDescription:
+        return await self.stub.Describe(stage_pb2.DescribeRequest())
+
+    async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
+        return await self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+
+    def open_stream(self) -> grpc.aio.StreamStreamCall:
+        """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate."""
+        return self.stub.Generate()
+
+    async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:
+        """One request on its own stream; yields its events through the final one."""
+        if not submit.is_last:
+            submit.is_last = True
+        call = self.open_stream()
+        try:
+            await call.write(stage_pb2.StageInput(submit=submit))
+            await call.done_writing()
+            async for output in call:
+                yield output
+        finally:
+            call.cancel()
+
+
+def chat_submit(request_id: str, prompt: str, **params: object) -> stage_pb2.Submit:
+    """A one-message chat request with the given GenerationParams fields."""
+    return stage_pb2.Submit(
+        request_id=request_id,
+        inputs=stage_pb2.StageInputs(messages=[stage_pb2.ChatMessage(role="user", content=prompt)]),
+        params=stage_pb2.GenerationParams(**params),  # type: ignore[arg-type]
+        is_last=True,
+    )

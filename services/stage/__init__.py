@@ -1,0 +1,1 @@
+"""The stage service: gRPC server, init-phase bus, model fetch, segmenter, intake."""

@@ -1,0 +1,155 @@
+"""The stage file (YAML), validated once into frozen models.
+
+Every error names the file, the key path inside it and what was expected, e.g.
+``chat.yaml: runtime.max_batch_size: Input should be greater than or equal to 1 (got 0)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from services.engines.base import EngineSettings, SamplingParams
+from services.engines.registry import ENGINES
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Defaults(_Frozen):
+    """Stage-wide defaults for GenerationParams a request leaves unset."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0)
+    stop: tuple[str, ...] = ()
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = None
+    height: int | None = Field(None, ge=8)
+    width: int | None = Field(None, ge=8)
+    preview_every: int | None = Field(None, ge=0)
+
+
+class Runtime(_Frozen):
+    device: str = "cpu"
+    # "auto": lock CUDA devices only; stages on a CPU do not share a memory budget.
+    device_lock: Literal["auto", True, False] = "auto"
+    lock_dir: Path | None = None
+    max_batch_size: int = Field(1, ge=1, le=4096)
+    max_queue_size: int = Field(64, ge=0, le=1_000_000)
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_message_bytes: int = Field(64 << 20, ge=1024)
+    stage_init_timeout_s: float = Field(600.0, gt=0)
+    download_stall_timeout_s: float = Field(60.0, gt=0)
+    memory_ratio: float = Field(0.88, gt=0, le=1)
+    page_size: int = Field(16, ge=1)
+    drain_grace_s: float = Field(10.0, ge=0)
+    output_queue_size: int = Field(256, ge=1)
+
+    @property
+    def uses_device_lock(self) -> bool:
+        if self.device_lock == "auto":
+            return self.device.startswith("cuda")
+        return self.device_lock
+
+
+class Segmenting(_Frozen):
+    max_segment_tokens: int = Field(16, ge=1)
+    min_flush_interval_ms: float = Field(50.0, ge=0)
+
+
+class StageConfig(_Frozen):
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    engine: str
+    model: str = Field(min_length=1)
+    load_format: Literal["auto", "dummy"] = "auto"
+    dtype: str | None = None
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    defaults: Defaults = Defaults()
+    runtime: Runtime = Runtime()
+    segmenting: Segmenting = Segmenting()
+    cache_dir: Path | None = None
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine not in ENGINES:
+            raise ValueError(f"expected one of {', '.join(sorted(ENGINES))}")
+        return engine
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return self.cache_dir.expanduser()
+        env = os.environ.get("OMNI_CACHE_DIR")
+        return Path(env).expanduser() if env else Path("~/.cache/omni-mesh").expanduser()
+
+    def engine_settings(self) -> EngineSettings:
+        return EngineSettings(
+            device=self.runtime.device,
+            dtype=self.dtype,
+            load_format=self.load_format,
+            max_prompt_tokens=self.runtime.max_prompt_tokens,
+            cache_dir=self.resolved_cache_dir,
+            engine_args=dict(self.engine_args),
+        )
+
+    def apply_defaults(self, params: SamplingParams) -> SamplingParams:
+        """A request's params with the stage defaults filled in where unset."""
+        changes: dict[str, Any] = {}
+        for key, value in self.defaults.model_dump(exclude_defaults=True).items():
+            if key == "stop":
+                if not params.stop:
+                    changes["stop"] = tuple(value)
+            elif getattr(params, key) is None:
+                changes[key] = value
+        return replace(params, **changes) if changes else params
+
+
+class ConfigError(Exception):
+    """A stage file that cannot be used; the message is meant for a person."""
+
+
+def _describe(error: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in error["loc"]) or "(top level)"
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif error["type"] == "value_error":
+        message = message.removeprefix("Value error, ")
+    got = "" if error["type"] in {"missing", "extra_forbidden"} else f" (got {error['input']!r})"
+    return f"{path}: {message}{got}"
+
+
+def parse_stage_config(data: Any, source: str = "<stage config>") -> StageConfig:
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        raise ConfigError(f"{source}: expected a mapping of stage settings, got {kind}")
+    try:
+        return StageConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {_describe(e)}" for e in exc.errors()]  # type: ignore[arg-type]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_stage_config(path: str | Path) -> StageConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the stage file ({exc.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    return parse_stage_config(data, str(path))

@@ -1,0 +1,164 @@
+"""proto <-> domain for the Stage service. Validation of the wire shape lives
+here; engine-specific checks (prompt length, ranges) live in the engines."""
+
+from __future__ import annotations
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
+
+from services.engines.base import EngineRequest, SamplingParams
+from services.mesh import tensors as codec
+from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted
+from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
+
+MAX_REQUEST_ID = 256
+_SCALAR_PARAMS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "return_hidden_states",
+    "num_inference_steps",
+    "guidance_scale",
+    "height",
+    "width",
+    "preview_every",
+    "return_png",
+)
+
+
+def check_request_id(request_id: str, field: str) -> None:
+    if not request_id:
+        raise InvalidArgument(f"{field}: must not be empty", field=field)
+    if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
+        raise InvalidArgument(
+            f"{field}: expected at most {MAX_REQUEST_ID} printable characters", field=field
+        )
+
+
+def check_size(submit: stage_pb2.Submit, limit: int) -> None:
+    size = submit.ByteSize()
+    if size > limit:
+        raise ResourceExhausted(
+            f"submit: message is {size} bytes, the stage accepts at most {limit} "
+            "(runtime.max_message_bytes)",
+            field="submit",
+        )
+
+
+def _refuse_unknown_fields(msg: Message, field: str) -> None:
+    # A client built from a newer contract may set fields this stage does not
+    # know; silently ignoring a parameter would change results without a word.
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        numbers = sorted({f.field_number for f in unknown})
+        raise InvalidArgument(f"{field}: unknown field number(s) {numbers}", field=field)
+
+
+def sampling_params(params: stage_pb2.GenerationParams, supported: frozenset[str], engine: str):
+    """GenerationParams -> SamplingParams, refusing anything the engine does not honour."""
+    _refuse_unknown_fields(params, "params")
+    values: dict[str, object] = {}
+    for name in _SCALAR_PARAMS:
+        if params.HasField(name):
+            values[name] = getattr(params, name)
+    if params.stop:
+        values["stop"] = tuple(params.stop)
+    extra = json_format.MessageToDict(params.extra) if params.HasField("extra") else {}
+    asked = [*values, *(f"extra.{key}" for key in extra)]
+    refused = [name for name in asked if name not in supported]
+    if refused:
+        field = f"params.{refused[0]}"
+        raise InvalidArgument(
+            f"{field}: not supported by the {engine} engine "
+            f"(supported: {', '.join(sorted(supported))})",
+            field=field,
+        )
+    return SamplingParams(**values, extra=extra)  # type: ignore[arg-type]
+
+
+def engine_request(
+    submit: stage_pb2.Submit, supported: frozenset[str], engine: str
+) -> EngineRequest:
+    _refuse_unknown_fields(submit, "submit")
+    inputs = submit.inputs
+    tensors = {}
+    for index, tensor in enumerate(inputs.tensors):
+        field = f"inputs.tensors[{index}]"
+        if not tensor.name:
+            raise InvalidArgument(f"{field}.name: must not be empty", field=f"{field}.name")
+        if tensor.name in tensors:
+            raise InvalidArgument(
+                f"{field}.name: duplicate tensor name {tensor.name!r}", field=f"{field}.name"
+            )
+        tensors[tensor.name] = codec.from_proto(tensor, field)
+    for index, message in enumerate(inputs.messages):
+        if not message.role:
+            field = f"inputs.messages[{index}].role"
+            raise InvalidArgument(f"{field}: must not be empty", field=field)
+    return EngineRequest(
+        request_id=submit.request_id,
+        text=inputs.text or None,
+        messages=tuple((m.role, m.content) for m in inputs.messages),
+        token_ids=tuple(inputs.token_ids),
+        tensors=tensors,
+        params=sampling_params(submit.params, supported, engine),
+    )
+
+
+def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
+    return stage_pb2.StageOutput(
+        error=stage_pb2.Error(
+            request_id=request_id,
+            code=error.code.value[0],
+            code_name=error.code.name,
+            message=error.message,
+            field=error.field,
+        )
+    )
+
+
+def to_output(event: StageEvent) -> stage_pb2.StageOutput:
+    if isinstance(event, SegmentOut):
+        seg = event.segment
+        return stage_pb2.StageOutput(
+            segment=stage_pb2.Segment(
+                request_id=event.request_id,
+                sequence=seg.sequence,
+                is_last=seg.is_last,
+                token_ids=seg.token_ids,
+                text_delta=seg.text,
+                tensors=[codec.to_proto(t, name) for name, t in seg.tensors.items()],
+                blobs=[
+                    tensor_pb2.Blob(name=b.name, media_type=b.media_type, data=b.data)
+                    for b in seg.blobs
+                ],
+            )
+        )
+    if isinstance(event, ProgressOut):
+        p = event.progress
+        out = stage_pb2.Progress(
+            request_id=event.request_id, step=p.step, total_steps=p.total_steps
+        )
+        if p.preview is not None:
+            out.preview.CopyFrom(codec.to_proto(p.preview, "preview"))
+        return stage_pb2.StageOutput(progress=out)
+    if isinstance(event, CompletedOut):
+        return stage_pb2.StageOutput(
+            completed=stage_pb2.Completed(
+                request_id=event.request_id,
+                finish_reason=event.finish_reason,
+                usage=stage_pb2.Usage(
+                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
+                ),
+                timings=stage_pb2.Timings(
+                    queue_ms=event.queue_ms,
+                    time_to_first_ms=event.time_to_first_ms,
+                    total_ms=event.total_ms,
+                ),
+            )
+        )
+    return error_output(event.request_id, event.error)

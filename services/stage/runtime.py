@@ -1,0 +1,200 @@
+"""The stage's serving core, transport-agnostic: admits requests, drives the
+engine, segments its output and reports one final event per request.
+
+Every request ends in exactly one CompletedOut or ErrorOut; an error ends that
+request only, never the stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from services.engines.base import (
+    Engine,
+    EngineEvent,
+    EngineRequest,
+    FinishOutput,
+    ProgressOutput,
+    TensorOutput,
+    TokenOutput,
+)
+from services.mesh.errors import Cancelled, InvalidArgument, OmniError, Unavailable
+from services.stage.config import StageConfig
+from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
+from services.stage.intake import Intake
+from services.stage.segmenter import Segmenter
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[StageEvent], Awaitable[None]]
+
+
+@dataclass
+class _Running:
+    task: asyncio.Task[None]
+    cancel_reason: str = ""
+
+
+class StageRuntime:
+    def __init__(
+        self, config: StageConfig, engine: Engine, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self._clock = clock
+        self._intake = Intake(config.runtime.max_batch_size, config.runtime.max_queue_size)
+        self._requests: dict[str, _Running] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.ready = False
+        self.draining = False
+        self.not_ready_reason = "stage is starting"
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    def admit(self, request: EngineRequest, sink: Sink) -> None:
+        """Start ``request``; raises OmniError (nothing started) when it is refused."""
+        name = self.config.name
+        if self.draining:
+            raise Unavailable(f"stage {name} is draining")
+        if not self.ready:
+            raise Unavailable(f"stage {name} is not ready: {self.not_ready_reason}")
+        if request.request_id in self._requests:
+            raise InvalidArgument(
+                f"submit.request_id: {request.request_id!r} is already in flight on stage {name}",
+                field="submit.request_id",
+            )
+        request = EngineRequest(
+            request_id=request.request_id,
+            text=request.text,
+            messages=request.messages,
+            token_ids=request.token_ids,
+            tensors=request.tensors,
+            params=self.config.apply_defaults(request.params),
+        )
+        self.engine.check(request)
+        task = asyncio.create_task(self._run(request, sink), name=f"request-{request.request_id}")
+        self._requests[request.request_id] = _Running(task)
+        self._idle.clear()
+        task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
+
+    def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
+        running = self._requests.get(request_id)
+        if running is None:
+            return False
+        running.cancel_reason = reason
+        running.task.cancel()
+        return True
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        if not self._requests:
+            self._idle.set()
+
+    async def drain(self, grace_s: float) -> bool:
+        """Refuse new work and wait up to ``grace_s`` for in-flight requests;
+        cancel what is left. True when everything finished in time."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+            return True
+        except TimeoutError:
+            for request_id in list(self._requests):
+                self.cancel(request_id, "stage shut down before the request finished")
+            await self._idle.wait()
+            return False
+
+    async def _run(self, request: EngineRequest, sink: Sink) -> None:
+        rid = request.request_id
+        submitted = self._clock()
+        try:
+            async with self._intake.slot(rid):
+                started = self._clock()
+                done = await self._generate(request, sink, submitted)
+            now = self._clock()
+            await sink(
+                CompletedOut(
+                    rid,
+                    done.finish.reason,
+                    done.finish.prompt_tokens,
+                    done.finish.completion_tokens,
+                    queue_ms=(started - submitted) * 1e3,
+                    time_to_first_ms=(done.first_at - submitted) * 1e3,
+                    total_ms=(now - submitted) * 1e3,
+                )
+            )
+        except asyncio.CancelledError:
+            running = self._requests.get(rid)
+            reason = running.cancel_reason if running else ""
+            if not reason:
+                raise  # the stream itself went away: nobody to tell
+            logger.info("stage %s request %s: %s", self.config.name, rid, reason)
+            await sink(ErrorOut(rid, Cancelled(f"request {rid}: {reason}")))
+        except OmniError as exc:
+            logger.info("stage %s request %s failed: %s", self.config.name, rid, exc.message)
+            await sink(ErrorOut(rid, exc))
+        except Exception as exc:
+            logger.exception("stage %s request %s: engine error", self.config.name, rid)
+            error = OmniError(f"request {rid}: internal error in the {self.config.engine} engine")
+            error.__cause__ = exc
+            await sink(ErrorOut(rid, error))
+
+    async def _generate(self, request: EngineRequest, sink: Sink, submitted: float) -> _Done:
+        cfg = self.config.segmenting
+        segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
+        rid = request.request_id
+        done = _Done(FinishOutput("done"), submitted)
+        events: AsyncIterator[EngineEvent] = self.engine.generate(request)
+        pending: asyncio.Future[EngineEvent] | None = None
+
+        async def flush(is_last: bool = False) -> None:
+            segment = segmenter.flush(is_last)
+            if segment is not None:
+                if segment.sequence == 0:
+                    done.first_at = self._clock()
+                await sink(SegmentOut(rid, segment))
+
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(anext(events))
+                finished, _ = await asyncio.wait({pending}, timeout=segmenter.due_in())
+                if not finished:
+                    await flush()  # min_flush_interval passed with tokens waiting
+                    continue
+                try:
+                    event = pending.result()
+                except StopAsyncIteration:
+                    break
+                finally:
+                    if pending.done():
+                        pending = None
+                if isinstance(event, TokenOutput):
+                    if segmenter.add(event):
+                        await flush()
+                elif isinstance(event, ProgressOutput):
+                    await flush()
+                    await sink(ProgressOut(rid, event))
+                elif isinstance(event, TensorOutput):
+                    segmenter.add_outputs(event)
+                elif isinstance(event, FinishOutput):
+                    done.finish = event
+            await flush(is_last=True)
+            return done
+        finally:
+            if pending is not None and not pending.done():
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Done:
+    finish: FinishOutput
+    first_at: float

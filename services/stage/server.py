@@ -1,0 +1,165 @@
+"""The Stage gRPC service: thin adapters from the wire to StageRuntime, plus
+health (readiness on omni.v1.Stage, liveness on "liveness") and reflection.
+
+``StageServer`` owns everything a running stage holds: the gRPC server, the
+engine, the init bus and the start-up task; ``start()``, ``wait()``, ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.engines.registry import engine_class
+from services.mesh.node import node_identity
+from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
+from services.stage.config import StageConfig
+from services.stage.init_bus import InitBus
+from services.stage.runtime import StageRuntime
+from services.stage.startup import start_up
+from services.stage.stream import GenerateStream
+
+logger = logging.getLogger(__name__)
+
+STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+LIVENESS_SERVICE = "liveness"
+SERVICE_NAMES = (STAGE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class StageServicer(stage_pb2_grpc.StageServicer):
+    def __init__(self, runtime: StageRuntime, bus: InitBus) -> None:
+        self._runtime = runtime
+        self._bus = bus
+
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[stage_pb2.StageInput],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[stage_pb2.StageOutput]:
+        stream = GenerateStream(self._runtime)
+        async for output in stream.run(request_iterator):
+            yield output
+
+    async def InitStatus(
+        self, request: stage_pb2.InitStatusRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[stage_pb2.InitEvent]:
+        async for event in self._bus.follow():
+            yield event
+
+    async def Describe(
+        self, request: stage_pb2.DescribeRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageDescription:
+        config = self._runtime.config
+        engine = self._runtime.engine
+        return stage_pb2.StageDescription(
+            name=config.name,
+            engine=config.engine,
+            model=config.model,
+            phase=self._bus.phase,  # type: ignore[arg-type]
+            max_batch_size=config.runtime.max_batch_size,
+            max_queue_size=config.runtime.max_queue_size,
+            supported_params=sorted(engine.supported_params),
+            output_tensors=list(engine.output_tensors),
+            node=node_identity(),
+            load_format=config.load_format,
+        )
+
+    async def Abort(
+        self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.AbortResponse:
+        response = stage_pb2.AbortResponse()
+        for request_id in request.request_ids:
+            if self._runtime.cancel(request_id, "aborted"):
+                response.aborted.append(request_id)
+            else:
+                response.not_found.append(request_id)
+        return response
+
+
+class StageServer:
+    def __init__(self, config: StageConfig) -> None:
+        self.config = config
+        self.engine = engine_class(config.engine)(config.engine_settings())
+        self.runtime = StageRuntime(config, self.engine)
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._bus: InitBus | None = None
+        self._startup: asyncio.Task[bool] | None = None
+        self.port = 0
+
+    @property
+    def bus(self) -> InitBus:
+        assert self._bus is not None, "start() first"
+        return self._bus
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind at once (health NOT_SERVING), then bring the engine up in the background."""
+        self._bus = InitBus(self.config.name, asyncio.get_running_loop())
+        limit = self.config.runtime.max_message_bytes
+        # The transport admits twice the stage's own limit so that a message a
+        # little too large gets a per-request RESOURCE_EXHAUSTED on a stream
+        # that goes on, rather than the whole stream being torn down.
+        transport_limit = 2 * limit + (1 << 20)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", transport_limit),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self.runtime, self._bus), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(SERVICE_NAMES, server)
+        self.port = server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        await self._set_health(ready=False, alive=True)
+        await server.start()
+        self._server = server
+        logger.info("stage %s listening on %s:%d", self.config.name, host, self.port)
+        self._startup = asyncio.create_task(self._bring_up(), name="stage-startup")
+        return self.port
+
+    async def _bring_up(self) -> bool:
+        ok = await start_up(self.config, self.engine, self.bus)
+        if ok:
+            self.runtime.ready = True
+            await self._set_health(ready=True, alive=True)
+        else:
+            self.runtime.not_ready_reason = "start-up failed (see InitStatus)"
+            await self._set_health(ready=False, alive=False)
+        return ok
+
+    async def _set_health(self, *, ready: bool, alive: bool) -> None:
+        await self._health.set("", SERVING if ready else NOT_SERVING)
+        await self._health.set(STAGE_SERVICE, SERVING if ready else NOT_SERVING)
+        await self._health.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
+
+    async def wait_ready(self) -> bool:
+        assert self._startup is not None, "start() first"
+        return await asyncio.shield(self._startup)
+
+    async def wait(self) -> None:
+        assert self._server is not None, "start() first"
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float | None = None) -> bool:
+        """Drain: refuse new requests, let in-flight ones finish within the grace
+        period, then close. True when nothing had to be cut off."""
+        grace = self.config.runtime.drain_grace_s if grace_s is None else grace_s
+        if self._startup is not None and not self._startup.done():
+            self._startup.cancel()
+            await asyncio.gather(self._startup, return_exceptions=True)
+        await self._set_health(ready=False, alive=True)
+        drained = await self.runtime.drain(grace)
+        if self._server is not None:
+            await self._server.stop(1.0)
+        await asyncio.to_thread(self.engine.close)
+        return drained

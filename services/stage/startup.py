@@ -1,0 +1,135 @@
+"""Start-up, in the order of DESIGN.md §3, every step published on the init bus:
+device lock -> model fetch -> load -> memory plan -> warm-up -> READY (or FAILED)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from services.engines.base import Engine
+from services.mesh.errors import OmniError
+from services.mesh.pb.omni.v1 import stage_pb2
+from services.stage.config import StageConfig
+from services.stage.device_lock import DeviceLock
+from services.stage.fetch import FetchResult, fetch_model
+from services.stage.init_bus import InitBus
+from services.stage.memory import free_device_memory, plan_memory
+
+logger = logging.getLogger(__name__)
+
+
+class BusDownloadHook:
+    """Turns fetch callbacks (from a worker thread) into DOWNLOAD_* events."""
+
+    def __init__(self, bus: InitBus) -> None:
+        self._bus = bus
+
+    def start(self, source: str, bytes_total: int | None) -> None:
+        self._bus.publish(
+            stage_pb2.DOWNLOAD_START,
+            source=source,
+            bytes_total=bytes_total or 0,
+            message=f"fetching {source}",
+        )
+
+    def progress(self, bytes_done: int, bytes_total: int | None) -> None:
+        self._bus.publish(
+            stage_pb2.DOWNLOAD_PROGRESS, bytes_done=bytes_done, bytes_total=bytes_total or 0
+        )
+
+    def done(self, result: FetchResult, duration_s: float) -> None:
+        self._bus.publish(
+            stage_pb2.DOWNLOAD_DONE,
+            source=result.source,
+            bytes_done=result.nbytes,
+            bytes_total=result.nbytes,
+            cache_hit=result.cache_hit,
+            duration_ms=duration_s * 1e3,
+            message="cache hit" if result.cache_hit else f"fetched {result.nbytes} bytes",
+        )
+
+
+def _failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, OmniError):
+        return exc.message
+    # Operators read this on InitStatus; the type and text of a load error are
+    # what they need to act on it (the traceback goes to the log).
+    return f"{type(exc).__name__}: {exc}"[:1000]
+
+
+async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
+    """Bring the engine up. True on READY; False after publishing FAILED."""
+    began = time.monotonic()
+    runtime = config.runtime
+    bus.publish(
+        stage_pb2.STARTING,
+        message=f"engine {config.engine}, model {config.model}, load_format {config.load_format}",
+    )
+    lock: DeviceLock | None = None
+    try:
+        if runtime.uses_device_lock:
+            lock = DeviceLock(runtime.device, owner=config.name, lock_dir=runtime.lock_dir)
+
+            def on_wait(holder: str) -> None:
+                bus.publish(
+                    stage_pb2.DEVICE_LOCK_WAIT,
+                    device=runtime.device,
+                    holder=holder,
+                    message=f"waiting for device {runtime.device}, held by {holder}",
+                )
+
+            waited = await lock.acquire(runtime.stage_init_timeout_s, on_wait=on_wait)
+            bus.publish(
+                stage_pb2.DEVICE_LOCK_ACQUIRED, device=runtime.device, duration_ms=waited * 1e3
+            )
+        fetched = await asyncio.to_thread(
+            fetch_model,
+            config.model,
+            config.resolved_cache_dir,
+            BusDownloadHook(bus),
+            stall_timeout_s=runtime.download_stall_timeout_s,
+        )
+        bus.publish(stage_pb2.LOAD_START, message=f"loading {fetched.path.name}")
+        free_before = free_device_memory(runtime.device)
+        t0 = time.monotonic()
+        info = await asyncio.to_thread(engine.load, fetched.path)
+        bus.publish(
+            stage_pb2.LOAD_DONE, duration_ms=(time.monotonic() - t0) * 1e3, message=info.description
+        )
+        plan = plan_memory(
+            free_before, runtime.memory_ratio, info.model_bytes, info.kv, runtime.page_size
+        )
+        bus.publish(
+            stage_pb2.MEMORY_PLANNED,
+            memory=stage_pb2.MemoryPlan(
+                free_before_bytes=plan.free_before_bytes,
+                memory_ratio=plan.memory_ratio,
+                model_bytes=plan.model_bytes,
+                bytes_per_page=plan.bytes_per_page,
+                cache_pages=plan.cache_pages,
+                cache_budget_bytes=plan.cache_budget_bytes,
+                page_size=plan.page_size,
+            ),
+            message=f"model {plan.model_bytes} bytes, {plan.cache_pages} KV pages",
+        )
+        t0 = time.monotonic()
+        bus.publish(stage_pb2.WARMUP, message="first forward")
+        await asyncio.to_thread(engine.warmup)
+        bus.publish(
+            stage_pb2.READY,
+            duration_ms=(time.monotonic() - began) * 1e3,
+            message=f"warm-up took {(time.monotonic() - t0) * 1e3:.0f} ms",
+        )
+        return True
+    except asyncio.CancelledError:
+        bus.publish(stage_pb2.FAILED, reason="start-up cancelled (the stage is shutting down)")
+        raise
+    except Exception as exc:
+        if not isinstance(exc, OmniError):
+            logger.exception("stage %s: start-up failed", config.name)
+        bus.publish(stage_pb2.FAILED, reason=_failure_reason(exc))
+        return False
+    finally:
+        if lock is not None:
+            lock.release()

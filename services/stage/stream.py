@@ -1,0 +1,110 @@
+"""One Generate stream: Submits and Cancels in, every request's events out.
+
+Several requests share a stream; an error ends one request, never the stream.
+The stream ends when the client has half-closed and every request it started
+has reported its final event. Outputs go through a bounded queue, so a client
+that stops reading holds its requests' producers (and HTTP/2 flow control
+holds the client's writes in turn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from services.mesh.errors import Cancelled, InvalidArgument, OmniError
+from services.mesh.pb.omni.v1 import stage_pb2
+from services.stage import convert
+from services.stage.events import CompletedOut, ErrorOut, StageEvent
+from services.stage.runtime import StageRuntime
+from services.stage.windows import InputAssembler
+
+logger = logging.getLogger(__name__)
+
+_END = object()
+
+
+class GenerateStream:
+    def __init__(self, runtime: StageRuntime) -> None:
+        self._runtime = runtime
+        self._out: asyncio.Queue[object] = asyncio.Queue(runtime.config.runtime.output_queue_size)
+        self._mine: set[str] = set()
+        self._assembler = InputAssembler()
+        self._reading = True
+        self._ended = False
+
+    async def run(
+        self, inputs: AsyncIterator[stage_pb2.StageInput]
+    ) -> AsyncIterator[stage_pb2.StageOutput]:
+        reader = asyncio.create_task(self._read(inputs), name="generate-reader")
+        try:
+            while True:
+                item = await self._out.get()
+                if item is _END:
+                    break
+                assert isinstance(item, stage_pb2.StageOutput)
+                yield item
+            await reader
+        finally:
+            # Client gone (or stream done): nothing it started may keep running.
+            reader.cancel()
+            for request_id in list(self._mine):
+                self._runtime.cancel(request_id, "")
+            await asyncio.gather(reader, return_exceptions=True)
+
+    async def _read(self, inputs: AsyncIterator[stage_pb2.StageInput]) -> None:
+        try:
+            async for message in inputs:
+                kind = message.WhichOneof("kind")
+                if kind == "submit":
+                    await self._submit(message.submit)
+                elif kind == "cancel":
+                    request_id = message.cancel.request_id
+                    if request_id in self._mine:
+                        self._runtime.cancel(request_id)
+                    elif self._assembler.discard(request_id):
+                        await self._emit(ErrorOut(request_id, _cancelled(request_id)))
+                else:
+                    await self._reject("", InvalidArgument("input: expected submit or cancel"))
+        finally:
+            self._reading = False
+            await self._maybe_end()
+
+    async def _submit(self, submit: stage_pb2.Submit) -> None:
+        runtime = self._runtime
+        request_id = submit.request_id
+        try:
+            convert.check_request_id(request_id, "submit.request_id")
+            convert.check_size(submit, runtime.config.runtime.max_message_bytes)
+            whole = self._assembler.add(submit, in_flight=request_id in self._mine)
+            if whole is None:
+                return  # more windows of this request's input are coming
+            request = convert.engine_request(
+                whole, runtime.engine.supported_params, runtime.config.engine
+            )
+            runtime.admit(request, self._emit)
+            self._mine.add(request_id)
+        except OmniError as exc:
+            await self._reject(request_id, exc)
+
+    async def _reject(self, request_id: str, error: OmniError) -> None:
+        stage = self._runtime.config.name
+        logger.info("stage %s: refused request %r: %s", stage, request_id, error.message)
+        await self._out.put(convert.error_output(request_id, error))
+
+    async def _emit(self, event: StageEvent) -> None:
+        await self._out.put(convert.to_output(event))
+        if isinstance(event, CompletedOut | ErrorOut):
+            self._mine.discard(event.request_id)
+            await self._maybe_end()
+
+    async def _maybe_end(self) -> None:
+        if self._ended or self._reading or self._mine:
+            return
+        self._ended = True
+        await self._out.put(_END)
+
+
+def _cancelled(request_id: str) -> OmniError:
+    return Cancelled(f"request {request_id}: cancelled by the client")

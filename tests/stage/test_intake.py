@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.mesh.errors import ResourceExhausted
+from services.stage.intake import Intake
+
+
+async def test_runs_up_to_max_active_then_queues_then_refuses() -> None:
+    intake = Intake(max_active=1, max_queued=1)
+    release = asyncio.Event()
+    order: list[str] = []
+
+    async def job(name: str) -> None:
+        async with intake.slot(name):
+            order.append(name)
+            await release.wait()
+
+    first = asyncio.create_task(job("a"))
+    second = asyncio.create_task(job("b"))
+    await asyncio.sleep(0.01)
+    assert (intake.active, intake.queued) == (1, 1)
+    with pytest.raises(ResourceExhausted) as refused:
+        async with intake.slot("c"):
+            pass
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_queue_size 1" in refused.value.message
+    release.set()
+    await asyncio.gather(first, second)
+    assert order == ["a", "b"]
+    assert (intake.active, intake.queued) == (0, 0)
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    intake = Intake(max_active=1, max_queued=4)
+    hold = asyncio.Event()
+
+    async def job() -> None:
+        async with intake.slot("x"):
+            await hold.wait()
+
+    running = asyncio.create_task(job())
+    waiting = asyncio.create_task(job())
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert intake.queued == 0
+    hold.set()
+    await running
+    assert intake.active == 0
