@@ -1,0 +1,91 @@
+"""What a fetch reports: the result, the download hook, and a rate-limited progress feed."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class FetchResult:
+    """Where the model now lies on local disk.
+
+    ``source`` is the source as given, with any URL credentials and query string
+    removed (presigned URLs carry secrets that must not reach logs or InitStatus).
+    """
+
+    path: Path
+    nbytes: int
+    cache_hit: bool
+    source: str
+
+
+class DownloadHook(Protocol):
+    """Receives DOWNLOAD_START / PROGRESS / DONE; called from the fetching thread."""
+
+    def start(self, source: str, bytes_total: int | None) -> None: ...
+
+    def progress(self, bytes_done: int, bytes_total: int | None) -> None: ...
+
+    def done(self, result: FetchResult, duration_s: float) -> None: ...
+
+
+class ProgressFeed:
+    """Forwards byte progress to a hook at most once every ``interval_s``.
+
+    Thread-safe: huggingface_hub reports from several download threads at once.
+    """
+
+    def __init__(
+        self,
+        hook: DownloadHook,
+        interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._hook = hook
+        self._interval_s = interval_s
+        self._clock = clock
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def update(self, bytes_done: int, bytes_total: int | None) -> None:
+        with self._lock:
+            now = self._clock()
+            if now - self._last < self._interval_s:
+                return
+            self._last = now
+        self._hook.progress(bytes_done, bytes_total)
+
+
+def path_size(path: Path) -> int:
+    """Bytes of a file, or of every file below a folder (symlinked files followed,
+    as in a huggingface_hub snapshot whose files point into ``blobs/``)."""
+    if not path.is_dir():
+        return path.stat().st_size
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except OSError:  # a dangling link counts for nothing rather than failing the fetch
+                continue
+    return total
+
+
+def format_bytes(n: int | None) -> str:
+    """Decimal units, as download tools show them: "1.2 MB"."""
+    if n is None:
+        return "an unknown size"
+    if n < 1000:
+        return f"{n} B"
+    size = n / 1000
+    for unit in ("KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"

@@ -1,0 +1,110 @@
+"""The device lock against a real second process holding it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.mesh.errors import InitFailed
+from services.stage.device_lock import DeviceLock, lock_file_name
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+HOLDER = """
+import asyncio, sys, time
+from pathlib import Path
+from services.stage.device_lock import DeviceLock
+
+lock = DeviceLock(sys.argv[1], "thinker", Path(sys.argv[2]))
+asyncio.run(lock.acquire(timeout_s=10))
+print("HELD", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
+    """Another process that holds the "cuda:0" lock until killed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "cuda:0", str(tmp_path)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "HELD", proc.stderr.read() if proc.stderr else line
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+async def test_timeout_names_the_holder_then_kill_frees_the_lock(
+    holder: subprocess.Popen[str], tmp_path: Path
+) -> None:
+    lock = DeviceLock("cuda:0", "talker", tmp_path)
+    seen: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(InitFailed) as info:
+        await lock.acquire(timeout_s=0.3, on_wait=seen.append, poll_s=0.02)
+    assert 0.3 <= time.monotonic() - started < 2.0
+    message = str(info.value)
+    assert message.startswith("device cuda:0: lock held by stage 'thinker'")
+    assert f"(pid {holder.pid}, since " in message
+    assert message.endswith("gave up after 0.3s (stage_init_timeout)")
+    assert len(seen) == 1 and seen[0].startswith(f"stage 'thinker' (pid {holder.pid}, since 20")
+    assert not lock.held
+
+    holder.kill()  # no release: the kernel drops the lock with the process
+    holder.wait(timeout=10)
+    waited = await lock.acquire(timeout_s=2.0, on_wait=seen.append)
+    assert waited < 0.2 and len(seen) == 1
+    assert lock.holder().startswith(f"stage 'talker' (pid {os.getpid()}, since ")
+    lock.release()
+    lock.release()  # safe twice
+    assert lock.holder() == "an unknown holder"
+
+
+async def test_acquirers_in_one_process_serialize(tmp_path: Path) -> None:
+    order: list[str] = []
+    waits: list[str] = []
+
+    async def stage(name: str) -> float:
+        lock = DeviceLock("cpu", name, tmp_path)
+        waited = await lock.acquire(timeout_s=5.0, on_wait=waits.append, poll_s=0.01)
+        order.append(f"{name} in")
+        await asyncio.sleep(0.15)
+        order.append(f"{name} out")
+        lock.release()
+        return waited
+
+    waited_a, waited_b = await asyncio.gather(stage("a"), stage("b"))
+    assert order in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
+    assert min(waited_a, waited_b) < 0.1 <= max(waited_a, waited_b)
+    assert len(waits) == 1 and waits[0].startswith("stage ")
+
+
+def test_lock_file_names_are_safe_and_distinct() -> None:
+    names = {lock_file_name(d) for d in ("cpu", "cuda:0", "cuda_0", "../etc", "GPU-3f2a-77")}
+    assert len(names) == 5
+    assert all("/" not in n and not n.startswith(".") for n in names)
+    assert lock_file_name("cuda:0").startswith("cuda_0-")
+
+
+def test_default_lock_dir_comes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMNI_LOCK_DIR", str(tmp_path))
+    assert DeviceLock("cpu", "x").path.parent == tmp_path
+    monkeypatch.delenv("OMNI_LOCK_DIR")
+    assert DeviceLock("cpu", "x").path.parent == Path("/tmp/omni-locks")
