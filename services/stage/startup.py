@@ -1,5 +1,11 @@
-"""Start-up, in the order of DESIGN.md §3, every step published on the init bus:
-device lock -> model fetch -> load -> memory plan -> warm-up -> READY (or FAILED)."""
+"""Start-up, every step published on the init bus:
+model fetch -> device lock -> load -> memory plan -> warm-up -> READY (or FAILED).
+
+The fetch comes before the device lock (DESIGN.md §3 lists it after): a download
+needs no device, and the lock wait is never paused by the watchdog, so a stage
+queued behind a neighbour that is still downloading would otherwise burn its
+init budget on someone else's download.
+"""
 
 from __future__ import annotations
 
@@ -68,6 +74,13 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     )
     lock: DeviceLock | None = None
     try:
+        fetched = await asyncio.to_thread(
+            fetch_model,
+            config.model,
+            config.resolved_cache_dir,
+            BusDownloadHook(bus),
+            stall_timeout_s=runtime.download_stall_timeout_s,
+        )
         if runtime.uses_device_lock:
             lock = DeviceLock(runtime.device, owner=config.name, lock_dir=runtime.lock_dir)
 
@@ -83,13 +96,6 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             bus.publish(
                 stage_pb2.DEVICE_LOCK_ACQUIRED, device=runtime.device, duration_ms=waited * 1e3
             )
-        fetched = await asyncio.to_thread(
-            fetch_model,
-            config.model,
-            config.resolved_cache_dir,
-            BusDownloadHook(bus),
-            stall_timeout_s=runtime.download_stall_timeout_s,
-        )
         bus.publish(stage_pb2.LOAD_START, message=f"loading {fetched.path.name}")
         free_before = free_device_memory(runtime.device)
         t0 = time.monotonic()
