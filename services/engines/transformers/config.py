@@ -1,0 +1,70 @@
+"""Engine arguments of the transformers engine, parsed and validated once."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from services.engines.base import EngineSettings
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request gets for a parameter it leaves unset."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+
+
+@dataclass(frozen=True)
+class TransformersArgs:
+    """``engine_args`` keys this engine honours; anything else is refused."""
+
+    dtype: torch.dtype
+    defaults: SamplingDefaults = SamplingDefaults()
+    # Applied to the model config before building it; only with load_format "dummy",
+    # so tests and benchmarks get a tiny model that still uses the real tokenizer.
+    config_overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings) -> TransformersArgs:
+        args = dict(settings.engine_args)
+        unknown = sorted(set(args) - {"dtype", "defaults", "config_overrides"})
+        if unknown:
+            raise ValueError(f"engine_args: unknown keys {unknown} for the transformers engine")
+        dtype_name = settings.dtype or args.get("dtype") or _default_dtype(settings.device)
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"dtype: {dtype_name!r} is not one of {sorted(_DTYPES)}")
+        defaults_raw = dict(args.get("defaults") or {})
+        try:
+            defaults = SamplingDefaults(**defaults_raw)
+        except TypeError as exc:
+            raise ValueError(f"engine_args.defaults: {exc}") from None
+        overrides = args.get("config_overrides") or {}
+        if not isinstance(overrides, Mapping):
+            raise ValueError("engine_args.config_overrides: expected a mapping")
+        if overrides and settings.load_format != "dummy":
+            # Overriding the shape of a real checkpoint could only fail at load time.
+            raise ValueError("engine_args.config_overrides needs load_format: dummy")
+        return cls(
+            dtype=_DTYPES[dtype_name],
+            defaults=defaults,
+            config_overrides=MappingProxyType(dict(overrides)),
+        )
+
+
+def _default_dtype(device: str) -> str:
+    # CPUs lack fast half-precision matmuls; GPUs all have bf16 now.
+    return "float32" if device == "cpu" else "bfloat16"

@@ -1,0 +1,142 @@
+"""Turning a model path into a model and a tokenizer.
+
+An HF folder is loaded as is. A ``.gguf`` file is dequantised once into a
+safetensors folder in the cache (about half a minute for SmolLM2-135M) and every
+later load reads that folder (under a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from services.engines.base import EngineSettings, KvGeometry, ModelInfo
+from services.engines.transformers.config import TransformersArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    info: ModelInfo
+
+
+def load_model(model_path: Path, settings: EngineSettings, args: TransformersArgs) -> LoadedModel:
+    folder = model_path
+    if model_path.is_file() and model_path.suffix == ".gguf":
+        folder = converted_folder(model_path, settings.cache_dir)
+    elif not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"{model_path}: neither an HF model folder nor a .gguf file")
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if settings.load_format == "dummy":
+        model = _dummy_model(folder, settings, args)
+    else:
+        # v5 builds on the meta device and fills the weights in place on the target
+        # device, so the weights are never held twice.
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=args.dtype, device_map=settings.device
+        )
+    model.eval()
+    info = model_info(model, description=f"{type(model).__name__} from {model_path.name}")
+    logger.info(
+        "loaded %s (%s, %s, %.1f MiB)",
+        model_path,
+        settings.load_format,
+        args.dtype,
+        info.model_bytes / 2**20,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def _dummy_model(folder: Path, settings: EngineSettings, args: TransformersArgs) -> PreTrainedModel:
+    config = AutoConfig.from_pretrained(folder)
+    for key, value in args.config_overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(
+                f"engine_args.config_overrides: {type(config).__name__} has no {key!r}"
+            )
+        setattr(config, key, value)
+    # Building under the device context allocates the random weights there directly.
+    with torch.device(settings.device):
+        return AutoModelForCausalLM.from_config(config, dtype=args.dtype)
+
+
+def model_info(model: PreTrainedModel, description: str = "") -> ModelInfo:
+    tensors = [*model.parameters(), *model.buffers()]
+    model_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv = KvGeometry(
+        layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        dtype_bytes=model.dtype.itemsize,
+    )
+    return ModelInfo(model_bytes=model_bytes, kv=kv, description=description)
+
+
+def converted_folder(gguf: Path, cache_dir: Path) -> Path:
+    """The safetensors folder for ``gguf``, converting it on first use.
+
+    The key changes whenever the file does (path, size, mtime), so a replaced file
+    is converted again. Stages racing on the same file each convert into a private
+    temp folder and rename it into place; the loser keeps the winner's folder.
+    """
+    real = gguf.resolve()
+    stat = real.stat()
+    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_dir / "converted" / f"{digest[:16]}-{real.stem}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared
+    try:
+        logger.info("converting %s into %s (once per file)", real, target)
+        _convert(real, tmp)
+        for path in tmp.iterdir():
+            path.chmod(0o644)  # safetensors writes owner-only files
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            logger.info("%s was converted concurrently; using that copy", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses gguf-quantised models; save_model writes the dequantised
+    # weights and drops tied duplicates itself.
+    safetensors.torch.save_model(model, str(out / "model.safetensors"))
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the saved weights are plain floats
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    generation = model.generation_config or GenerationConfig.from_model_config(config)
+    generation.save_pretrained(out)

