@@ -1,0 +1,42 @@
+"""The `omni` command as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers.stage import tiny_config, write_config
+
+# The console script next to this interpreter: the one `pip install -e .` made.
+OMNI = str(Path(sys.executable).parent / "omni")
+
+
+def test_stage_run_starts_a_stage_answers_and_stops(
+    tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
+) -> None:
+    config = write_config(tmp_path / "tiny.yaml", tiny_config("tiny", omni_cache_dir))
+    done = subprocess.run(
+        [OMNI, "stage", "run", "--config", str(config), "--max-tokens", "5", "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[tiny] READY" in done.stderr
+    assert len(done.stdout) > 1  # random weights: five tokens of something, then a newline
+
+
+def test_stage_run_reports_a_failed_stage(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path / "missing.yaml",
+        {"name": "gone", "engine": "transformers", "model": str(tmp_path / "no-such-model")},
+    )
+    done = subprocess.run(
+        [OMNI, "stage", "run", "--config", str(config), "Hello"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert "[gone] FAILED" in done.stderr and "no-such-model" in done.stderr
