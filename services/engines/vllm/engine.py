@@ -1,0 +1,184 @@
+"""``VllmEngine``: the GPU production engine, a thin adapter over vLLM v1's ``AsyncLLM``.
+
+vLLM is imported inside ``load`` only: it lives in the GPU image alone, and a CPU
+stage must be able to import this module (the registry does) without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from services.engines.base import (
+    EngineEvent,
+    EngineRequest,
+    EngineSettings,
+    FinishOutput,
+    ModelInfo,
+    TokenOutput,
+)
+from services.engines.vllm import intake
+from services.engines.vllm.config import VllmArgs
+from services.engines.vllm.sizing import kv_geometry, model_bytes
+from services.mesh.errors import FailedPrecondition, InitFailed, InvalidArgument, Unavailable
+
+logger = logging.getLogger(__name__)
+
+INSTALL_HINT = "the vllm engine needs the GPU image: pip install 'omni-mesh[gpu]'"
+
+# Queue markers from abort() and from the pump when vLLM's stream simply ends.
+_ABORTED = object()
+_ENDED = object()
+
+
+class VllmEngine:
+    name: ClassVar[str] = "vllm"
+    supported_params: ClassVar[frozenset[str]] = frozenset(
+        {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
+    )
+    output_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self._settings = settings
+        self._args = VllmArgs.from_settings(settings)
+        self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._limits: intake.Limits | None = None
+        self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
+        self._streams: dict[str, asyncio.Queue[Any]] = {}  # by request id, for abort
+
+    def load(self, model_path: Path) -> ModelInfo:
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+            from vllm.v1.engine.exceptions import EngineDeadError
+        except ImportError as exc:
+            raise InitFailed(INSTALL_HINT) from exc
+        if not self._settings.device.startswith("cuda"):
+            raise InitFailed(f"the vllm engine runs on cuda devices, not {self._settings.device}")
+        kwargs = self._args.async_engine_kwargs(self._settings, model_path)
+        try:
+            engine_args = AsyncEngineArgs(**kwargs)
+        except TypeError as exc:  # a key vLLM does not know
+            raise InitFailed(f"engine_args: {exc}", field="engine_args") from exc
+        try:
+            llm = AsyncLLM.from_engine_args(engine_args)
+        except Exception as exc:
+            logger.exception("vLLM failed to start for %s", model_path)
+            raise InitFailed(
+                f"vLLM failed to start ({type(exc).__name__}; see the stage log)"
+            ) from exc
+        self._llm, self._engine_dead = llm, EngineDeadError
+        vllm_config = llm.vllm_config
+        model_config = vllm_config.model_config
+        tokenizer_path = kwargs.get("tokenizer") or model_path
+        self._tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        self._limits = intake.Limits(
+            max_prompt_tokens=self._settings.max_prompt_tokens,
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+            hidden_size=model_config.get_hidden_size(),
+            prompt_embeds_enabled=self._args.prompt_embeds_enabled,
+        )
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        size = model_bytes(model_config.hf_config, model_config.dtype, tp, Path(model_path))
+        cache = vllm_config.cache_config
+        description = (
+            f"vLLM {model_config.model} ({model_config.dtype}, tp={tp}): "
+            f"{cache.num_gpu_blocks} KV blocks of {cache.block_size} tokens"
+        )
+        logger.info("loaded %s", description)
+        return ModelInfo(model_bytes=size, kv=kv_geometry(vllm_config), description=description)
+
+    def warmup(self) -> None:
+        # AsyncLLM has already profiled memory and captured CUDA graphs while starting.
+        logger.info("vllm engine: warm-up happened while starting")
+
+    def check(self, request: EngineRequest) -> None:
+        self._plan(request)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+        plan = self._plan(request)
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        llm = self._llm
+        rid = request.request_id
+        sampling = SamplingParams(output_kind=RequestOutputKind.DELTA, **plan.sampling)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        if rid in self._streams:
+            logger.warning("vllm request %s: id already running; abort reaches the newest", rid)
+        self._streams[rid] = queue
+        pump = asyncio.create_task(_pump(llm.generate(plan.prompt, sampling, rid), queue))
+        prompt_tokens, completion, finished = plan.prompt_tokens, 0, False
+        try:
+            while not finished:
+                item = await queue.get()
+                if item is _ABORTED or item is _ENDED:
+                    # _ENDED: an older vLLM ends an aborted stream without a final output.
+                    finished = True
+                    yield FinishOutput("abort", prompt_tokens, completion)
+                    break
+                if isinstance(item, BaseException):
+                    raise self._translate(rid, item)
+                out = item.outputs[0]
+                if out.token_ids or out.text:
+                    completion += len(out.token_ids)
+                    yield TokenOutput(token_ids=tuple(out.token_ids), text=out.text)
+                if item.finished:
+                    finished = True
+                    reason = intake.finish_reason(out.finish_reason, out.stop_reason)
+                    yield FinishOutput(reason, prompt_tokens, completion)
+        finally:
+            # Normal end, error, aclose() and task cancellation alike.
+            if self._streams.get(rid) is queue:
+                del self._streams[rid]
+            if not pump.done():
+                # Cancelling the pump closes vLLM's generate(), which aborts the request.
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+
+    async def abort(self, request_id: str) -> None:
+        queue = self._streams.get(request_id)
+        if queue is None or self._llm is None:
+            return
+        logger.info("vllm request %s: abort", request_id)
+        queue.put_nowait(_ABORTED)
+        await self._llm.abort(request_id)
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    def _plan(self, request: EngineRequest) -> intake.Plan:
+        if self._llm is None or self._tokenizer is None or self._limits is None:
+            raise FailedPrecondition("the vllm engine is not loaded")
+        return intake.plan(request, self._tokenizer, self._limits, self._args.defaults)
+
+    def _translate(self, rid: str, exc: BaseException) -> BaseException:
+        """vLLM's errors in ours: a dead engine is fatal for the stage; a refused
+        request is the client's; anything else stays a bug (INTERNAL)."""
+        if isinstance(exc, self._engine_dead):
+            logger.error("vllm request %s: the vLLM engine died", rid)
+            return Unavailable("the vllm engine died; the stage must restart")
+        if isinstance(exc, ValueError):  # vLLM's input validation (VLLMValidationError)
+            logger.info("vllm request %s refused by vLLM: %s", rid, exc)
+            return InvalidArgument(f"vLLM refused the request: {exc}", field="inputs")
+        return exc
+
+
+async def _pump(stream: AsyncIterator[Any], queue: asyncio.Queue[Any]) -> None:
+    """Moves vLLM's outputs into ``queue`` so that ``abort`` can put a marker in the
+    same line, whatever the vLLM version does with an aborted stream."""
+    try:
+        async for output in stream:
+            queue.put_nowait(output)
+        queue.put_nowait(_ENDED)
+    except Exception as exc:
+        queue.put_nowait(exc)
