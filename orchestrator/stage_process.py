@@ -59,8 +59,10 @@ class StageProcess:
     async def stop(self, grace_s: float = 10.0) -> int:
         """SIGTERM, wait up to grace (+ margin), then SIGKILL. Returns the exit code."""
         proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return proc.returncode if proc else 0
+        if proc is None:
+            return 0
+        if proc.returncode is not None:
+            return proc.returncode
         proc.send_signal(signal.SIGTERM)
         try:
             return await asyncio.wait_for(proc.wait(), grace_s + 5.0)

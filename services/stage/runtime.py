@@ -8,6 +8,7 @@ request only, never the stage.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -82,7 +83,7 @@ class StageRuntime:
         task = asyncio.create_task(self._run(request, sink), name=f"request-{request.request_id}")
         self._requests[request.request_id] = _Running(task)
         self._idle.clear()
-        task.add_done_callback(lambda _t, rid=request.request_id: self._forget(rid))
+        task.add_done_callback(functools.partial(self._forget, request.request_id))
 
     def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
         running = self._requests.get(request_id)
@@ -92,7 +93,7 @@ class StageRuntime:
         running.task.cancel()
         return True
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str, _task: asyncio.Task[None] | None = None) -> None:
         self._requests.pop(request_id, None)
         if not self._requests:
             self._idle.set()
