@@ -127,7 +127,7 @@ async def compare(
     finally:
         await stage.stop()
         engine.close()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for side, runs in samples.items():
         tokens = sum(r[2] for r in runs)
         seconds = sum(r[1] for r in runs)

@@ -7,7 +7,7 @@ without gRPC.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol
@@ -92,7 +92,7 @@ class ProgressOutput:
 
 @dataclass(frozen=True)
 class FinishOutput:
-    reason: str  # "length", "stop", "eos", "done"
+    reason: str  # "length", "stop", "eos", "done", or "abort" after Engine.abort()
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -142,7 +142,7 @@ class Engine(Protocol):
         """Cheap validation at intake; raise ``InvalidArgument`` naming the field."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]: ...
+    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

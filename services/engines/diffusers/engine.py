@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import secrets
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar, cast
@@ -110,7 +110,7 @@ class DiffusersEngine:
         embed_dim = None if self._pipe is None else cross_attention_dim(self._pipe)
         check_request(request, self._args, embed_dim)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         self.check(request)
         job = self._job(request)
         loop = asyncio.get_running_loop()

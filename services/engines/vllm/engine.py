@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -102,7 +102,7 @@ class VllmEngine:
     def check(self, request: EngineRequest) -> None:
         self._plan(request)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineEvent]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         plan = self._plan(request)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
