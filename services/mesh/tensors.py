@@ -92,3 +92,27 @@ def from_proto(msg: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
     # bytearray gives torch a writable buffer it may own; protobuf's bytes are immutable.
     flat = torch.frombuffer(bytearray(msg.raw), dtype=torch.uint8)
     return flat.view(dtype).reshape(tuple(msg.shape))
+
+
+def concat_raw(pieces: list[tensor_pb2.Tensor], field: str) -> tensor_pb2.Tensor:
+    """Join inline tensors of one name along their first dim, bytes only (no decode)."""
+    first = pieces[0]
+    if len(pieces) == 1:
+        return first
+    for piece in pieces:
+        nbytes_of(piece, field)
+        if (
+            piece.dtype != first.dtype
+            or list(piece.shape[1:]) != list(first.shape[1:])
+            or not (piece.shape)
+        ):
+            raise InvalidArgument(
+                f"{field}: pieces disagree ({piece.dtype} {list(piece.shape)} after "
+                f"{first.dtype} {list(first.shape)}); they join along the first dim",
+                field=field,
+            )
+        if piece.WhichOneof("data") not in ("raw", None):
+            raise InvalidArgument(f"{field}: pieces must carry inline bytes", field=field)
+    shape = [sum(p.shape[0] for p in pieces), *first.shape[1:]]
+    raw = b"".join(p.raw for p in pieces)
+    return tensor_pb2.Tensor(name=first.name, dtype=first.dtype, shape=shape, raw=raw)

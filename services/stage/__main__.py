@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 
-from services.stage.config import ConfigError, load_stage_config
+from services.mesh.config_files import ConfigError
+from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 
 logger = logging.getLogger("services.stage")

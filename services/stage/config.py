@@ -1,8 +1,5 @@
-"""The stage file (YAML), validated once into frozen models.
-
-Every error names the file, the key path inside it and what was expected, e.g.
-``chat.yaml: runtime.max_batch_size: Input should be greater than or equal to 1 (got 0)``.
-"""
+"""The stage file (YAML), validated once into frozen models (errors: see
+services.mesh.config_files)."""
 
 from __future__ import annotations
 
@@ -11,11 +8,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES
+from services.mesh import config_files
 
 
 class _Frozen(BaseModel):
@@ -114,42 +111,9 @@ class StageConfig(_Frozen):
         return replace(params, **changes) if changes else params
 
 
-class ConfigError(Exception):
-    """A stage file that cannot be used; the message is meant for a person."""
-
-
-def _describe(error: dict[str, Any]) -> str:
-    path = ".".join(str(p) for p in error["loc"]) or "(top level)"
-    message = error["msg"]
-    if error["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif error["type"] == "value_error":
-        message = message.removeprefix("Value error, ")
-    got = "" if error["type"] in {"missing", "extra_forbidden"} else f" (got {error['input']!r})"
-    return f"{path}: {message}{got}"
-
-
 def parse_stage_config(data: Any, source: str = "<stage config>") -> StageConfig:
-    if not isinstance(data, dict):
-        kind = type(data).__name__
-        raise ConfigError(f"{source}: expected a mapping of stage settings, got {kind}")
-    try:
-        return StageConfig.model_validate(data)
-    except ValidationError as exc:
-        lines = [f"{source}: {_describe(e)}" for e in exc.errors()]  # type: ignore[arg-type]
-        raise ConfigError("\n".join(lines)) from None
+    return config_files.validate(StageConfig, data, source)
 
 
 def load_stage_config(path: str | Path) -> StageConfig:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the stage file ({exc.strerror})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: not valid YAML{where}") from None
-    return parse_stage_config(data, str(path))
+    return config_files.load(StageConfig, path)

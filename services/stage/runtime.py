@@ -11,7 +11,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from services.engines.base import (
@@ -151,7 +151,7 @@ class StageRuntime:
         segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
         rid = request.request_id
         done = _Done(FinishOutput("done"), submitted)
-        events: AsyncIterator[EngineEvent] = self.engine.generate(request)
+        events: AsyncGenerator[EngineEvent, None] = self.engine.generate(request)
         pending: asyncio.Future[EngineEvent] | None = None
 
         async def flush(is_last: bool = False) -> None:
@@ -192,7 +192,7 @@ class StageRuntime:
             if pending is not None and not pending.done():
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
 
 
 @dataclass

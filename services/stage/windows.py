@@ -59,26 +59,5 @@ def _join(parts: list[stage_pb2.Submit]) -> stage_pb2.Submit:
         for tensor in part.inputs.tensors:
             by_name.setdefault(tensor.name, []).append(tensor)
     for name, pieces in by_name.items():
-        inputs.tensors.append(_concat(name, pieces))
+        inputs.tensors.append(codec.concat_raw(pieces, f"inputs.tensors.{name}"))
     return whole
-
-
-def _concat(name: str, pieces: list[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
-    if len(pieces) == 1:
-        return pieces[0]
-    first = pieces[0]
-    field = f"inputs.tensors.{name}"
-    for piece in pieces:
-        codec.nbytes_of(piece, field)
-        if piece.dtype != first.dtype or list(piece.shape[1:]) != list(first.shape[1:]):
-            raise InvalidArgument(
-                f"{field}: windows disagree ({piece.dtype} {list(piece.shape)} after "
-                f"{first.dtype} {list(first.shape)}); they join along the first dim",
-                field=field,
-            )
-        if piece.WhichOneof("data") != "raw" and len(piece.shape) and piece.shape[0]:
-            raise InvalidArgument(f"{field}: windows must carry inline bytes", field=field)
-    shape = [sum(p.shape[0] for p in pieces), *first.shape[1:]]
-    return tensor_pb2.Tensor(
-        name=name, dtype=first.dtype, shape=shape, raw=b"".join(p.raw for p in pieces)
-    )

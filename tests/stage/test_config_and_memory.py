@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from services.engines.base import KvGeometry, SamplingParams
-from services.stage.config import ConfigError, load_stage_config
+from services.mesh.config_files import ConfigError
+from services.stage.config import load_stage_config
 from services.stage.memory import bytes_per_page, plan_memory
 
 
@@ -36,7 +37,7 @@ def test_valid_file_with_defaults(tmp_path: Path) -> None:
         ("name: a\nengine: transformers\nmodel: m\nruntim: {}\n", "runtim: unknown key"),
         ("engine: transformers\nmodel: m\n", "name: Field required"),
         ("name: a\nengine: [\n", "not valid YAML at line"),
-        ("- 1\n", "expected a mapping"),
+        ("- 1\n", "expected a mapping of settings"),
     ],
 )
 def test_errors_name_the_file_the_key_and_the_expectation(

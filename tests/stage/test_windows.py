@@ -52,5 +52,5 @@ def test_windows_with_different_trailing_shapes_are_refused() -> None:
     asm.add(piece(0, False, rows=1), in_flight=False)
     bad = piece(1, True)
     bad.inputs.tensors.append(codec.to_proto(torch.zeros(1, 3), "h"))
-    with pytest.raises(InvalidArgument, match="windows disagree"):
+    with pytest.raises(InvalidArgument, match="pieces disagree"):
         asm.add(bad, in_flight=False)
