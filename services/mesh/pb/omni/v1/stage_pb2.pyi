@@ -95,18 +95,20 @@ class GenerationParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., return_hidden_states: _Optional[bool] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., preview_every: _Optional[int] = ..., return_png: _Optional[bool] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last")
+    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: StageInputs
     params: GenerationParams
     sequence: int
     is_last: bool
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ...) -> None: ...
+    transform: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
