@@ -50,6 +50,9 @@ class Runtime(_Frozen):
     page_size: int = Field(16, ge=1)
     drain_grace_s: float = Field(10.0, ge=0)
     output_queue_size: int = Field(256, ge=1)
+    # Intra-op threads for torch in this process (None: torch's default, all
+    # cores). Stages sharing a CPU node should split the cores between them.
+    torch_threads: int | None = Field(None, ge=1)
 
     @property
     def uses_device_lock(self) -> bool:

@@ -12,6 +12,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -86,6 +87,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 class StageServer:
     def __init__(self, config: StageConfig) -> None:
         self.config = config
+        if config.runtime.torch_threads is not None:
+            torch.set_num_threads(config.runtime.torch_threads)
         self.engine = engine_class(config.engine)(config.engine_settings())
         self.runtime = StageRuntime(config, self.engine)
         self._health = health.aio.HealthServicer()

@@ -18,6 +18,7 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage import convert
 from services.stage.events import CompletedOut, ErrorOut, StageEvent
 from services.stage.runtime import StageRuntime
+from services.stage.transforms import apply_transform
 from services.stage.windows import InputAssembler
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class GenerateStream:
             whole = self._assembler.add(submit, in_flight=request_id in self._mine)
             if whole is None:
                 return  # more windows of this request's input are coming
+            apply_transform(whole)
             request = convert.engine_request(
                 whole, runtime.engine.supported_params, runtime.config.engine
             )

@@ -47,7 +47,9 @@ class InputAssembler:
 
 
 def _join(parts: list[stage_pb2.Submit]) -> stage_pb2.Submit:
-    whole = stage_pb2.Submit(request_id=parts[0].request_id, is_last=True)
+    whole = stage_pb2.Submit(
+        request_id=parts[0].request_id, is_last=True, transform=parts[0].transform
+    )
     whole.params.CopyFrom(parts[0].params)
     inputs = whole.inputs
     inputs.text = "".join(p.inputs.text for p in parts)
