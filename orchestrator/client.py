@@ -1,0 +1,206 @@
+"""Python clients of the Orchestrator service: ``AsyncClient`` and ``Client``.
+
+async with AsyncClient("127.0.0.1:50050") as client:
+    result = await client.generate("What is the capital of France?").collect()
+
+with Client("127.0.0.1:50050") as client:
+    for event in client.generate("Hello"):
+        ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.stage_client import CHANNEL_OPTIONS
+
+DEFAULT_ADDRESS = "127.0.0.1:50050"
+Params = stage_pb2.GenerationParams | Mapping[str, Any] | None
+
+
+@dataclass
+class StageResult:
+    """What one output stage produced for a request."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    tensors: dict[str, list[tensor_pb2.Tensor]] = field(default_factory=dict)
+    blobs: list[tensor_pb2.Blob] = field(default_factory=list)
+    progress: int = 0
+    completed: stage_pb2.Completed | None = None
+
+
+@dataclass
+class Result:
+    """Every event of one request, by stage, and its final status."""
+
+    stages: dict[str, StageResult] = field(default_factory=dict)
+    done: orchestrator_pb2.Done | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.done is not None and self.done.code == 0
+
+    def add(self, event: orchestrator_pb2.GenerateEvent) -> None:
+        kind = event.WhichOneof("kind")
+        if kind == "done":
+            self.done = event.done
+            return
+        stage = self.stages.setdefault(event.stage, StageResult())
+        if kind == "segment":
+            seg = event.segment
+            stage.text += seg.text_delta
+            stage.token_ids.extend(seg.token_ids)
+            for tensor in seg.tensors:
+                stage.tensors.setdefault(tensor.name, []).append(tensor)
+            stage.blobs.extend(seg.blobs)
+        elif kind == "progress":
+            stage.progress += 1
+        elif kind == "completed":
+            stage.completed = event.completed
+
+
+def make_request(
+    prompt: str | None = None,
+    *,
+    inputs: stage_pb2.StageInputs | None = None,
+    params: Params = None,
+    stage_params: Mapping[str, Params] | None = None,
+    request_id: str = "",
+) -> orchestrator_pb2.GenerateRequest:
+    """A GenerateRequest; a plain prompt is sent as one user chat message."""
+    request = orchestrator_pb2.GenerateRequest(request_id=request_id)
+    if inputs is not None:
+        request.inputs.CopyFrom(inputs)
+    if prompt is not None:
+        request.inputs.messages.add(role="user", content=prompt)
+    if params:
+        request.params.CopyFrom(_params(params))
+    for stage, values in (stage_params or {}).items():
+        request.stage_params[stage].CopyFrom(_params(values))
+    return request
+
+
+def _params(values: Params) -> stage_pb2.GenerationParams:
+    if isinstance(values, stage_pb2.GenerationParams):
+        return values
+    return json_format.ParseDict(dict(values or {}), stage_pb2.GenerationParams())
+
+
+class Events:
+    """An async stream of one request's events; ``collect()`` gathers them."""
+
+    def __init__(self, call: AsyncIterator[orchestrator_pb2.GenerateEvent]) -> None:
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+        return self._call.__aiter__()
+
+    async def collect(self) -> Result:
+        result = Result()
+        async for event in self._call:
+            result.add(event)
+        return result
+
+
+class AsyncClient:
+    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Events:
+        return Events(self.stub.Generate(make_request(prompt, **kwargs)))
+
+    async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
+        return await self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+
+    async def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
+        reply = await self.stub.ListStages(orchestrator_pb2.ListStagesRequest())
+        return list(reply.stages)
+
+    def watch_stages(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
+        return self.stub.WatchStages(orchestrator_pb2.WatchStagesRequest())
+
+    async def pause(self) -> None:
+        await self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest())
+
+    async def resume(self) -> None:
+        await self.stub.ResumeGeneration(orchestrator_pb2.ResumeGenerationRequest())
+
+    async def wait_ready(self, timeout_s: float = 600.0) -> list[orchestrator_pb2.StageStatus]:
+        """Until every stage is READY; raises RuntimeError naming a FAILED stage."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                stages = await self.list_stages()
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                stages = []
+            failed = [s for s in stages if s.state == orchestrator_pb2.STAGE_FAILED]
+            if failed:
+                raise RuntimeError("; ".join(f"stage {s.name}: {s.message}" for s in failed))
+            if stages and all(s.state == orchestrator_pb2.STAGE_READY for s in stages):
+                return stages
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"orchestrator at {self.address} not ready in {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)
+
+
+class Client:
+    """The blocking twin of AsyncClient."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def generate(
+        self, prompt: str | None = None, **kwargs: Any
+    ) -> Iterator[orchestrator_pb2.GenerateEvent]:
+        return iter(self.stub.Generate(make_request(prompt, **kwargs)))
+
+    def collect(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        result = Result()
+        for event in self.generate(prompt, **kwargs):
+            result.add(event)
+        return result
+
+    def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
+        return self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+
+    def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
+        return list(self.stub.ListStages(orchestrator_pb2.ListStagesRequest()).stages)
+
+    def pause(self) -> None:
+        self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest())
+
+    def resume(self) -> None:
+        self.stub.ResumeGeneration(orchestrator_pb2.ResumeGenerationRequest())

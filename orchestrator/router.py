@@ -1,0 +1,165 @@
+"""Requests in flight across the mesh: starts each one's flow, aborts them,
+holds new ones while generation is paused, and fails the ones a lost stage held.
+
+Every request ends in exactly one Done on its sink, whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+
+from orchestrator.flow import RequestFlow
+from orchestrator.pipeline import PipelineConfig
+from orchestrator.sink import EventSink
+from services.mesh.errors import InvalidArgument, OmniError
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.stage_client import StageClient
+
+logger = logging.getLogger(__name__)
+
+# The reason a stage cannot take requests now, or None when it is ready.
+Readiness = Callable[[str], str | None]
+
+
+@dataclass
+class _Running:
+    flow: RequestFlow
+    task: asyncio.Task[None]
+    cancel_code: grpc.StatusCode = grpc.StatusCode.CANCELLED
+    cancel_message: str = ""
+    cancel_stage: str = ""
+
+
+class Router:
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        clients: Mapping[str, StageClient],
+        readiness: Readiness,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._pipeline = pipeline
+        self._clients = clients
+        self._readiness = readiness
+        self._clock = clock
+        self._running: dict[str, _Running] = {}
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self.completed = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._running)
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def pause(self) -> None:
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self._resumed.set()
+
+    def start(
+        self,
+        request_id: str,
+        entry_inputs: AsyncIterator[stage_pb2.Submit],
+        stage_params: Mapping[str, stage_pb2.GenerationParams],
+        sink: EventSink,
+    ) -> None:
+        """Start a request; its events and then its Done go to ``sink``."""
+        if request_id in self._running:
+            raise InvalidArgument(
+                f"request_id: {request_id!r} is already in flight", field="request_id"
+            )
+        flow = RequestFlow(
+            request_id, self._pipeline, self._clients, sink, entry_inputs, stage_params, self._clock
+        )
+        task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
+        self._running[request_id] = _Running(flow, task)
+
+    async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
+        rid = flow.request_id
+        began = self._clock()
+        try:
+            await self._resumed.wait()
+            for stage in self._pipeline.order:
+                reason = self._readiness(stage)
+                if reason is not None:
+                    raise _Refused(stage, f"stage {stage} is not ready: {reason}")
+            done = await flow.run()
+        except _Refused as refused:
+            done = _done(rid, grpc.StatusCode.UNAVAILABLE, refused.message, refused.stage)
+        except asyncio.CancelledError:
+            running = self._running.get(rid)
+            if running is None or not running.cancel_message:
+                raise  # the client went away: nobody to tell
+            done = _done(rid, running.cancel_code, running.cancel_message, running.cancel_stage)
+        finally:
+            self._running.pop(rid, None)
+        done.total_ms = (self._clock() - began) * 1e3
+        self.completed += 1
+        level = logging.INFO if done.code == 0 else logging.WARNING
+        logger.log(
+            level,
+            "request %s: %s in %.0f ms %s",
+            rid,
+            done.code_name or "OK",
+            done.total_ms,
+            done.message,
+        )
+        await sink.put(orchestrator_pb2.GenerateEvent(done=done))
+
+    def abort(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
+        aborted, not_found = [], []
+        for rid in request_ids:
+            if self._cancel(rid, grpc.StatusCode.CANCELLED, f"request {rid} was aborted"):
+                aborted.append(rid)
+            else:
+                not_found.append(rid)
+        return aborted, not_found
+
+    def cancel_silently(self, request_id: str) -> None:
+        """The client is gone: stop everything the request holds, report nothing."""
+        running = self._running.get(request_id)
+        if running is not None:
+            running.task.cancel()
+
+    def stage_lost(self, stage: str, message: str) -> int:
+        """Fail at once every request a lost stage holds; returns how many."""
+        lost = [rid for rid, r in self._running.items() if stage in r.flow.active_stages]
+        for rid in lost:
+            self._cancel(rid, grpc.StatusCode.UNAVAILABLE, message, stage)
+        return len(lost)
+
+    def _cancel(self, rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> bool:
+        running = self._running.get(rid)
+        if running is None:
+            return False
+        running.cancel_code, running.cancel_message, running.cancel_stage = code, message, stage
+        running.task.cancel()
+        return True
+
+    async def stop(self) -> None:
+        for running in list(self._running.values()):
+            running.task.cancel()
+        await asyncio.gather(*(r.task for r in self._running.values()), return_exceptions=True)
+
+
+class _Refused(OmniError):
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def _done(rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> orchestrator_pb2.Done:
+    return orchestrator_pb2.Done(
+        request_id=rid, code=code.value[0], code_name=code.name, message=message, stage=stage
+    )
