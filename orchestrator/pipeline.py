@@ -1,0 +1,309 @@
+"""The pipeline file (YAML): which stages make up a mesh and how requests flow
+between them, validated once into frozen models.
+
+Every error names the file, the key path inside it and what was expected
+(formatting: services.mesh.config_files), e.g.
+``pipe.yaml: edges.1.to: unknown stage; expected one of thinker, renderer (got 'rendrer')``.
+The models check the graph; ``parse_pipeline`` also checks the world around the
+file (launch files exist, transforms are known) and resolves launch paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
+
+from services.mesh import config_files
+from services.mesh.config_files import ConfigError
+
+# Input processors a consuming stage knows; "" passes inputs through unchanged.
+TRANSFORMS: frozenset[str] = frozenset({"text", "hidden_states_to_prompt_embeds", "tokens"})
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+
+Loc = tuple[str | int, ...]
+
+
+def _invalid(problems: list[tuple[Loc, str, Any]], title: str) -> ValidationError:
+    """A ValidationError at exact paths: pydantic prefixes nested locations, so a
+    cross-field problem points at the key to fix, not at the whole mapping."""
+    return ValidationError.from_exception_data(
+        title,
+        [
+            InitErrorDetails(
+                type=PydanticCustomError("pipeline", "{message}", {"message": message}),
+                loc=loc,
+                input=got,
+            )
+            for loc, message, got in problems
+        ],
+    )
+
+
+def check_address(address: str) -> str:
+    """``host:port`` (IPv6 hosts in brackets) with a port in 1-65535."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    ok = bool(sep and host and port.isdigit()) and 1 <= int(port) <= 65535
+    if not ok or any(c.isspace() for c in host):
+        raise ValueError("expected host:port with a port in 1-65535")
+    return address
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Stage(_Frozen):
+    name: str = Field(pattern=NAME_PATTERN)
+    # A launched stage may leave its address out: `omni up` fills it in at runtime
+    # (PipelineConfig.with_addresses) once the process says where it listens.
+    address: str | None = None
+    launch: Path | None = None
+    init_timeout_s: float = Field(600.0, gt=0)
+    download_stall_timeout_s: float = Field(60.0, gt=0)
+
+    @field_validator("address")
+    @classmethod
+    def _host_port(cls, address: str | None) -> str | None:
+        return None if address is None else check_address(address)
+
+    def require_address(self) -> str:
+        """Where to dial the stage; a launched stage has one only after with_addresses."""
+        if self.address is None:
+            raise ValueError(
+                f"stage {self.name!r} has no address yet: it is launched from {self.launch} "
+                "and its address is set once it listens (PipelineConfig.with_addresses)"
+            )
+        return self.address
+
+    @model_validator(mode="after")
+    def _reachable(self) -> Stage:
+        if self.address is None and self.launch is None:
+            raise _invalid(
+                [(("address",), "expected host:port, or a launch file to start the stage", None)],
+                "Stage",
+            )
+        return self
+
+
+class Edge(_Frozen):
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+
+    from_: str = Field(alias="from")
+    to: str
+    # -1: the downstream stage starts after the upstream is_last (full trigger);
+    # N: every N items are forwarded as soon as they are complete.
+    window: int = -1
+    transform: str = ""
+    high_watermark: int = Field(64, ge=1)
+    low_watermark: int = Field(16, ge=0)
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, window: int) -> int:
+        if window != -1 and window < 1:
+            raise ValueError("expected -1 (full trigger) or a window of at least 1 item")
+        return window
+
+    @field_validator("transform", mode="before")
+    @classmethod
+    def _blank_transform(cls, transform: Any) -> Any:
+        return "" if transform is None else transform  # `transform:` with no value
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> Edge:
+        if self.low_watermark >= self.high_watermark:
+            message = f"expected less than high_watermark ({self.high_watermark})"
+            raise _invalid([(("low_watermark",), message, self.low_watermark)], "Edge")
+        return self
+
+
+class Watchdog(_Frozen):
+    # The device-lock wait is never paused (DESIGN §4), so it is not a choice here.
+    paused_phases: frozenset[Literal["download", "load"]] = frozenset({"download"})
+
+
+class PipelineConfig(_Frozen):
+    name: str = Field(pattern=NAME_PATTERN)
+    stages: tuple[Stage, ...] = Field(min_length=1)
+    edges: tuple[Edge, ...] = ()
+    # Named apart from the `outputs` property, which resolves the default (leaves).
+    output_stages: tuple[str, ...] | None = Field(None, alias="outputs", min_length=1)
+    watchdog: Watchdog = Watchdog()
+
+    @model_validator(mode="after")
+    def _graph(self) -> PipelineConfig:
+        # Later checks assume earlier ones hold (known names before cycles), so
+        # each group reports all it finds and stops the rest.
+        for check in (_names_and_edges, _shape):
+            problems = check(self)
+            if problems:
+                raise _invalid(problems, "PipelineConfig")
+        return self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def stage(self, name: str) -> Stage:
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(f"unknown stage {name!r} (stages: {', '.join(self.names)})")
+
+    def children(self, name: str) -> tuple[Edge, ...]:
+        self.stage(name)
+        return tuple(e for e in self.edges if e.from_ == name)
+
+    def incoming(self, name: str) -> Edge | None:
+        self.stage(name)
+        return next((e for e in self.edges if e.to == name), None)
+
+    @property
+    def entry(self) -> str:
+        """The one stage no edge leads to: every request starts there."""
+        targets = {e.to for e in self.edges}
+        return next(s.name for s in self.stages if s.name not in targets)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Stages in topological order (breadth first from the entry, edges in file order)."""
+        order = [self.entry]
+        for name in order:  # grows while iterating: a queue without the bookkeeping
+            order.extend(e.to for e in self.children(name))
+        return tuple(order)
+
+    @property
+    def leaves(self) -> tuple[str, ...]:
+        sources = {e.from_ for e in self.edges}
+        return tuple(n for n in self.order if n not in sources)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """Stages whose events reach the client: as listed, else the leaves."""
+        return self.output_stages if self.output_stages is not None else self.leaves
+
+    def with_addresses(self, addresses: Mapping[str, str]) -> PipelineConfig:
+        """A copy with the given stages' addresses set (launched stages, once listening)."""
+        for name, address in addresses.items():
+            self.stage(name)
+            try:
+                check_address(address)
+            except ValueError as exc:
+                raise ValueError(f"stage {name!r}: {exc} (got {address!r})") from None
+        stages = tuple(
+            s.model_copy(update={"address": addresses[s.name]}) if s.name in addresses else s
+            for s in self.stages
+        )
+        return self.model_copy(update={"stages": stages})
+
+
+def _names_and_edges(config: PipelineConfig) -> list[tuple[Loc, str, Any]]:
+    problems: list[tuple[Loc, str, Any]] = []
+    first_at: dict[str, int] = {}
+    for i, stage in enumerate(config.stages):
+        if stage.name in first_at:
+            message = f"duplicate stage name (first at stages.{first_at[stage.name]})"
+            problems.append((("stages", i, "name"), message, stage.name))
+        first_at.setdefault(stage.name, i)
+    known = f"unknown stage; expected one of {', '.join(first_at)}"
+    incoming_at: dict[str, int] = {}
+    for k, edge in enumerate(config.edges):
+        for key, name in (("from", edge.from_), ("to", edge.to)):
+            if name not in first_at:
+                problems.append((("edges", k, key), known, name))
+        if edge.from_ == edge.to:
+            problems.append((("edges", k, "to"), "expected another stage (no self-edges)", edge.to))
+        elif edge.to in incoming_at:
+            message = (
+                f"expected at most one edge into a stage, and edges.{incoming_at[edge.to]} "
+                "already leads here (fan-in is not supported yet)"
+            )
+            problems.append((("edges", k, "to"), message, edge.to))
+        incoming_at.setdefault(edge.to, k)
+    seen: set[str] = set()
+    for i, name in enumerate(config.output_stages or ()):
+        if name not in first_at:
+            problems.append((("outputs", i), known, name))
+        elif name in seen:
+            problems.append((("outputs", i), "expected each stage once", name))
+        seen.add(name)
+    return problems
+
+
+def _shape(config: PipelineConfig) -> list[tuple[Loc, str, Any]]:
+    """One entry, no cycles. With at most one edge into each stage the graph is a
+    forest, so "every stage reachable from the entry" is "exactly one root"."""
+    parent = {e.to: (k, e.from_) for k, e in enumerate(config.edges)}
+    problems: list[tuple[Loc, str, Any]] = []
+    reported: set[str] = set()
+    for start in config.names:
+        path, name = [start], start
+        while name in parent and parent[name][1] not in path:
+            name = parent[name][1]
+            path.append(name)
+        if name in parent and not reported.intersection(path):
+            flow = path[path.index(parent[name][1]) :][::-1]  # upstream first
+            reported.update(flow)
+            # Blame the edge written last (it closes the loop) and start the loop
+            # where that edge leads, so the message reads in file order.
+            k, closer = max((parent[n][0], n) for n in flow)
+            at = flow.index(closer)
+            loop = " -> ".join([*flow[at:], *flow[:at], closer])
+            problems.append((("edges", k, "to"), f"expected no cycles, found {loop}", closer))
+    roots = [(i, s.name) for i, s in enumerate(config.stages) if s.name not in parent]
+    for i, name in roots[1:]:
+        message = (
+            f"stage is not reachable from the entry stage {roots[0][1]!r}; expected an edge "
+            "leading to it (a pipeline has exactly one entry)"
+        )
+        problems.append((("stages", i, "name"), message, name))
+    if not roots and not problems:
+        problems.append((("edges",), "expected one entry stage that no edge leads to", None))
+    return problems
+
+
+def parse_pipeline(
+    data: Any,
+    source: str = "<pipeline>",
+    *,
+    base_dir: Path | None = None,
+    transforms: Collection[str] = TRANSFORMS,
+) -> PipelineConfig:
+    """Validate a parsed pipeline file; launch paths resolve against ``base_dir``
+    (default: the working directory) and must name existing files."""
+    config = config_files.validate(PipelineConfig, data, source)
+    base = (base_dir or Path.cwd()).resolve()
+    problems: list[str] = []
+    for k, edge in enumerate(config.edges):
+        if edge.transform and edge.transform not in transforms:
+            expected = ", ".join(sorted(transforms))
+            problems.append(
+                f"edges.{k}.transform: expected one of {expected}, or none to pass inputs "
+                f"through (got {edge.transform!r})"
+            )
+    stages: list[Stage] = []
+    for i, stage in enumerate(config.stages):
+        if stage.launch is not None:
+            path = (base / stage.launch.expanduser()).resolve()
+            if not path.is_file():
+                problems.append(
+                    f"stages.{i}.launch: expected a stage file, found none at {path} "
+                    f"(got {str(stage.launch)!r})"
+                )
+            stage = stage.model_copy(update={"launch": path})
+        stages.append(stage)
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    return config.model_copy(update={"stages": tuple(stages)})
+
+
+def load_pipeline(path: str | Path, *, transforms: Collection[str] = TRANSFORMS) -> PipelineConfig:
+    path = Path(path)
+    data = config_files.read_yaml(path)
+    return parse_pipeline(data, str(path), base_dir=path.parent, transforms=transforms)
