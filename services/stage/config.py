@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES
@@ -69,7 +69,8 @@ class Segmenting(_Frozen):
 class StageConfig(_Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     engine: str
-    model: str = Field(min_length=1)
+    # None only with load_format: dummy, for an engine that builds from engine_args.
+    model: str | None = Field(None, min_length=1)
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: str | None = None
     engine_args: dict[str, Any] = Field(default_factory=dict)
@@ -84,6 +85,12 @@ class StageConfig(_Frozen):
         if engine not in ENGINES:
             raise ValueError(f"expected one of {', '.join(sorted(ENGINES))}")
         return engine
+
+    @model_validator(mode="after")
+    def _model_needed(self) -> StageConfig:
+        if self.model is None and self.load_format != "dummy":
+            raise ValueError("model: expected a model source (only load_format: dummy may omit it)")
+        return self
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 
 from services.engines.base import Engine
 from services.mesh.errors import OmniError
@@ -74,13 +75,16 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     )
     lock: DeviceLock | None = None
     try:
-        fetched = await asyncio.to_thread(
-            fetch_model,
-            config.model,
-            config.resolved_cache_dir,
-            BusDownloadHook(bus),
-            stall_timeout_s=runtime.download_stall_timeout_s,
-        )
+        model_path: Path | None = None
+        if config.model is not None:
+            fetched = await asyncio.to_thread(
+                fetch_model,
+                config.model,
+                config.resolved_cache_dir,
+                BusDownloadHook(bus),
+                stall_timeout_s=runtime.download_stall_timeout_s,
+            )
+            model_path = fetched.path
         if runtime.uses_device_lock:
             lock = DeviceLock(runtime.device, owner=config.name, lock_dir=runtime.lock_dir)
 
@@ -96,10 +100,11 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             bus.publish(
                 stage_pb2.DEVICE_LOCK_ACQUIRED, device=runtime.device, duration_ms=waited * 1e3
             )
-        bus.publish(stage_pb2.LOAD_START, message=f"loading {fetched.path.name}")
+        what = model_path.name if model_path else f"a dummy {config.engine} model"
+        bus.publish(stage_pb2.LOAD_START, message=f"loading {what}")
         free_before = free_device_memory(runtime.device)
         t0 = time.monotonic()
-        info = await asyncio.to_thread(engine.load, fetched.path)
+        info = await asyncio.to_thread(engine.load, model_path)
         bus.publish(
             stage_pb2.LOAD_DONE, duration_ms=(time.monotonic() - t0) * 1e3, message=info.description
         )

@@ -89,7 +89,7 @@ class DiffusersEngine:
             raise FailedPrecondition("the diffusers engine has no pipeline loaded")
         return self._pipe
 
-    def load(self, model_path: Path) -> ModelInfo:
+    def load(self, model_path: Path | None) -> ModelInfo:
         pipe, description = load_pipeline(self._settings, self._args, model_path)
         self._pipe = pipe
         size = model_bytes(pipe)

@@ -27,7 +27,7 @@ _DTYPES = {
 
 
 def load_pipeline(
-    settings: EngineSettings, args: DiffusersArgs, model_path: Path
+    settings: EngineSettings, args: DiffusersArgs, model_path: Path | None
 ) -> tuple[DiffusionPipeline, str]:
     """The pipeline on ``settings.device``, and a one-line description of it."""
     dtype = torch_dtype(settings)
@@ -40,6 +40,8 @@ def load_pipeline(
             torch_dtype=dtype,
         )
         description = "dummy StableDiffusionPipeline (random weights)"
+    elif model_path is None:
+        raise InitFailed("model: a diffusers pipeline folder is needed (or load_format: dummy)")
     else:
         folder = pipeline_folder(Path(model_path))
         try:

@@ -31,6 +31,7 @@ from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import load_model
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,13 @@ class TransformersEngine:
 
     # -- lifecycle -------------------------------------------------------------
 
-    def load(self, model_path: Path) -> ModelInfo:
+    def load(self, model_path: Path | None) -> ModelInfo:
+        if model_path is None:
+            raise InitFailed(
+                "model: the transformers engine needs a model (its config and tokenizer), "
+                "even with load_format: dummy",
+                field="model",
+            )
         loaded = load_model(model_path, self._settings, self._args)
         model, tokenizer = loaded.model, loaded.tokenizer
         config = model.config.get_text_config(decoder=True)

@@ -52,7 +52,9 @@ class VllmEngine:
         self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
         self._streams: dict[str, asyncio.Queue[Any]] = {}  # by request id, for abort
 
-    def load(self, model_path: Path) -> ModelInfo:
+    def load(self, model_path: Path | None) -> ModelInfo:
+        if model_path is None:
+            raise InitFailed("model: the vllm engine needs a model", field="model")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
