@@ -95,20 +95,22 @@ class GenerationParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., return_hidden_states: _Optional[bool] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., preview_every: _Optional[int] = ..., return_png: _Optional[bool] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform")
+    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: StageInputs
     params: GenerationParams
     sequence: int
     is_last: bool
     transform: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ...) -> None: ...
+    consumer: _tensor_pb2.NodeIdentity
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
@@ -117,12 +119,14 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class StageInput(_message.Message):
-    __slots__ = ("submit", "cancel")
+    __slots__ = ("submit", "cancel", "chunk")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("request_id", "sequence", "is_last", "token_ids", "text_delta", "tensors", "blobs")
@@ -199,16 +203,18 @@ class Error(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
 
 class StageOutput(_message.Message):
-    __slots__ = ("segment", "progress", "completed", "error")
+    __slots__ = ("segment", "progress", "completed", "error", "chunk")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     segment: Segment
     progress: Progress
     completed: Completed
     error: Error
-    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completed: _Optional[_Union[Completed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    chunk: _tensor_pb2.TensorChunk
+    def __init__(self, segment: _Optional[_Union[Segment, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., completed: _Optional[_Union[Completed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class MemoryPlan(_message.Message):
     __slots__ = ("free_before_bytes", "memory_ratio", "model_bytes", "bytes_per_page", "cache_pages", "cache_budget_bytes", "page_size")
@@ -297,6 +303,20 @@ class AbortRequest(_message.Message):
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseTensorsRequest(_message.Message):
+    __slots__ = ("request_id", "names")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseTensorsResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class AbortResponse(_message.Message):
     __slots__ = ("aborted", "not_found")

@@ -56,6 +56,11 @@ class StageStub:
                 request_serializer=omni_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
                 response_deserializer=omni_dot_v1_dot_stage__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.ReleaseTensors = channel.unary_unary(
+                '/omni.v1.Stage/ReleaseTensors',
+                request_serializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.SerializeToString,
+                response_deserializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -92,6 +97,14 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseTensors(self, request, context):
+        """The consumer of shared tensor blocks (shm, CUDA IPC) is done with them:
+        the producer frees them (otherwise they live until a TTL).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +127,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=omni_dot_v1_dot_stage__pb2.AbortRequest.FromString,
                     response_serializer=omni_dot_v1_dot_stage__pb2.AbortResponse.SerializeToString,
+            ),
+            'ReleaseTensors': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseTensors,
+                    request_deserializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.FromString,
+                    response_serializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +243,33 @@ class Stage:
             '/omni.v1.Stage/Abort',
             omni_dot_v1_dot_stage__pb2.AbortRequest.SerializeToString,
             omni_dot_v1_dot_stage__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omni.v1.Stage/ReleaseTensors',
+            omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.SerializeToString,
+            omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -59,21 +59,43 @@ class CudaIpcRef(_message.Message):
     producer: NodeIdentity
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., storage_nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ...) -> None: ...
 
+class ChunkRef(_message.Message):
+    __slots__ = ("chunk_id", "nbytes")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    nbytes: int
+    def __init__(self, chunk_id: _Optional[str] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("chunk_id", "offset", "data", "total")
+    CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    chunk_id: str
+    offset: int
+    data: bytes
+    total: int
+    def __init__(self, chunk_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total: _Optional[int] = ...) -> None: ...
+
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "raw", "shm", "cuda_ipc")
+    __slots__ = ("name", "dtype", "shape", "raw", "shm", "cuda_ipc", "chunked")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     RAW_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     raw: bytes
     shm: ShmRef
     cuda_ipc: CudaIpcRef
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRef, _Mapping]] = ...) -> None: ...
+    chunked: ChunkRef
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRef, _Mapping]] = ..., chunked: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
 
 class Blob(_message.Message):
     __slots__ = ("name", "media_type", "data")
