@@ -53,6 +53,9 @@ class Runtime(_Frozen):
     # Intra-op threads for torch in this process (None: torch's default, all
     # cores). Stages sharing a CPU node should split the cores between them.
     torch_threads: int | None = Field(None, ge=1)
+    # Run each input window of a request through the engine as it arrives (a
+    # decoder consuming windows of a windowed edge) instead of joining them first.
+    streaming_input: bool = False
 
     @property
     def uses_device_lock(self) -> bool:

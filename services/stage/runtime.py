@@ -11,8 +11,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, replace
 
 from services.engines.base import (
     Engine,
@@ -38,6 +38,7 @@ Sink = Callable[[StageEvent], Awaitable[None]]
 class _Running:
     task: asyncio.Task[None]
     cancel_reason: str = ""
+    cancel_error: OmniError | None = None
 
 
 class StageRuntime:
@@ -59,8 +60,24 @@ class StageRuntime:
     def in_flight(self) -> int:
         return len(self._requests)
 
-    def admit(self, request: EngineRequest, sink: Sink) -> None:
-        """Start ``request``; raises OmniError (nothing started) when it is refused."""
+    def prepare(self, request: EngineRequest) -> EngineRequest:
+        """Stage defaults filled in and the engine's own checks passed."""
+        prepared = replace(request, params=self.config.apply_defaults(request.params))
+        self.engine.check(prepared)
+        return prepared
+
+    def admit(
+        self,
+        request: EngineRequest,
+        sink: Sink,
+        more: AsyncIterator[EngineRequest] | None = None,
+    ) -> None:
+        """Start ``request``; raises OmniError (nothing started) when it is refused.
+
+        ``more`` streams further input windows of the same request (prepared),
+        each run through the engine as it arrives, their output continuing the
+        request's segment sequence (``runtime.streaming_input``).
+        """
         name = self.config.name
         if self.draining:
             raise Unavailable(f"stage {name} is draining")
@@ -71,25 +88,24 @@ class StageRuntime:
                 f"submit.request_id: {request.request_id!r} is already in flight on stage {name}",
                 field="submit.request_id",
             )
-        request = EngineRequest(
-            request_id=request.request_id,
-            text=request.text,
-            messages=request.messages,
-            token_ids=request.token_ids,
-            tensors=request.tensors,
-            params=self.config.apply_defaults(request.params),
-        )
-        self.engine.check(request)
-        task = asyncio.create_task(self._run(request, sink), name=f"request-{request.request_id}")
-        self._requests[request.request_id] = _Running(task)
+        first = self.prepare(request)
+        task = asyncio.create_task(self._run(first, more, sink), name=f"request-{first.request_id}")
+        self._requests[first.request_id] = _Running(task)
         self._idle.clear()
-        task.add_done_callback(functools.partial(self._forget, request.request_id))
+        task.add_done_callback(functools.partial(self._forget, first.request_id))
 
-    def cancel(self, request_id: str, reason: str = "cancelled by the client") -> bool:
+    def cancel(
+        self,
+        request_id: str,
+        reason: str = "cancelled by the client",
+        error: OmniError | None = None,
+    ) -> bool:
+        """Stop a request at its next step; it reports CANCELLED, or ``error``."""
         running = self._requests.get(request_id)
         if running is None:
             return False
         running.cancel_reason = reason
+        running.cancel_error = error
         running.task.cancel()
         return True
 
@@ -111,20 +127,29 @@ class StageRuntime:
             await self._idle.wait()
             return False
 
-    async def _run(self, request: EngineRequest, sink: Sink) -> None:
-        rid = request.request_id
+    async def _run(
+        self, first: EngineRequest, more: AsyncIterator[EngineRequest] | None, sink: Sink
+    ) -> None:
+        rid = first.request_id
         submitted = self._clock()
+        cfg = self.config.segmenting
+        segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
+        done = _Done(submitted)
         try:
             async with self._intake.slot(rid):
                 started = self._clock()
-                done = await self._generate(request, sink, submitted)
+                await self._generate(first, sink, segmenter, done)
+                if more is not None:
+                    async for window in more:
+                        await self._generate(window, sink, segmenter, done)
+                await self._flush(rid, segmenter, sink, done, is_last=True)
             now = self._clock()
             await sink(
                 CompletedOut(
                     rid,
-                    done.finish.reason,
-                    done.finish.prompt_tokens,
-                    done.finish.completion_tokens,
+                    done.reason,
+                    done.prompt_tokens,
+                    done.completion_tokens,
                     queue_ms=(started - submitted) * 1e3,
                     time_to_first_ms=(done.first_at - submitted) * 1e3,
                     total_ms=(now - submitted) * 1e3,
@@ -132,11 +157,11 @@ class StageRuntime:
             )
         except asyncio.CancelledError:
             running = self._requests.get(rid)
-            reason = running.cancel_reason if running else ""
-            if not reason:
+            if running is None or not running.cancel_reason:
                 raise  # the stream itself went away: nobody to tell
-            logger.info("stage %s request %s: %s", self.config.name, rid, reason)
-            await sink(ErrorOut(rid, Cancelled(f"request {rid}: {reason}")))
+            logger.info("stage %s request %s: %s", self.config.name, rid, running.cancel_reason)
+            error = running.cancel_error or Cancelled(f"request {rid}: {running.cancel_reason}")
+            await sink(ErrorOut(rid, error))
         except OmniError as exc:
             logger.info("stage %s request %s failed: %s", self.config.name, rid, exc.message)
             await sink(ErrorOut(rid, exc))
@@ -146,28 +171,29 @@ class StageRuntime:
             error.__cause__ = exc
             await sink(ErrorOut(rid, error))
 
-    async def _generate(self, request: EngineRequest, sink: Sink, submitted: float) -> _Done:
-        cfg = self.config.segmenting
-        segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
+    async def _flush(
+        self, rid: str, segmenter: Segmenter, sink: Sink, done: _Done, is_last: bool = False
+    ) -> None:
+        segment = segmenter.flush(is_last)
+        if segment is not None:
+            if segment.sequence == 0:
+                done.first_at = self._clock()
+            await sink(SegmentOut(rid, segment))
+
+    async def _generate(
+        self, request: EngineRequest, sink: Sink, segmenter: Segmenter, done: _Done
+    ) -> None:
+        """Run one (window of a) request through the engine; the last flush is the caller's."""
         rid = request.request_id
-        done = _Done(FinishOutput("done"), submitted)
         events: AsyncGenerator[EngineEvent, None] = self.engine.generate(request)
         pending: asyncio.Future[EngineEvent] | None = None
-
-        async def flush(is_last: bool = False) -> None:
-            segment = segmenter.flush(is_last)
-            if segment is not None:
-                if segment.sequence == 0:
-                    done.first_at = self._clock()
-                await sink(SegmentOut(rid, segment))
-
         try:
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(anext(events))
                 finished, _ = await asyncio.wait({pending}, timeout=segmenter.due_in())
                 if not finished:
-                    await flush()  # min_flush_interval passed with tokens waiting
+                    await self._flush(rid, segmenter, sink, done)  # min_flush_interval passed
                     continue
                 try:
                     event = pending.result()
@@ -178,16 +204,16 @@ class StageRuntime:
                         pending = None
                 if isinstance(event, TokenOutput):
                     if segmenter.add(event):
-                        await flush()
+                        await self._flush(rid, segmenter, sink, done)
                 elif isinstance(event, ProgressOutput):
-                    await flush()
+                    await self._flush(rid, segmenter, sink, done)
                     await sink(ProgressOut(rid, event))
                 elif isinstance(event, TensorOutput):
                     segmenter.add_outputs(event)
                 elif isinstance(event, FinishOutput):
-                    done.finish = event
-            await flush(is_last=True)
-            return done
+                    done.reason = event.reason
+                    done.prompt_tokens += event.prompt_tokens
+                    done.completion_tokens += event.completion_tokens
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -197,5 +223,7 @@ class StageRuntime:
 
 @dataclass
 class _Done:
-    finish: FinishOutput
     first_at: float
+    reason: str = "done"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0

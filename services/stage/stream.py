@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+from services.engines.base import EngineRequest
 from services.mesh.errors import Cancelled, InvalidArgument, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage import convert
@@ -33,6 +34,7 @@ class GenerateStream:
         self._mine: set[str] = set()
         self._assembler = InputAssembler()
         self._reading = True
+        self._feeds: dict[str, _Feed] = {}
         self._ended = False
 
     async def run(
@@ -70,6 +72,9 @@ class GenerateStream:
                     await self._reject("", InvalidArgument("input: expected submit or cancel"))
         finally:
             self._reading = False
+            for feed in self._feeds.values():
+                await feed.close()  # the client stopped sending: what came is all there is
+            self._feeds.clear()
             await self._maybe_end()
 
     async def _submit(self, submit: stage_pb2.Submit) -> None:
@@ -78,17 +83,60 @@ class GenerateStream:
         try:
             convert.check_request_id(request_id, "submit.request_id")
             convert.check_size(submit, runtime.config.runtime.max_message_bytes)
+            if runtime.config.runtime.streaming_input and (
+                request_id in self._feeds or not submit.is_last
+            ):
+                await self._window(submit)
+                return
             whole = self._assembler.add(submit, in_flight=request_id in self._mine)
             if whole is None:
                 return  # more windows of this request's input are coming
-            apply_transform(whole)
-            request = convert.engine_request(
-                whole, runtime.engine.supported_params, runtime.config.engine
-            )
-            runtime.admit(request, self._emit)
+            runtime.admit(self._convert(whole), self._emit)
             self._mine.add(request_id)
         except OmniError as exc:
             await self._reject(request_id, exc)
+
+    def _convert(self, submit: stage_pb2.Submit) -> EngineRequest:
+        apply_transform(submit)
+        runtime = self._runtime
+        return convert.engine_request(
+            submit, runtime.engine.supported_params, runtime.config.engine
+        )
+
+    async def _window(self, submit: stage_pb2.Submit) -> None:
+        """streaming_input: each window goes to the engine as it arrives."""
+        rid = submit.request_id
+        feed = self._feeds.get(rid)
+        if feed is None:
+            if rid in self._mine or submit.sequence != 0:
+                raise InvalidArgument(
+                    f"submit.sequence: request {rid!r} expected 0, got {submit.sequence}"
+                    if rid not in self._mine
+                    else f"submit.request_id: {rid!r} is already in flight",
+                    field="submit.request_id" if rid in self._mine else "submit.sequence",
+                )
+            feed = _Feed()
+            self._runtime.admit(self._convert(submit), self._emit, more=feed.windows())
+            self._mine.add(rid)
+            self._feeds[rid] = feed
+        else:
+            try:
+                if submit.sequence != feed.next_sequence:
+                    raise InvalidArgument(
+                        f"submit.sequence: request {rid!r} expected {feed.next_sequence}, "
+                        f"got {submit.sequence}",
+                        field="submit.sequence",
+                    )
+                await feed.put(self._runtime.prepare(self._convert(submit)))
+            except OmniError as exc:
+                # A bad window ends its request with that error; the stream goes on.
+                del self._feeds[rid]
+                self._runtime.cancel(rid, exc.message, exc)
+                return
+        feed.next_sequence += 1
+        if submit.is_last:
+            await feed.close()
+            del self._feeds[rid]
 
     async def _reject(self, request_id: str, error: OmniError) -> None:
         stage = self._runtime.config.name
@@ -99,6 +147,7 @@ class GenerateStream:
         await self._out.put(convert.to_output(event))
         if isinstance(event, CompletedOut | ErrorOut):
             self._mine.discard(event.request_id)
+            self._feeds.pop(event.request_id, None)  # later windows of it are refused
             await self._maybe_end()
 
     async def _maybe_end(self) -> None:
@@ -106,6 +155,25 @@ class GenerateStream:
             return
         self._ended = True
         await self._out.put(_END)
+
+
+class _Feed:
+    """The input windows of one streaming request, bounded so a client that
+    sends faster than the engine consumes is held back by flow control."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
+        self.next_sequence = 0
+
+    async def put(self, request: EngineRequest) -> None:
+        await self._queue.put(request)
+
+    async def close(self) -> None:
+        await self._queue.put(None)
+
+    async def windows(self) -> AsyncIterator[EngineRequest]:
+        while (request := await self._queue.get()) is not None:
+            yield request
 
 
 def _cancelled(request_id: str) -> OmniError:
