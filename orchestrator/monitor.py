@@ -1,0 +1,335 @@
+"""StageMonitor: drives one stage's Watchdog from the live stage, and watches it after.
+
+One task follows the stage (InitStatus, then grpc health); a second one wakes when
+the watchdog could next fail and publishes the countdown. States (StageState):
+
+- STARTING: init under the watchdog. Not reachable yet, or InitStatus broken: the
+  watchdog falls back to the plain deadline and the connection is retried with
+  backoff; grpc health SERVING also counts as ready.
+- READY: health is polled every ``health_poll_s``.
+- FAILED: the watchdog timed out or the stage reported FAILED (the monitor kills
+  nothing). The verdict stands until a new stage process appears.
+- DOWN: was READY, now NOT_SERVING or unreachable; reconnects with backoff. The same
+  process answering SERVING again is READY again (a network blip); a new process
+  (a STARTING with a new wall time) starts a fresh watchdog attempt: STARTING → READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.watchdog import Watchdog, WatchdogSettings
+from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
+from services.mesh.pb.omni.v1 import orchestrator_pb2
+from services.mesh.stage_client import StageClient
+
+logger = logging.getLogger(__name__)
+
+STAGE_SERVICE = "omni.v1.Stage"  # readiness is health of the Stage service itself
+SERVING = health_pb2.HealthCheckResponse.SERVING
+STARTING = orchestrator_pb2.STAGE_STARTING
+READY = orchestrator_pb2.STAGE_READY
+FAILED = orchestrator_pb2.STAGE_FAILED
+DOWN = orchestrator_pb2.STAGE_DOWN
+COUNTDOWN_S = 1.0  # changes() publishes at least this often while STARTING
+# A stage publishes READY a moment before it flips its health to SERVING.
+CONFIRM_S, CONFIRM_POLL_S = 2.0, 0.1
+StateName = orchestrator_pb2.StageState.Name
+
+
+@dataclass(frozen=True)
+class StageTarget:
+    name: str
+    address: str
+    settings: WatchdogSettings
+
+
+class StageMonitor:
+    def __init__(
+        self,
+        target: StageTarget,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        reconnect_initial_s: float = 0.2,
+        reconnect_max_s: float = 5.0,
+        health_poll_s: float = 1.0,
+        health_timeout_s: float = 5.0,
+    ) -> None:
+        self.target = target
+        self._clock = clock
+        self._reconnect = (reconnect_initial_s, reconnect_max_s)
+        self._health_poll_s = health_poll_s
+        self._health_timeout_s = health_timeout_s
+        self._watchdog = Watchdog(target.name, target.settings, clock)
+        self._down: str | None = None  # why a READY stage is DOWN now
+        self._client: StageClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._callbacks: list[Callable[[orchestrator_pb2.StageStatus], None]] = []
+        self._subscribers: set[_Subscriber] = set()
+        self._changed = asyncio.Event()  # wakes the ticker when the watchdog changed
+        self._last_state = STARTING
+        self._last_published = 0.0
+        self._unreachable_logged = False
+        self._stopped = False
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._tasks:
+            raise RuntimeError(f"monitor of stage {self.target.name} already started")
+        self._watchdog = Watchdog(self.target.name, self.target.settings, self._clock)
+        logger.info("stage %s: watching %s", self.target.name, self.target.address)
+        name = self.target.name
+        self._tasks = [
+            asyncio.create_task(self._follow(), name=f"monitor-{name}"),
+            asyncio.create_task(self._tick(), name=f"monitor-{name}-ticker"),
+        ]
+        self._publish()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+        self._stopped = True
+        for subscriber in self._subscribers:
+            subscriber.close()
+
+    # --- outputs --------------------------------------------------------------------
+
+    @property
+    def status(self) -> orchestrator_pb2.StageStatus:
+        status = self._watchdog.status(self.target.address)
+        if self._down is not None and status.state == READY:
+            status.state, status.message = DOWN, self._down
+        return status
+
+    @property
+    def ready(self) -> bool:
+        return self.status.state == READY
+
+    def on_change(self, callback: Callable[[orchestrator_pb2.StageStatus], None]) -> None:
+        """Call ``callback`` on the event loop with every published status."""
+        self._callbacks.append(callback)
+
+    async def changes(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
+        """The current status, then every change (a slow reader gets the latest ones)."""
+        subscriber = _Subscriber()
+        self._subscribers.add(subscriber)
+        try:
+            yield self.status
+            if self._stopped:
+                return
+            while (status := await subscriber.get()) is not None:
+                yield status
+        finally:
+            self._subscribers.discard(subscriber)
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Return once READY; raise the watchdog's error if init FAILED."""
+
+        async def until_ready() -> None:
+            async for status in self.changes():
+                if status.state == READY:
+                    return
+                if status.state == FAILED:
+                    raise self._watchdog.error or InitFailed(status.message)
+            raise Unavailable(f"monitor of stage {self.target.name} stopped")
+
+        try:
+            await asyncio.wait_for(until_ready(), timeout_s)
+        except TimeoutError:
+            status = self.status
+            raise DeadlineExceeded(
+                f"stage {self.target.name} at {self.target.address} not ready within "
+                f"{timeout_s:.1f}s ({StateName(status.state)}: {status.message})"
+            ) from None
+
+    def _publish(self) -> None:
+        status = self.status
+        if status.state != self._last_state:
+            logger.info(
+                "stage %s: %s -> %s: %s",
+                self.target.name,
+                StateName(self._last_state),
+                StateName(status.state),
+                status.message,
+            )
+            self._last_state = status.state
+        self._last_published = asyncio.get_running_loop().time()
+        self._changed.set()
+        for subscriber in self._subscribers:
+            subscriber.put(status)
+        for callback in self._callbacks:
+            try:
+                callback(status)
+            except Exception:  # one bad observer must not stop the watching
+                logger.exception("stage %s: on_change callback failed", self.target.name)
+
+    # --- the ticker: deadlines and countdown ----------------------------------------
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._changed.clear()
+            delay = self._watchdog.next_check_in()
+            if self._watchdog.state == STARTING:
+                to_countdown = self._last_published + COUNTDOWN_S - loop.time()
+                delay = to_countdown if delay is None else min(delay, to_countdown)
+            if delay is None or delay > 0:
+                try:
+                    await asyncio.wait_for(self._changed.wait(), delay)
+                    continue  # something changed: recompute
+                except TimeoutError:
+                    pass
+            try:
+                self._watchdog.check()
+            except OmniError:
+                pass  # the state is FAILED now; published below
+            if self._watchdog.state != STARTING and self._last_state != STARTING:
+                continue  # nothing counts down, and nothing changed
+            self._publish()
+
+    # --- the follower: InitStatus, then health --------------------------------------
+
+    async def _follow(self) -> None:
+        initial, most = self._reconnect
+        delay = initial
+        while True:
+            try:
+                if await self._session():
+                    delay = initial
+            except Exception:  # a bug here must not end the watching of a live stage
+                logger.exception("stage %s: monitor session failed", self.target.name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, most)
+
+    async def _session(self) -> bool:
+        """One connection: follow init, then health. True if the stage was READY."""
+        if self._client is not None:
+            await self._client.close()
+        # A fresh channel per attempt: our backoff, not the channel's own (up to 2
+        # minutes), decides when a stage that was down is tried again.
+        self._client = client = StageClient(self.target.address)
+        health = health_pb2_grpc.HealthStub(client.channel)
+        try:
+            await self._follow_init(client)
+        except grpc.aio.AioRpcError as exc:
+            self._lost(exc)
+        if self._watchdog.state == STARTING and not await self._not_serving(health, 0.0):
+            self._watchdog.mark_ready("ready per grpc health (InitStatus unavailable)")
+            self._publish()
+        if self._watchdog.state != READY:
+            return False
+        if why := await self._not_serving(health, CONFIRM_S):
+            if self._down is None:
+                self._go_down(why)
+            return False
+        self._unreachable_logged = False
+        if self._down is not None:
+            self._down = None
+            self._publish()
+        await self._watch_health(health)
+        return True
+
+    async def _follow_init(self, client: StageClient) -> None:
+        async for event in client.init_events():
+            self._unreachable_logged = False
+            if self._watchdog.is_new_process(event):
+                logger.info(
+                    "stage %s: a new process answers at %s; new init attempt",
+                    self.target.name,
+                    self.target.address,
+                )
+                self._down = None
+                self._watchdog.restart()
+            before = self._key()
+            self._watchdog.observe(event)
+            if self._key() != before:  # replays change nothing and publish nothing
+                self._publish()
+        if self._watchdog.state == STARTING:  # the stream ended before READY or FAILED
+            self._watchdog.stream_lost("InitStatus ended early: plain deadline")
+            self._publish()
+
+    def _key(self) -> tuple[object, ...]:
+        w = self._watchdog
+        return (w.attempt, w.state, w.phase, w.paused, w.bytes_done, w.bytes_total, w.message)
+
+    async def _not_serving(self, health: health_pb2_grpc.HealthStub, within_s: float) -> str:
+        """Why the stage is not SERVING ("" when it is), asked until ``within_s`` passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + within_s
+        request = health_pb2.HealthCheckRequest(service=STAGE_SERVICE)
+        while True:
+            try:
+                reply = await health.Check(request, timeout=self._health_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return f"unreachable ({exc.code().name})"
+            if reply.status == SERVING:
+                return ""
+            if loop.time() >= give_up:
+                name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                return f"not serving (health {name})"
+            await asyncio.sleep(CONFIRM_POLL_S)
+
+    async def _watch_health(self, health: health_pb2_grpc.HealthStub) -> None:
+        """Poll until the stage is not SERVING or unreachable; then it is DOWN.
+
+        Polling, not Health.Watch: a Watch stream on a peer that vanished without a
+        reset would wait forever, a Check with a timeout does not."""
+        while True:
+            await asyncio.sleep(self._health_poll_s)
+            if why := await self._not_serving(health, 0.0):
+                self._go_down(why)
+                return
+
+    def _go_down(self, why: str) -> None:
+        self._down = f"stage {self.target.name} at {self.target.address} is down: {why}"
+        self._publish()
+
+    def _lost(self, exc: grpc.aio.AioRpcError) -> None:
+        if not self._unreachable_logged:
+            logger.info(
+                "stage %s: InitStatus from %s failed (%s); retrying with backoff",
+                self.target.name,
+                self.target.address,
+                exc.code().name,
+            )
+            self._unreachable_logged = True
+        if self._watchdog.state == STARTING:
+            self._watchdog.stream_lost(f"InitStatus unavailable ({exc.code().name})")
+            self._publish()
+
+
+class _Subscriber:
+    """One changes() reader: a bounded queue that keeps the newest statuses."""
+
+    def __init__(self, keep: int = 256) -> None:
+        self._queue: collections.deque[orchestrator_pb2.StageStatus | None] = collections.deque(
+            maxlen=keep
+        )
+        self._ready = asyncio.Event()
+
+    def put(self, status: orchestrator_pb2.StageStatus) -> None:
+        self._queue.append(status)
+        self._ready.set()
+
+    def close(self) -> None:
+        self._queue.append(None)
+        self._ready.set()
+
+    async def get(self) -> orchestrator_pb2.StageStatus | None:
+        while not self._queue:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._queue.popleft()
