@@ -1,0 +1,223 @@
+"""The Orchestrator gRPC service: thin adapters over the Router and the stage
+monitors, plus health (NOT_SERVING until every stage is READY) and reflection.
+
+``OrchestratorServer`` owns the gRPC server, one channel and one monitor per
+stage, and the router: ``start()``, ``wait()``, ``stop()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from orchestrator.monitor import StageMonitor, StageTarget
+from orchestrator.pipeline import PipelineConfig
+from orchestrator.router import Router
+from orchestrator.sink import EventSink
+from orchestrator.streams import refuse_refs, single, stream_requests
+from orchestrator.watchdog import WatchdogSettings
+from services.mesh.errors import OmniError
+from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
+from services.mesh.stage_client import StageClient
+
+logger = logging.getLogger(__name__)
+
+ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
+LIVENESS_SERVICE = "liveness"
+SERVICE_NAMES = (ORCHESTRATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    def __init__(self, server: OrchestratorServer) -> None:
+        self._server = server
+        self._router = server.router
+
+    async def Generate(
+        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+        rid = request.request_id or uuid.uuid4().hex
+        unknown = sorted(set(request.stage_params) - set(self._server.monitors))
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"stage_params: unknown stage {unknown[0]!r} "
+                f"(stages: {', '.join(self._server.monitors)})",
+            )
+        try:
+            refuse_refs(request.inputs)
+        except OmniError as exc:
+            await context.abort(exc.code, exc.message)
+        submit = stage_pb2.Submit(
+            request_id=rid, inputs=request.inputs, params=request.params, is_last=True
+        )
+        sink = EventSink()
+        self._router.start(rid, single(submit), dict(request.stage_params), sink)
+        finished = False
+        try:
+            while (event := await sink.get()) is not None:
+                yield event
+                if event.WhichOneof("kind") == "done":
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self._router.cancel_silently(rid)
+
+    async def GenerateStream(
+        self,
+        request_iterator: AsyncIterator[stage_pb2.StageInput],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+        async for event in stream_requests(self._router, request_iterator):
+            yield event
+
+    async def Abort(
+        self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.AbortResponse:
+        aborted, not_found = self._router.abort(list(request.request_ids))
+        return stage_pb2.AbortResponse(aborted=aborted, not_found=not_found)
+
+    async def ListStages(
+        self, request: orchestrator_pb2.ListStagesRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ListStagesResponse:
+        return orchestrator_pb2.ListStagesResponse(
+            stages=[m.status for m in self._server.monitors.values()]
+        )
+
+    async def WatchStages(
+        self, request: orchestrator_pb2.WatchStagesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[orchestrator_pb2.StageStatus]:
+        merged: asyncio.Queue[orchestrator_pb2.StageStatus] = asyncio.Queue()
+
+        async def follow(monitor: StageMonitor) -> None:
+            async for status in monitor.changes():
+                await merged.put(status)
+
+        tasks = [asyncio.create_task(follow(m)) for m in self._server.monitors.values()]
+        try:
+            while True:
+                yield await merged.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def PauseGeneration(
+        self, request: orchestrator_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.PauseGenerationResponse:
+        self._router.pause()
+        return orchestrator_pb2.PauseGenerationResponse(paused=True)
+
+    async def ResumeGeneration(
+        self, request: orchestrator_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> orchestrator_pb2.ResumeGenerationResponse:
+        self._router.resume()
+        return orchestrator_pb2.ResumeGenerationResponse(paused=False)
+
+
+class OrchestratorServer:
+    def __init__(self, pipeline: PipelineConfig) -> None:
+        missing = [s.name for s in pipeline.stages if not s.address]
+        if missing:
+            raise ValueError(
+                f"stages without an address: {', '.join(missing)} (omni up fills them in)"
+            )
+        self.pipeline = pipeline
+        addresses = {s.name: s.address or "" for s in pipeline.stages}
+        self.clients = {name: StageClient(address) for name, address in addresses.items()}
+        settings = WatchdogSettings  # one per stage: budgets differ
+        self.monitors = {
+            s.name: StageMonitor(
+                StageTarget(
+                    s.name,
+                    addresses[s.name],
+                    settings(
+                        init_timeout_s=s.init_timeout_s,
+                        stall_timeout_s=s.download_stall_timeout_s,
+                        paused_phases=frozenset(pipeline.watchdog.paused_phases),
+                    ),
+                )
+            )
+            for s in pipeline.stages
+        }
+        self.router = Router(pipeline, self.clients, self._not_ready_reason)
+        self._health = health.aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._health_tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    def _not_ready_reason(self, stage: str) -> str | None:
+        status = self.monitors[stage].status
+        if status.state == orchestrator_pb2.STAGE_READY:
+            return None
+        state = orchestrator_pb2.StageState.Name(status.state)
+        return f"{state} ({status.message or stage_pb2.InitPhase.Name(status.phase)})"
+
+    def _on_change(self, status: orchestrator_pb2.StageStatus) -> None:
+        if status.state == orchestrator_pb2.STAGE_DOWN:
+            failed = self.router.stage_lost(
+                status.name,
+                f"stage {status.name} at {status.address} is unavailable: {status.message}",
+            )
+            if failed:
+                logger.warning(
+                    "stage %s went down: failed %d in-flight request(s)", status.name, failed
+                )
+        task = asyncio.create_task(self._update_health())
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+
+    async def _update_health(self) -> None:
+        ready = all(m.ready for m in self.monitors.values())
+        await self._health.set("", SERVING if ready else NOT_SERVING)
+        await self._health.set(ORCHESTRATOR_SERVICE, SERVING if ready else NOT_SERVING)
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_send_message_length", -1),
+                ("grpc.so_reuseport", 0),
+            ]
+        )
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(SERVICE_NAMES, server)
+        self.port = server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        await self._update_health()
+        await self._health.set(LIVENESS_SERVICE, SERVING)
+        await server.start()
+        self._server = server
+        for monitor in self.monitors.values():
+            monitor.on_change(self._on_change)
+            await monitor.start()
+        logger.info("orchestrator %s listening on %s:%d", self.pipeline.name, host, self.port)
+        return self.port
+
+    async def wait_ready(self, timeout_s: float | None = None) -> None:
+        await asyncio.wait_for(
+            asyncio.gather(*(m.wait_ready() for m in self.monitors.values())), timeout_s
+        )
+
+    async def wait(self) -> None:
+        assert self._server is not None, "start() first"
+        await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        await self.router.stop()
+        for monitor in self.monitors.values():
+            await monitor.stop()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        for client in self.clients.values():
+            await client.close()

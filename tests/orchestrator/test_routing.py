@@ -1,0 +1,210 @@
+"""Requests routed through real stage processes by a real orchestrator."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.client import Client, Result
+from services.mesh import tensors as codec
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.stage_client import StageClient
+from tests.orchestrator.conftest import RENDER_DIM, orchestrator, pipeline
+
+THINK_TO_RENDER = [
+    {"from": "thinker", "to": "renderer", "transform": "hidden_states_to_prompt_embeds"}
+]
+
+
+async def test_thinker_hidden_states_condition_the_renderer(stages) -> None:
+    config = pipeline(
+        stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"]
+    )
+    async with orchestrator(config) as (_server, client):
+        events = []
+        async for event in client.generate("Draw a cat.", params={"max_tokens": 6, "seed": 1}):
+            events.append(event)
+    result = Result()
+    for event in events:
+        result.add(event)
+    assert result.ok, result.done
+    kinds = [(e.stage, e.WhichOneof("kind")) for e in events]
+    # The thinker's events all come first (full trigger), then the renderer's, then Done.
+    last_thinker = max(i for i, (s, _) in enumerate(kinds) if s == "thinker")
+    first_renderer = min(i for i, (s, _) in enumerate(kinds) if s == "renderer")
+    assert last_thinker < first_renderer and kinds[-1] == ("", "done")
+    thinker = result.stages["thinker"]
+    assert len(thinker.token_ids) == 6 and thinker.completed is not None
+    hidden = codec.from_proto(codec.concat_raw(thinker.tensors["hidden_states"], "h"))
+    assert hidden.shape == (6, RENDER_DIM)  # asked for because the edge needs them
+    (image,) = result.stages["renderer"].tensors["image"]
+    assert codec.from_proto(image).dtype == torch.uint8 and list(image.shape)[-1] == 3
+
+
+async def test_windowed_edge_forwards_windows_in_order(stages) -> None:
+    edges = [{"from": "thinker", "to": "talker", "window": 3, "transform": "tokens"}]
+    config = pipeline(stages, ["thinker", "talker"], edges)
+    async with orchestrator(config) as (_server, client):
+        result = await client.generate(
+            "Hi", params={"max_tokens": 7, "seed": 2}, stage_params={"talker": {"max_tokens": 4}}
+        ).collect()
+    assert result.ok, result.done
+    assert list(result.stages) == ["talker"]  # default outputs: the leaves
+    assert len(result.stages["talker"].token_ids) == 4
+
+
+async def test_requests_pipeline_across_stages(stages) -> None:
+    edges = [{"from": "thinker", "to": "talker", "transform": "tokens"}]
+    config = pipeline(stages, ["thinker", "talker"], edges, outputs=["thinker", "talker"])
+    params = {"max_tokens": 48, "seed": 3}
+    talker = {"talker": {"max_tokens": 48, "seed": 3}}
+    async with orchestrator(config) as (_server, client):
+        await client.generate("warm", params=params, stage_params=talker).collect()
+        began = time.monotonic()
+        await client.generate("one", params=params, stage_params=talker).collect()
+        one = time.monotonic() - began
+        done_at: dict[tuple[int, str], float] = {}
+
+        async def run(index: int) -> Result:
+            result = Result()
+            async for event in client.generate(f"r{index}", params=params, stage_params=talker):
+                result.add(event)
+                if event.WhichOneof("kind") == "completed":
+                    done_at[(index, event.stage)] = time.monotonic()
+            return result
+
+        began = time.monotonic()
+        results = await asyncio.gather(*(run(i) for i in range(4)))
+        total = time.monotonic() - began
+    assert all(r.ok for r in results)
+    # Some request's thinker finished while an earlier one was still in the talker:
+    # different requests occupied different stages at once.
+    assert any(
+        done_at[(j, "thinker")] < done_at[(i, "talker")]
+        for i in range(4)
+        for j in range(4)
+        if j != i
+    )
+    assert total < 0.85 * 4 * one, f"4 requests took {total:.2f}s, one took {one:.2f}s"
+
+
+async def test_abort_reaches_every_stage_and_the_client_gets_a_final_status(stages) -> None:
+    edges = [{"from": "thinker", "to": "talker", "window": 1, "transform": "tokens"}]
+    config = pipeline(stages, ["thinker", "talker"], edges, outputs=["thinker", "talker"])
+    async with orchestrator(config) as (_server, client):
+        stream = client.generate(
+            "Go on", params={"max_tokens": 2000, "seed": 4}, request_id="long"
+        ).__aiter__()
+        result = Result()
+        while "thinker" not in result.stages:
+            result.add(await stream.__anext__())
+        reply = await client.abort("long", "nobody")
+        assert list(reply.aborted) == ["long"] and list(reply.not_found) == ["nobody"]
+        async for event in stream:
+            result.add(event)
+    assert result.done.code_name == "CANCELLED" and "aborted" in result.done.message
+    assert 0 < len(result.stages["thinker"].token_ids) < 2000
+    for name in ("thinker", "talker"):  # neither stage still holds the request
+        async with StageClient(stages.addresses[name]) as stage:
+            assert list((await stage.abort("long")).not_found) == ["long"]
+
+
+async def test_client_disconnect_cancels_the_request_on_the_stages(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (server, client):
+        call = client.stub.Generate(
+            orchestrator_pb2.GenerateRequest(
+                request_id="gone",
+                inputs=stage_pb2.StageInputs(text="Hello"),
+                params=stage_pb2.GenerationParams(max_tokens=2000),
+            )
+        )
+        await call.read()
+        call.cancel()
+        for _ in range(100):
+            if server.router.in_flight == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert server.router.in_flight == 0
+        async with StageClient(stages.addresses["thinker"]) as stage:
+            assert list((await stage.abort("gone")).not_found) == ["gone"]
+
+
+async def test_pause_holds_new_requests_until_resume(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (_server, client):
+        await client.pause()
+        pending = asyncio.ensure_future(client.generate("Hi", params={"max_tokens": 2}).collect())
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        await client.resume()
+        assert (await asyncio.wait_for(pending, 30)).ok
+
+
+async def test_bad_requests_are_refused_by_name(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (_server, client):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate("Hi", stage_params={"nobody": {"max_tokens": 1}}).collect()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stage_params: unknown stage 'nobody'" in err.value.details()
+        # A client may not hand the mesh a shared-memory ref: it names mesh memory.
+        ref = stage_pb2.StageInputs(text="x")
+        ref.tensors.add(name="prompt_embeds", dtype="float32", shape=[1]).shm.name = "omni-x-1-1"
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(inputs=ref).collect()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "inputs.tensors[0]: tensor refs are only accepted from inside the mesh" in (
+            err.value.details()
+        )
+        # A per-stage error ends the request with the stage's code, naming the stage.
+        result = await client.generate("Hi", params={"max_tokens": -3}).collect()
+        assert result.done.code_name == "INVALID_ARGUMENT" and result.done.stage == "thinker"
+        assert "params.max_tokens" in result.done.message
+        assert (await client.generate("Hi", params={"max_tokens": 2}).collect()).ok
+
+
+async def test_list_watch_health_and_the_sync_client(stages) -> None:
+    config = pipeline(stages, ["thinker", "renderer"], THINK_TO_RENDER)
+    async with orchestrator(config) as (server, client):
+        listed = await client.list_stages()
+        assert {s.name: s.state for s in listed} == {
+            "thinker": orchestrator_pb2.STAGE_READY,
+            "renderer": orchestrator_pb2.STAGE_READY,
+        }
+        watch = client.watch_stages()
+        first = [await watch.read() for _ in range(2)]
+        watch.cancel()
+        assert {s.name for s in first} == {"thinker", "renderer"}
+        health = health_pb2_grpc.HealthStub(client.channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service="omni.v1.Orchestrator"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        def sync_call() -> Result:
+            with Client(f"127.0.0.1:{server.port}") as sync:
+                assert len(sync.list_stages()) == 2
+                return sync.collect("Paint.", params={"max_tokens": 3})
+
+        result = await asyncio.to_thread(sync_call)
+        assert result.ok and "image" in result.stages["renderer"].tensors
+
+
+async def test_generate_stream_takes_input_windows(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (_server, client):
+        call = client.stub.GenerateStream()
+        for seq, (text, last) in enumerate([("Hello ", False), ("there", True)]):
+            submit = stage_pb2.Submit(request_id="w", sequence=seq, is_last=last)
+            submit.inputs.text = text
+            submit.params.max_tokens = 3
+            await call.write(stage_pb2.StageInput(submit=submit))
+        await call.done_writing()
+        result = Result()
+        while (event := await call.read()) is not grpc.aio.EOF:
+            result.add(event)
+    assert result.ok and len(result.stages["thinker"].token_ids) == 3
