@@ -35,6 +35,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--pipeline", required=True, type=Path, help="the pipeline file (YAML)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=50050, help="0 picks a free port")
+    up = commands.add_parser("up", help="start every stage and the orchestrator on this machine")
+    up.add_argument(
+        "pipeline", nargs="?", type=Path, help="default: examples/pipelines/default.yaml"
+    )
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50050, help="the orchestrator's; 0 picks one")
+    up.add_argument("--run-dir", type=Path, help="where stage logs go (default: a temp dir)")
+    up.add_argument("--prompt", help="answer this prompt once ready, then stop everything")
+    up.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
+    up.add_argument("--max-tokens", type=int, help="for the entry stage")
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
     gen.add_argument("prompt")
     gen.add_argument("--address", default=os.environ.get("OMNI_ADDRESS", DEFAULT_ADDRESS))
@@ -59,9 +69,32 @@ def main(argv: list[str] | None = None) -> int:
         from orchestrator.commands import serve_orchestrator
 
         return serve_orchestrator(args.pipeline, args.host, args.port)
+    if args.command == "up":
+        from orchestrator.commands import default_pipeline, up
+
+        return asyncio.run(
+            up(
+                args.pipeline or default_pipeline(),
+                host=args.host,
+                port=args.port,
+                run_dir=args.run_dir,
+                prompt=args.prompt,
+                out=args.out,
+                max_tokens=args.max_tokens,
+            )
+        )
     from orchestrator.commands import generate
 
-    return asyncio.run(generate(args))
+    return asyncio.run(
+        generate(
+            args.address,
+            args.prompt,
+            args.out,
+            request_id=args.request_id,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
 from orchestrator.stage_process import StageProcess
 from services.mesh.config_files import ConfigError
-from services.mesh.pb.omni.v1 import stage_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -93,35 +94,122 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
     return asyncio.run(serve())
 
 
-async def generate(args: argparse.Namespace) -> int:
+async def generate(
+    address: str,
+    prompt: str,
+    out: Path,
+    *,
+    request_id: str = "",
+    max_tokens: int | None = None,
+    seed: int | None = None,
+) -> int:
     """omni generate: stream the output stages' text; save tensors and images."""
-    request_id = args.request_id or uuid.uuid4().hex[:12]
+    request_id = request_id or uuid.uuid4().hex[:12]
     params: dict[str, object] = {}
-    if args.max_tokens is not None:
-        params["max_tokens"] = args.max_tokens
-    if args.seed is not None:
-        params["seed"] = args.seed
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    if seed is not None:
+        params["seed"] = seed
     result = Result()
-    async with AsyncClient(args.address) as client:
-        last_stage = ""
-        async for event in client.generate(args.prompt, params=params, request_id=request_id):
+    async with AsyncClient(address) as client:
+        line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
+        async for event in client.generate(prompt, params=params, request_id=request_id):
             result.add(event)
             kind = event.WhichOneof("kind")
             if kind == "segment" and event.segment.text_delta:
-                if event.stage != last_stage:
-                    prefix = "\n" if last_stage else ""
-                    print(f"{prefix}[{event.stage}] ", end="", file=sys.stderr, flush=True)
-                    last_stage = event.stage
+                if line != f"text:{event.stage}":
+                    if line:
+                        print(flush=True)
+                    print(f"[{event.stage}] ", end="", file=sys.stderr, flush=True)
+                    line = f"text:{event.stage}"
                 print(event.segment.text_delta, end="", flush=True)
             elif kind == "progress":
+                if line.startswith("text:"):
+                    print(flush=True)
                 p = event.progress
-                print(f"\r[{event.stage}] step {p.step}/{p.total_steps}", end="", file=sys.stderr)
+                step = f"[{event.stage}] step {p.step}/{p.total_steps}"
+                print(f"\r{step}", end="", file=sys.stderr, flush=True)
+                line = "progress"
     print()
     done = result.done
     if done is None or done.code != 0:
         what = f"{done.code_name}: {done.message}" if done else "the stream ended without a status"
         print(f"error: {what}", file=sys.stderr)
         return 1
-    for path in save_outputs(result, request_id, args.out):
+    for path in save_outputs(result, request_id, out):
         print(f"saved {path}", file=sys.stderr)
     return 0
+
+
+def default_pipeline() -> Path:
+    """examples/pipelines/default.yaml of the working directory, else of this checkout."""
+    relative = Path("examples/pipelines/default.yaml")
+    if relative.is_file():
+        return relative
+    return Path(__file__).resolve().parents[1] / relative
+
+
+async def up(
+    pipeline_path: Path,
+    *,
+    host: str,
+    port: int,
+    run_dir: Path | None,
+    prompt: str | None,
+    out: Path,
+    max_tokens: int | None,
+) -> int:
+    """omni up: start every stage and the orchestrator, show progress until ready;
+    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT."""
+    from orchestrator.launcher import Launcher, default_mesh_id
+    from orchestrator.pipeline import load_pipeline
+    from orchestrator.progress import ProgressView
+
+    try:
+        pipeline = load_pipeline(pipeline_path)
+    except ConfigError as exc:
+        print(f"omni up: {exc}", file=sys.stderr)
+        return 2
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
+    launcher = Launcher(pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    view = ProgressView(list(pipeline.names))
+    print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
+    began = time.monotonic()
+    try:
+        server = await launcher.start()
+        while True:
+            statuses = [m.status for m in server.monitors.values()]
+            for status in statuses:
+                view.update(status)
+            failed = [s for s in statuses if s.state == orchestrator_pb2.STAGE_FAILED]
+            if failed:
+                for status in failed:
+                    print(f"stage {status.name} failed: {status.message}", file=sys.stderr)
+                print(f"stage logs: {run_dir}", file=sys.stderr)
+                return 1
+            if all(s.state == orchestrator_pb2.STAGE_READY for s in statuses):
+                break
+            if stop.is_set():
+                return 0
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        for name, client in server.clients.items():
+            if (await client.describe()).load_format == "dummy":
+                print(
+                    f"note: stage {name} runs with dummy (random) weights; configure a real "
+                    "model in its stage file for meaningful output",
+                    file=sys.stderr,
+                )
+        elapsed = time.monotonic() - began
+        print(f"ready in {elapsed:.1f}s: orchestrator at {launcher.address}", flush=True)
+        if prompt is not None:
+            return await generate(launcher.address, prompt, out, max_tokens=max_tokens)
+        await stop.wait()
+        return 0
+    finally:
+        print("omni up: stopping", file=sys.stderr, flush=True)
+        await launcher.stop()

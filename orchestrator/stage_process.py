@@ -14,12 +14,23 @@ logger = logging.getLogger(__name__)
 
 
 class StageProcess:
-    """``python -m services.stage serve --config FILE --port 0`` as an owned child."""
+    """``python -m services.stage serve --config FILE --port N`` as an owned child
+    (port 0 picks a free one; a restart reuses the port it got)."""
 
-    def __init__(self, config: Path, *, host: str = "127.0.0.1", log: IO[bytes] | None = None):
+    def __init__(
+        self,
+        config: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        log: IO[bytes] | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.config = config
         self.host = host
+        self.port = port
         self._log = log
+        self._env = env or {}
         self._proc: asyncio.subprocess.Process | None = None
         self.address = ""
 
@@ -34,12 +45,12 @@ class StageProcess:
     async def start(self, timeout_s: float = 60.0) -> str:
         """Spawn the stage and return its address once it has bound its port."""
         cmd = [sys.executable, "-m", "services.stage", "serve", "--config", str(self.config)]
-        cmd += ["--host", self.host, "--port", "0"]
+        cmd += ["--host", self.host, "--port", str(self.port)]
         self._proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._log if self._log is not None else None,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **self._env},
         )
         assert self._proc.stdout is not None
         try:
@@ -54,7 +65,12 @@ class StageProcess:
             code = await self._proc.wait()
             raise RuntimeError(f"stage {self.config} exited with {code} before binding")
         self.address = text.removeprefix("listening ")
+        self.port = int(self.address.rsplit(":", 1)[1])
         return self.address
+
+    async def wait(self) -> int:
+        assert self._proc is not None, "start() first"
+        return await self._proc.wait()
 
     async def stop(self, grace_s: float = 10.0) -> int:
         """SIGTERM, wait up to grace (+ margin), then SIGKILL. Returns the exit code."""

@@ -1,0 +1,108 @@
+"""`omni up` as a user runs it: the default pipeline comes up, answers, survives a
+crashed stage, and leaves no process or shared-memory block behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+
+from orchestrator.client import AsyncClient, Result
+from services.mesh.pb.omni.v1 import orchestrator_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+OMNI = str(Path(sys.executable).parent / "omni")
+
+
+async def read_until(stream: asyncio.StreamReader, prefix: str, timeout_s: float) -> str:
+    async def scan() -> str:
+        while line := (await stream.readline()).decode():
+            if line.startswith(prefix):
+                return line.strip()
+        raise AssertionError(f"omni up ended before printing {prefix!r}")
+
+    return await asyncio.wait_for(scan(), timeout_s)
+
+
+def shm_blocks(mesh_id: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(f"omni-{mesh_id}-")]
+
+
+async def test_up_generates_recovers_from_a_crash_and_cleans_up(
+    tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
+) -> None:
+    up = await asyncio.create_subprocess_exec(
+        OMNI,
+        "up",
+        str(REPO / "examples/pipelines/default.yaml"),
+        "--port",
+        "0",
+        "--run-dir",
+        str(tmp_path / "run"),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "OMNI_CACHE_DIR": str(omni_cache_dir)},
+    )
+    children: list[psutil.Process] = []
+    try:
+        ready = await read_until(up.stdout, "ready in", 240)
+        address = ready.rsplit(" ", 1)[1]
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) == 2  # one process per stage; the orchestrator is omni up itself
+
+        out = tmp_path / "out"
+        generate = await asyncio.create_subprocess_exec(
+            OMNI,
+            "generate",
+            "What is the capital of France?",
+            "--address",
+            address,
+            "--out",
+            str(out),
+            "--request-id",
+            "paris",
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(generate.communicate(), 180)
+        assert generate.returncode == 0, stderr.decode()
+        assert "Paris" in stdout.decode()
+        image = out / "paris-renderer-image.png"
+        assert image.stat().st_size > 0
+
+        # A stage that crashes fails its in-flight request at once, naming it,
+        # and comes back (restarted by omni up on the same port).
+        thinker = next(p for p in children if "thinker" in " ".join(p.cmdline()))
+        async with AsyncClient(address) as client:
+            stream = client.generate(
+                "Write a long essay about rivers.", params={"max_tokens": 2000}
+            )
+            result = Result()
+            events = stream.__aiter__()
+            while "thinker" not in result.stages:
+                result.add(await events.__anext__())
+            thinker.kill()
+            async for event in events:
+                result.add(event)
+            assert result.done.code_name == "UNAVAILABLE" and result.done.stage == "thinker"
+            for _ in range(100):  # the monitor notices within a health poll
+                states = {s.name: s.state for s in await client.list_stages()}
+                if states["thinker"] != orchestrator_pb2.STAGE_READY:
+                    break
+                await asyncio.sleep(0.1)
+            await client.wait_ready(timeout_s=120)
+            again = await client.generate("Hi", params={"max_tokens": 4}).collect()
+            assert again.ok, again.done
+        children = [*psutil.Process(up.pid).children(recursive=True), thinker]
+    finally:
+        if up.returncode is None:
+            up.send_signal(signal.SIGTERM)
+        code = await asyncio.wait_for(up.wait(), 60)
+    assert code == 0
+    _gone, alive = psutil.wait_procs(children, timeout=10)
+    assert not alive, f"left running: {[p.pid for p in alive]}"
+    assert shm_blocks(f"up{up.pid}") == []
