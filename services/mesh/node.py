@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -31,8 +32,14 @@ def _gpu_uuids() -> list[str]:
 
     if not torch.cuda.is_available():
         return []
-    count = torch.cuda.device_count()
-    return [f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in range(count)]
+    return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of local CUDA device ``index`` as nvidia-smi and NodeIdentity spell it."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 
 @functools.cache
@@ -44,4 +51,50 @@ def node_identity() -> tensor_pb2.NodeIdentity:
         ipc_namespace=_namespace("ipc"),
         pid_namespace=_namespace("pid"),
         gpu_uuids=_gpu_uuids(),
+    )
+
+
+_MESH_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
+
+
+def mesh_id() -> str:
+    """This mesh instance's id ($OMNI_MESH_ID): the prefix of every shared block it owns."""
+    try:
+        return check_mesh_id(os.environ.get("OMNI_MESH_ID", "default"))
+    except ValueError as exc:
+        raise ValueError(f"OMNI_MESH_ID: {exc}") from None
+
+
+def check_mesh_id(value: str) -> str:
+    if not _MESH_ID.fullmatch(value):
+        raise ValueError(
+            f"mesh id {value!r}: expected 1-31 of a-z, 0-9 and '-', not starting with '-'"
+        )
+    return value
+
+
+def same_node(a: tensor_pb2.NodeIdentity, b: tensor_pb2.NodeIdentity) -> bool:
+    # An empty boot id means "unknown", never "equal": a ref to memory we cannot
+    # prove is ours would read another machine's block of the same name.
+    if not a.boot_id or a.boot_id != b.boot_id or a.hostname != b.hostname:
+        return False
+    if a.k8s_node_name and b.k8s_node_name:
+        return a.k8s_node_name == b.k8s_node_name
+    return True
+
+
+def same_ipc(a: tensor_pb2.NodeIdentity, b: tensor_pb2.NodeIdentity) -> bool:
+    """Whether ``b`` sees the /dev/shm and IPC objects ``a`` creates."""
+    return same_node(a, b) and bool(a.ipc_namespace) and a.ipc_namespace == b.ipc_namespace
+
+
+def shared_gpu(
+    producer: tensor_pb2.NodeIdentity, consumer: tensor_pb2.NodeIdentity, device_uuid: str
+) -> bool:
+    """Whether both processes, on one node, see the GPU ``device_uuid``."""
+    return (
+        bool(device_uuid)
+        and same_node(producer, consumer)
+        and device_uuid in producer.gpu_uuids
+        and device_uuid in consumer.gpu_uuids
     )

@@ -1,0 +1,143 @@
+"""Inline tensor bytes across several stream messages, so any size fits.
+
+gRPC clients refuse messages over 4 MiB by default; rather than ask every client
+to raise that limit, a large raw tensor travels as TensorChunk messages (each at
+most CHUNK_BYTES) followed by the message whose tensor says ``chunked``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import MutableSequence
+from dataclasses import dataclass, field
+
+from services.mesh.errors import InvalidArgument, ResourceExhausted
+from services.mesh.pb.omni.v1 import tensor_pb2
+
+CHUNK_BYTES = 1 << 20
+
+
+def split(
+    tensors: MutableSequence[tensor_pb2.Tensor], *, threshold: int = CHUNK_BYTES
+) -> list[tensor_pb2.TensorChunk]:
+    """Move the bytes of every raw tensor over ``threshold`` into chunks, in place.
+
+    Returns the chunks to send, in order, before the message holding ``tensors``.
+    """
+    if threshold <= 0:
+        raise ValueError(f"threshold must be positive, got {threshold}")
+    chunks: list[tensor_pb2.TensorChunk] = []
+    for tensor in tensors:
+        if tensor.WhichOneof("data") != "raw":
+            continue
+        raw = tensor.raw  # protobuf hands out a new copy per access: take it once
+        total = len(raw)
+        if total <= threshold:
+            continue
+        chunk_id = uuid.uuid4().hex
+        chunks += [
+            tensor_pb2.TensorChunk(
+                chunk_id=chunk_id, offset=start, data=raw[start : start + threshold], total=total
+            )
+            for start in range(0, total, threshold)
+        ]
+        tensor.chunked.CopyFrom(tensor_pb2.ChunkRef(chunk_id=chunk_id, nbytes=total))
+    return chunks
+
+
+@dataclass
+class _Pending:
+    total: int
+    received: int = 0
+    # Parts are joined once when resolved: appending to bytes would copy quadratically.
+    parts: list[bytes] = field(default_factory=list)
+
+
+class ChunkAssembler:
+    """Collects the chunks of one stream until the tensors referencing them arrive.
+
+    ``max_pending_bytes`` bounds the memory one stream can hold: a chunk whose
+    declared total would pass it is refused before anything is kept.
+    """
+
+    def __init__(self, max_pending_bytes: int) -> None:
+        self.max_pending_bytes = max_pending_bytes
+        self._pending: dict[str, _Pending] = {}
+
+    @property
+    def pending_bytes(self) -> int:
+        # Declared totals, not bytes received: the reservation is made at the first chunk.
+        return sum(p.total for p in self._pending.values())
+
+    def add(self, chunk: tensor_pb2.TensorChunk) -> None:
+        data = chunk.data
+        if not chunk.chunk_id:
+            raise InvalidArgument("chunk.chunk_id: missing", field="chunk")
+        pending = self._pending.get(chunk.chunk_id)
+        if pending is None:
+            if chunk.offset != 0:
+                raise InvalidArgument(
+                    f"chunk: {chunk.chunk_id} starts at offset {chunk.offset}, expected 0 "
+                    "(chunks arrive in order)",
+                    field="chunk",
+                )
+            if self.pending_bytes + chunk.total > self.max_pending_bytes:
+                raise ResourceExhausted(
+                    f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
+                    f"holds {self.pending_bytes} of at most {self.max_pending_bytes}"
+                )
+            pending = self._pending[chunk.chunk_id] = _Pending(chunk.total)
+        elif chunk.offset != pending.received:
+            raise InvalidArgument(
+                f"chunk: {chunk.chunk_id} offset {chunk.offset}, expected {pending.received} "
+                "(chunks arrive in order, each once)",
+                field="chunk",
+            )
+        if chunk.total != pending.total:
+            raise InvalidArgument(
+                f"chunk: {chunk.chunk_id} total {chunk.total} after {pending.total}", field="chunk"
+            )
+        if pending.received + len(data) > pending.total:
+            raise InvalidArgument(
+                f"chunk: {chunk.chunk_id} runs past its total of {pending.total} bytes",
+                field="chunk",
+            )
+        pending.parts.append(data)
+        pending.received += len(data)
+
+    def resolve(self, tensors: MutableSequence[tensor_pb2.Tensor], field: str) -> None:
+        """Turn every ``chunked`` tensor into raw bytes, in place, and free its chunks.
+
+        All refs are checked before any tensor changes, so an error leaves
+        ``tensors`` as it was.
+        """
+        ready: list[tuple[tensor_pb2.Tensor, str]] = []
+        for i, tensor in enumerate(tensors):
+            if tensor.WhichOneof("data") != "chunked":
+                continue
+            ref = tensor.chunked
+            if any(chunk_id == ref.chunk_id for _, chunk_id in ready):
+                raise InvalidArgument(
+                    f"{field}[{i}].chunked: {ref.chunk_id!r} is referenced twice",
+                    field=f"{field}[{i}]",
+                )
+            pending = self._pending.get(ref.chunk_id)
+            if pending is None or pending.received != pending.total:
+                got = "no chunks" if pending is None else f"{pending.received} of {pending.total}"
+                raise InvalidArgument(
+                    f"{field}[{i}].chunked: chunks of {ref.chunk_id!r} are incomplete ({got} "
+                    "bytes); they must arrive before the message that refers to them",
+                    field=f"{field}[{i}]",
+                )
+            if ref.nbytes != pending.total:
+                raise InvalidArgument(
+                    f"{field}[{i}].chunked: nbytes {ref.nbytes} but its chunks hold "
+                    f"{pending.total}",
+                    field=f"{field}[{i}]",
+                )
+            ready.append((tensor, ref.chunk_id))
+        for tensor, chunk_id in ready:
+            tensor.raw = b"".join(self._pending.pop(chunk_id).parts)
+
+    def discard_all(self) -> None:
+        self._pending.clear()

@@ -1,0 +1,218 @@
+"""The cheapest way a tensor can reach its consumer, and both ends of each way.
+
+    cuda_ipc  a GPU tensor, consumer on the same node, IPC and PID namespace,
+              seeing the same GPU: no copy at all
+    shm       a CPU tensor (or a GPU tensor the consumer cannot map, copied to
+              host) on the same node and IPC namespace: one copy
+    raw       anything else, and anything under ``inline_max_bytes``, where a
+              ref's bookkeeping costs more than the bytes
+
+Every step down from the best transport for a tensor is a fallback: counted by
+reason, and logged once per reason so a misplaced stage shows up in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from services.mesh import tensors
+from services.mesh.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
+from services.mesh.errors import InvalidArgument, ResourceExhausted
+from services.mesh.node import check_mesh_id, node_identity, same_ipc, same_node, shared_gpu
+from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor
+
+logger = logging.getLogger(__name__)
+
+RAW, SHM, CUDA_IPC = "raw", "shm", "cuda_ipc"
+# Reasons that are the best a tensor can get; every other reason is a fallback.
+_BEST = frozenset({"small", "same gpu", "same ipc namespace"})
+
+
+@dataclass(frozen=True)
+class TransportPolicy:
+    inline_max_bytes: int = 64 << 10
+    shm: bool = True
+    cuda_ipc: bool = True
+
+
+def choose(
+    tensor: torch.Tensor,
+    producer: tensor_pb2.NodeIdentity,
+    consumer: tensor_pb2.NodeIdentity | None,
+    policy: TransportPolicy,
+) -> tuple[str, str]:
+    """(transport, reason) for sending ``tensor`` from ``producer`` to ``consumer``."""
+    if tensor.numel() * tensor.element_size() < policy.inline_max_bytes:
+        return RAW, "small"
+    if consumer is None:
+        return RAW, "consumer unknown"
+    not_gpu = ""
+    if tensor.is_cuda:
+        not_gpu = _cuda_obstacle(tensor, producer, consumer, policy)
+        if not not_gpu:
+            return CUDA_IPC, "same gpu"
+    if not same_node(producer, consumer):
+        return RAW, "other node"
+    if not same_ipc(producer, consumer):
+        return RAW, "other ipc namespace"
+    if not policy.shm:
+        return RAW, "shm disabled"
+    return SHM, not_gpu or "same ipc namespace"
+
+
+def _cuda_obstacle(
+    tensor: torch.Tensor,
+    producer: tensor_pb2.NodeIdentity,
+    consumer: tensor_pb2.NodeIdentity,
+    policy: TransportPolicy,
+) -> str:
+    """Why CUDA IPC cannot carry ``tensor``, or "" when it can."""
+    if not policy.cuda_ipc:
+        return "cuda_ipc disabled"
+    index = tensor.device.index or 0
+    uuid = producer.gpu_uuids[index] if index < len(producer.gpu_uuids) else ""
+    if not same_node(producer, consumer):
+        return "other node"
+    if not shared_gpu(producer, consumer, uuid):
+        return "gpu not visible to consumer"
+    if not same_ipc(producer, consumer):
+        return "other ipc namespace"
+    if not producer.pid_namespace or producer.pid_namespace != consumer.pid_namespace:
+        return "other pid namespace"
+    return ""
+
+
+def release_name(msg: tensor_pb2.Tensor) -> str:
+    """What a consumer sends back in ReleaseTensors.names for ``msg`` ("" for inline)."""
+    kind = msg.WhichOneof("data")
+    if kind == SHM:
+        return msg.shm.name
+    if kind == CUDA_IPC:
+        return ref_name(msg.cuda_ipc)
+    return ""
+
+
+@dataclass
+class TransportStats:
+    tensors: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+
+class TensorSender:
+    """Encodes each tensor for its consumer by the cheapest transport it can open."""
+
+    def __init__(
+        self,
+        mesh_id: str,
+        policy: TransportPolicy,
+        *,
+        shm: ShmProducer | None,
+        cuda: CudaIpcProducer | None,
+    ) -> None:
+        check_mesh_id(mesh_id)
+        if shm is not None and shm.mesh_id != mesh_id:
+            raise ValueError(f"shm producer is for mesh {shm.mesh_id!r}, not {mesh_id!r}")
+        self.mesh_id = mesh_id
+        # A missing producer is the same as a transport switched off.
+        self.policy = replace(
+            policy,
+            shm=policy.shm and shm is not None,
+            cuda_ipc=policy.cuda_ipc and cuda is not None,
+        )
+        self._shm = shm
+        self._cuda = cuda
+        self._lock = threading.Lock()
+        self._stats = TransportStats()
+
+    @property
+    def stats(self) -> TransportStats:
+        with self._lock:
+            s = self._stats
+            return TransportStats(dict(s.tensors), dict(s.bytes), dict(s.fallbacks))
+
+    def encode(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        owner: str,
+        consumer: tensor_pb2.NodeIdentity | None,
+    ) -> tensor_pb2.Tensor:
+        """``tensor`` as a message for ``consumer``; shared blocks belong to request ``owner``."""
+        kind, reason = choose(tensor, node_identity(), consumer, self.policy)
+        msg: tensor_pb2.Tensor | None = None
+        if kind == CUDA_IPC and self._cuda is not None:
+            msg = self._cuda.share(tensor, owner)
+        elif kind == SHM and self._shm is not None:
+            try:
+                msg = self._shm.put(tensor, owner)
+            except ResourceExhausted:
+                kind, reason = RAW, "shm full"
+        if msg is None:
+            msg = tensors.to_proto(tensor, name)
+        msg.name = name
+        self._count(kind, reason, tensor.numel() * tensor.element_size(), name, owner)
+        return msg
+
+    def release(self, owner: str | None = None, names: Iterable[str] = ()) -> int:
+        """Free what ``owner`` holds and the blocks named (ReleaseTensors)."""
+        names = tuple(names)  # read by both producers
+        freed = 0
+        if self._shm is not None:
+            freed += self._shm.release(owner, names)
+        if self._cuda is not None:
+            freed += self._cuda.release(owner, names)
+        return freed
+
+    def _count(self, kind: str, reason: str, nbytes: int, name: str, owner: str) -> None:
+        with self._lock:
+            s = self._stats
+            s.tensors[kind] = s.tensors.get(kind, 0) + 1
+            s.bytes[kind] = s.bytes.get(kind, 0) + nbytes
+            if reason in _BEST:
+                return
+            first = reason not in s.fallbacks
+            s.fallbacks[reason] = s.fallbacks.get(reason, 0) + 1
+        if first:
+            logger.info(
+                "request %s: tensor %s (%s bytes) goes %s: %s (logged once per reason)",
+                owner,
+                name,
+                nbytes,
+                kind,
+                reason,
+            )
+
+
+class TensorReceiver:
+    """Decodes tensors of any transport; refs only from inside the mesh."""
+
+    def __init__(self, mesh_id: str, *, allow_refs: bool, root: Path = SHM_ROOT) -> None:
+        self.mesh_id = check_mesh_id(mesh_id)
+        self.allow_refs = allow_refs
+        self.root = root
+
+    def decode(self, msg: tensor_pb2.Tensor, field: str) -> torch.Tensor:
+        kind = msg.WhichOneof("data")
+        if kind in (SHM, CUDA_IPC) and not self.allow_refs:
+            raise InvalidArgument(
+                f"{field}: tensor refs are only accepted from inside the mesh", field=field
+            )
+        if kind == SHM:
+            return open_tensor(msg, mesh_id=self.mesh_id, field=field, root=self.root)
+        if kind == CUDA_IPC:
+            return open_cuda(msg, field=field)
+        if kind == "chunked":
+            raise InvalidArgument(
+                f"{field}: chunked tensor {msg.chunked.chunk_id!r} was not resolved (its "
+                "TensorChunk messages must come first on the same stream)",
+                field=field,
+            )
+        return tensors.from_proto(msg, field)
