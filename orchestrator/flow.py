@@ -15,13 +15,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
 
 import grpc
 
+from orchestrator.lanes import Lane
 from orchestrator.pipeline import Edge, PipelineConfig
 from orchestrator.sink import EventSink
-from orchestrator.windows import Window, WindowState
 from services.mesh.errors import OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.stage_client import StageClient
@@ -36,18 +35,6 @@ class StageFailed(OmniError):
         super().__init__(message)
         self.code = code
         self.stage = stage
-
-
-@dataclass
-class _Lane:
-    """One edge of one request: window state and the windows not yet sent on."""
-
-    edge: Edge
-    windows: WindowState
-    outbox: asyncio.Queue[Window | None] = field(default_factory=asyncio.Queue)
-    in_flight: int = 0  # items read from upstream, not yet written downstream
-    below_low: asyncio.Event = field(default_factory=asyncio.Event)
-    blocked_s: float = 0.0
 
 
 class RequestFlow:
@@ -69,7 +56,7 @@ class RequestFlow:
         self._params = stage_params
         self._clock = clock
         self._outputs = frozenset(pipeline.outputs)
-        self._lanes: dict[str, _Lane] = {}  # by downstream stage
+        self._lanes: dict[str, Lane] = {}  # by downstream stage
         self.active_stages: set[str] = set()
         self.blocked_s: dict[str, float] = {}
 
@@ -87,14 +74,14 @@ class RequestFlow:
             done.code, done.code_name = first.code.value[0], first.code.name
             done.message, done.stage = first.message, first.stage
         done.total_ms = (self._clock() - began) * 1e3
-        self.blocked_s = {name: lane.blocked_s for name, lane in self._lanes.items()}
+        for name, lane in self._lanes.items():
+            self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
         return done
 
-    def _lane(self, edge: Edge) -> _Lane:
+    def _lane(self, edge: Edge) -> Lane:
         lane = self._lanes.get(edge.to)
         if lane is None:
-            lane = self._lanes[edge.to] = _Lane(edge, WindowState(edge.window))
-            lane.below_low.set()
+            lane = self._lanes[edge.to] = Lane(edge, self._clock)
         return lane
 
     async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
@@ -116,7 +103,7 @@ class RequestFlow:
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
-        while (window := await lane.outbox.get()) is not None:
+        while (window := await lane.take()) is not None:
             submit = stage_pb2.Submit(
                 request_id=self.request_id,
                 sequence=window.sequence,
@@ -129,9 +116,7 @@ class RequestFlow:
             if params is not None:
                 submit.params.CopyFrom(params)
             yield submit
-            lane.in_flight -= _items(window)
-            if lane.in_flight <= edge.low_watermark:
-                lane.below_low.set()
+            lane.taken(window)
 
     async def _stage(self, stage: str) -> None:
         client = self._clients[stage]
@@ -173,29 +158,15 @@ class RequestFlow:
                 await self._sink.put(_event(stage, output))
             if kind == "segment":
                 for lane in lanes:
-                    await self._forward(lane, lane.windows.add(output.segment))
+                    await lane.put(lane.windows.add(output.segment))
             elif kind == "completed":
                 for lane in lanes:
-                    await self._forward(lane, lane.windows.finish())
-                    lane.outbox.put_nowait(None)
+                    await lane.put(lane.windows.finish())
+                    lane.close()
                 return
         raise StageFailed(
             stage, grpc.StatusCode.UNAVAILABLE, f"stage {stage} ended its stream before completing"
         )
-
-    async def _forward(self, lane: _Lane, windows: list[Window]) -> None:
-        for window in windows:
-            lane.in_flight += _items(window)
-            lane.outbox.put_nowait(window)
-        if lane.in_flight > lane.edge.high_watermark:
-            lane.below_low.clear()
-            began = self._clock()
-            await lane.below_low.wait()  # stop reading upstream: flow control holds it
-            lane.blocked_s += self._clock() - began
-
-
-def _items(window: Window) -> int:
-    return max(len(window.token_ids), 1)
 
 
 def _status(code: int) -> grpc.StatusCode:

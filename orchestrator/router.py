@@ -52,6 +52,8 @@ class Router:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.completed = 0
+        # Seconds upstream reads waited on each edge's high watermark ("a->b"), summed.
+        self.blocked_s: dict[str, float] = {}
 
     @property
     def in_flight(self) -> int:
@@ -88,6 +90,7 @@ class Router:
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
         rid = flow.request_id
         began = self._clock()
+        client_blocked = sink.blocked_s
         try:
             await self._resumed.wait()
             for stage in self._pipeline.order:
@@ -95,6 +98,10 @@ class Router:
                 if reason is not None:
                     raise _Refused(stage, f"stage {stage} is not ready: {reason}")
             done = await flow.run()
+            for edge, seconds in flow.blocked_s.items():
+                self.blocked_s[edge] = self.blocked_s.get(edge, 0.0) + seconds
+            waited = sink.blocked_s - client_blocked  # a slow client held the stages back
+            self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
         except _Refused as refused:
             done = _done(rid, grpc.StatusCode.UNAVAILABLE, refused.message, refused.stage)
         except asyncio.CancelledError:

@@ -58,7 +58,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         submit = stage_pb2.Submit(
             request_id=rid, inputs=request.inputs, params=request.params, is_last=True
         )
-        sink = EventSink()
+        sink = EventSink(*self._server.client_watermarks)
         self._router.start(rid, single(submit), dict(request.stage_params), sink)
         finished = False
         try:
@@ -76,7 +76,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         request_iterator: AsyncIterator[stage_pb2.StageInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        async for event in stream_requests(self._router, request_iterator):
+        watermarks = self._server.client_watermarks
+        async for event in stream_requests(self._router, request_iterator, watermarks):
             yield event
 
     async def Abort(
@@ -124,13 +125,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 
 class OrchestratorServer:
-    def __init__(self, pipeline: PipelineConfig) -> None:
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        *,
+        client_high_watermark: int = 256,
+        client_low_watermark: int = 64,
+    ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
             raise ValueError(
                 f"stages without an address: {', '.join(missing)} (omni up fills them in)"
             )
         self.pipeline = pipeline
+        # Events buffered per client stream before the stages are held back.
+        self.client_watermarks = (client_high_watermark, client_low_watermark)
         addresses = {s.name: s.address or "" for s in pipeline.stages}
         self.clients = {name: StageClient(address) for name, address in addresses.items()}
         settings = WatchdogSettings  # one per stage: budgets differ

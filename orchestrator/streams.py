@@ -44,7 +44,9 @@ def _refusal(request_id: str, error: OmniError) -> orchestrator_pb2.GenerateEven
 
 
 async def stream_requests(
-    router: Router, inputs: AsyncIterator[stage_pb2.StageInput]
+    router: Router,
+    inputs: AsyncIterator[stage_pb2.StageInput],
+    watermarks: tuple[int, int] = (256, 64),
 ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
     """GenerateStream: windows of several requests in, every request's events out.
 
@@ -52,7 +54,7 @@ async def stream_requests(
     the entry stage as they arrive. The stream ends when the client has
     half-closed and every request it started has had its Done.
     """
-    sink = EventSink()
+    sink = EventSink(*watermarks)
     feeds: dict[str, asyncio.Queue[stage_pb2.Submit | None]] = {}
     open_requests: set[str] = set()
     reading = True

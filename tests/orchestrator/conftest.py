@@ -84,8 +84,10 @@ def pipeline(stages: Stages, stage_names: list[str], edges: list[dict[str, Any]]
 
 
 @asynccontextmanager
-async def orchestrator(config) -> AsyncIterator[tuple[OrchestratorServer, AsyncClient]]:
-    server = OrchestratorServer(config)
+async def orchestrator(
+    config, **options: Any
+) -> AsyncIterator[tuple[OrchestratorServer, AsyncClient]]:
+    server = OrchestratorServer(config, **options)
     port = await server.start("127.0.0.1", 0)
     try:
         async with AsyncClient(f"127.0.0.1:{port}") as client:

@@ -65,9 +65,6 @@ async def test_requests_pipeline_across_stages(stages) -> None:
     talker = {"talker": {"max_tokens": 48, "seed": 3}}
     async with orchestrator(config) as (_server, client):
         await client.generate("warm", params=params, stage_params=talker).collect()
-        began = time.monotonic()
-        await client.generate("one", params=params, stage_params=talker).collect()
-        one = time.monotonic() - began
         done_at: dict[tuple[int, str], float] = {}
 
         async def run(index: int) -> Result:
@@ -78,19 +75,17 @@ async def test_requests_pipeline_across_stages(stages) -> None:
                     done_at[(index, event.stage)] = time.monotonic()
             return result
 
-        began = time.monotonic()
         results = await asyncio.gather(*(run(i) for i in range(4)))
-        total = time.monotonic() - began
     assert all(r.ok for r in results)
     # Some request's thinker finished while an earlier one was still in the talker:
-    # different requests occupied different stages at once.
+    # different requests occupied different stages at once. (How close this comes
+    # to the ideal pipeline is measured by benchmarks/mesh_overhead.py.)
     assert any(
         done_at[(j, "thinker")] < done_at[(i, "talker")]
         for i in range(4)
         for j in range(4)
         if j != i
     )
-    assert total < 0.85 * 4 * one, f"4 requests took {total:.2f}s, one took {one:.2f}s"
 
 
 async def test_abort_reaches_every_stage_and_the_client_gets_a_final_status(stages) -> None:
