@@ -63,13 +63,20 @@ class _Builder:
         by_name: dict[str, list[tensor_pb2.Tensor]] = {}
         for tensor in self.tensors:
             by_name.setdefault(tensor.name, []).append(tensor)
-        joined = tuple(codec.concat_raw(p, f"window.tensors.{n}") for n, p in by_name.items())
+        joined: list[tensor_pb2.Tensor] = []
+        for name, pieces in by_name.items():
+            if all(p.WhichOneof("data") in ("raw", None) for p in pieces):
+                joined.append(codec.concat_raw(pieces, f"window.tensors.{name}"))
+            else:
+                # Shared blocks cannot be joined without a copy: the pieces travel
+                # in order under one name and the consuming stage joins them.
+                joined.extend(pieces)
         return Window(
             sequence=sequence,
             is_last=is_last,
             token_ids=tuple(self.token_ids),
             text="".join(self.text),
-            tensors=joined,
+            tensors=tuple(joined),
             blobs=tuple(self.blobs),
         )
 
@@ -91,8 +98,16 @@ def _chunk(segment: stage_pb2.Segment) -> _Chunk:
 def _row_bytes(tensor: tensor_pb2.Tensor, rows: int) -> int:
     where = f"segment.tensors.{tensor.name}"
     nbytes = codec.nbytes_of(tensor, where)
-    # Only inline bytes can be cut into rows; refs are resolved before routing.
-    if tensor.WhichOneof("data") not in ("raw", None) or len(tensor.raw) != nbytes:
+    kind = tensor.WhichOneof("data")
+    if kind in ("shm", "cuda_ipc"):
+        ref = getattr(tensor, kind)
+        if ref.nbytes != nbytes:
+            raise InvalidArgument(
+                f"{where}: the {kind} ref holds {ref.nbytes} bytes, dtype and shape need {nbytes}",
+                field=where,
+            )
+        return nbytes // rows
+    if kind not in ("raw", None) or len(tensor.raw) != nbytes:
         raise InvalidArgument(
             f"{where}: expected {nbytes} inline bytes to split into {rows} rows, "
             f"got {len(tensor.raw)} ({tensor.WhichOneof('data') or 'no data'})",
@@ -102,8 +117,22 @@ def _row_bytes(tensor: tensor_pb2.Tensor, rows: int) -> int:
 
 
 def _rows(tensor: tensor_pb2.Tensor, row_bytes: int, start: int, count: int) -> tensor_pb2.Tensor:
-    raw = tensor.raw[start * row_bytes : (start + count) * row_bytes]
     shape = [count, *tensor.shape[1:]]
+    kind = tensor.WhichOneof("data")
+    if kind in ("shm", "cuda_ipc"):
+        # A ref's rows are a narrower view of the same block: no bytes move.
+        piece = tensor_pb2.Tensor()
+        piece.CopyFrom(tensor)
+        del piece.shape[:]
+        piece.shape.extend(shape)
+        if kind == "shm":
+            piece.shm.offset += start * row_bytes
+            piece.shm.nbytes = count * row_bytes
+        else:  # the storage offset identifies the allocation; views move view_offset
+            piece.cuda_ipc.view_offset += start * row_bytes
+            piece.cuda_ipc.nbytes = count * row_bytes
+        return piece
+    raw = tensor.raw[start * row_bytes : (start + count) * row_bytes]
     return tensor_pb2.Tensor(name=tensor.name, dtype=tensor.dtype, shape=shape, raw=raw)
 
 

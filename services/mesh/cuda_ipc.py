@@ -100,7 +100,7 @@ def open_cuda(msg: tensor_pb2.Tensor, *, field: str) -> torch.Tensor:
     where = f"{field}.cuda_ipc"
     expected = tensors.nbytes_of(msg, field)
     dtype = tensors.DTYPES[msg.dtype]
-    if ref.nbytes != expected or ref.nbytes > ref.storage_nbytes:
+    if ref.nbytes != expected or ref.view_offset + ref.nbytes > ref.storage_nbytes:
         raise InvalidArgument(
             f"{where}.nbytes: dtype {msg.dtype} and shape {list(msg.shape)} need {expected} "
             f"bytes, the ref says {ref.nbytes} in a storage of {ref.storage_nbytes}",
@@ -130,7 +130,7 @@ def open_cuda(msg: tensor_pb2.Tensor, *, field: str) -> torch.Tensor:
         torch.Tensor,
         shape,
         stride,
-        0,
+        ref.view_offset // dtype.itemsize,
         torch.storage.TypedStorage,
         dtype,
         index,

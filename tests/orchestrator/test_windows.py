@@ -168,3 +168,32 @@ def test_misuse_is_refused() -> None:
         state.add(segment([1]))
     with pytest.raises(RuntimeError):
         state.finish()
+
+
+def _shm_segment(rows: int, name: str = "omni-default-1-1") -> stage_pb2.Segment:
+    segment = stage_pb2.Segment(request_id="r", token_ids=list(range(rows)))
+    tensor = segment.tensors.add(name="hidden_states", dtype="float32", shape=[rows, 2])
+    tensor.shm.name = name
+    tensor.shm.nbytes = rows * 8
+    return segment
+
+
+def test_shm_rows_are_split_as_narrower_views_of_the_same_block() -> None:
+    state = WindowState(1)
+    windows = state.add(_shm_segment(3))
+    refs = [w.tensors[0].shm for w in windows]
+    assert [(r.name, r.offset, r.nbytes) for r in refs] == [
+        ("omni-default-1-1", 0, 8),
+        ("omni-default-1-1", 8, 8),
+        ("omni-default-1-1", 16, 8),
+    ]
+    assert all(list(w.tensors[0].shape) == [1, 2] for w in windows)
+
+
+def test_refs_are_not_joined_but_travel_as_ordered_pieces() -> None:
+    state = WindowState(-1)
+    state.add(_shm_segment(2, "omni-default-1-1"))
+    state.add(_shm_segment(1, "omni-default-1-2"))
+    (window,) = state.finish()
+    assert [t.shm.name for t in window.tensors] == ["omni-default-1-1", "omni-default-1-2"]
+    assert [t.name for t in window.tensors] == ["hidden_states", "hidden_states"]

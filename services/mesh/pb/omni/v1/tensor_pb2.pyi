@@ -36,7 +36,7 @@ class ShmRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ...) -> None: ...
 
 class CudaIpcRef(_message.Message):
-    __slots__ = ("handle", "device_uuid", "offset", "nbytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storage_nbytes", "producer")
+    __slots__ = ("handle", "device_uuid", "offset", "nbytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required", "storage_nbytes", "producer", "view_offset")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class CudaIpcRef(_message.Message):
     EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
     STORAGE_NBYTES_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_OFFSET_FIELD_NUMBER: _ClassVar[int]
     handle: bytes
     device_uuid: str
     offset: int
@@ -57,7 +58,8 @@ class CudaIpcRef(_message.Message):
     event_sync_required: bool
     storage_nbytes: int
     producer: NodeIdentity
-    def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., storage_nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ...) -> None: ...
+    view_offset: int
+    def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., storage_nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ..., view_offset: _Optional[int] = ...) -> None: ...
 
 class ChunkRef(_message.Message):
     __slots__ = ("chunk_id", "nbytes")
