@@ -19,10 +19,12 @@ from typing import Any
 import grpc
 from google.protobuf import json_format
 
+from services.mesh.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.stage_client import CHANNEL_OPTIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
+MAX_CHUNKED_BYTES = 16 << 30
 Params = stage_pb2.GenerationParams | Mapping[str, Any] | None
 
 
@@ -44,6 +46,8 @@ class Result:
 
     stages: dict[str, StageResult] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
+    # Tensors too large for one message arrive as chunks before their segment.
+    _chunks: ChunkAssembler = field(default_factory=lambda: ChunkAssembler(MAX_CHUNKED_BYTES))
 
     @property
     def ok(self) -> bool:
@@ -54,9 +58,13 @@ class Result:
         if kind == "done":
             self.done = event.done
             return
+        if kind == "chunk":
+            self._chunks.add(event.chunk)
+            return
         stage = self.stages.setdefault(event.stage, StageResult())
         if kind == "segment":
             seg = event.segment
+            self._chunks.resolve(seg.tensors, "segment.tensors")
             stage.text += seg.text_delta
             stage.token_ids.extend(seg.token_ids)
             for tensor in seg.tensors:

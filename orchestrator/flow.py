@@ -21,11 +21,19 @@ import grpc
 from orchestrator.lanes import Lane
 from orchestrator.pipeline import Edge, PipelineConfig
 from orchestrator.sink import EventSink
+from services.mesh import chunks
+from services.mesh import tensors as codec
+from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError, Unavailable
-from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from services.mesh.stage_client import StageClient
+from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
+
+# Where each stage runs, once known (its Describe): None = unknown, send bytes.
+Identity = Callable[[str], tensor_pb2.NodeIdentity | None]
+MAX_CHUNKED_BYTES = 4 << 30  # a chunked tensor larger than this from a stage is refused
 
 
 class StageFailed(OmniError):
@@ -47,6 +55,10 @@ class RequestFlow:
         entry_inputs: AsyncIterator[stage_pb2.Submit],
         stage_params: Mapping[str, stage_pb2.GenerationParams],
         clock: Callable[[], float] = time.monotonic,
+        *,
+        identity: Identity = lambda _stage: None,
+        receiver: TensorReceiver | None = None,
+        chunk_bytes: int = chunks.CHUNK_BYTES,
     ) -> None:
         self.request_id = request_id
         self._pipeline = pipeline
@@ -57,8 +69,14 @@ class RequestFlow:
         self._clock = clock
         self._outputs = frozenset(pipeline.outputs)
         self._lanes: dict[str, Lane] = {}  # by downstream stage
+        self._identity = identity
+        self._chunk_bytes = chunk_bytes
+        self._receiver = receiver
+        self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
+        self.shared_from: set[str] = set()  # stages that may have handed over shared blocks
         self.active_stages: set[str] = set()
         self.blocked_s: dict[str, float] = {}
+        self.bytes_in: dict[str, int] = {}  # wire bytes read from each stage
 
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
@@ -86,12 +104,17 @@ class RequestFlow:
 
     async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
         # A stage whose consumers condition on its hidden states must emit them.
-        hidden = any(
-            e.transform == "hidden_states_to_prompt_embeds" for e in self._pipeline.children(stage)
-        )
+        children = self._pipeline.children(stage)
+        hidden = any(e.transform == "hidden_states_to_prompt_embeds" for e in children)
+        # One consumer on this node that can open shared blocks: tensors go by ref.
+        consumer = self._identity(children[0].to) if len(children) == 1 else None
         async for submit in self._submits(stage):
+            self._client_hidden.setdefault(stage, submit.params.return_hidden_states)
             if hidden:
                 submit.params.return_hidden_states = True
+            if consumer is not None:
+                submit.consumer.CopyFrom(consumer)
+                self.shared_from.add(stage)
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
@@ -142,20 +165,29 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
+            for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
+                await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))
         await call.done_writing()
 
     async def _read(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         lanes = [self._lane(edge) for edge in self._pipeline.children(stage)]
         is_output = stage in self._outputs
+        assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
         while (output := await call.read()) is not grpc.aio.EOF:
+            self.bytes_in[stage] = self.bytes_in.get(stage, 0) + output.ByteSize()
             kind = output.WhichOneof("kind")
+            if kind == "chunk":
+                assembler.add(output.chunk)
+                continue
             if kind == "error":
                 error = output.error
                 code = _status(error.code)
                 raise StageFailed(stage, code, f"stage {stage}: {error.code_name}: {error.message}")
+            if kind == "segment":
+                assembler.resolve(output.segment.tensors, "segment.tensors")
             if is_output:
-                await self._sink.put(_event(stage, output))
+                await self._to_client(stage, output)
             if kind == "segment":
                 for lane in lanes:
                     await lane.put(lane.windows.add(output.segment))
@@ -167,6 +199,41 @@ class RequestFlow:
         raise StageFailed(
             stage, grpc.StatusCode.UNAVAILABLE, f"stage {stage} ended its stream before completing"
         )
+
+    async def _to_client(self, stage: str, output: stage_pb2.StageOutput) -> None:
+        event = _event(stage, output)
+        if event.WhichOneof("kind") == "segment":
+            tensors = event.segment.tensors
+            if not self._client_hidden.get(stage, False):
+                # Asked for by an edge, not by the client: they are not its to see.
+                kept = [t for t in tensors if t.name != "hidden_states"]
+                del tensors[:]
+                tensors.extend(kept)
+            for index, tensor in enumerate(tensors):
+                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._receiver:
+                    # Clients get bytes: a ref names memory of a mesh process.
+                    opened = self._receiver.decode(tensor, f"segment.tensors[{index}]")
+                    tensors[index].CopyFrom(codec.to_proto(opened, tensor.name))
+            for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
+                await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
+        await self._sink.put(event)
+
+    async def release_shared(self) -> None:
+        """Tell the stages that handed over shared blocks that the request is over."""
+        request = stage_pb2.ReleaseTensorsRequest(request_id=self.request_id)
+
+        async def release(stage: str) -> None:
+            try:
+                await self._clients[stage].stub.ReleaseTensors(request, timeout=5.0)
+            except grpc.aio.AioRpcError as exc:  # its TTL frees them
+                logger.info(
+                    "request %s: release on stage %s failed: %s",
+                    self.request_id,
+                    stage,
+                    exc.code().name,
+                )
+
+        await asyncio.gather(*(release(stage) for stage in self.shared_from))
 
 
 def _status(code: int) -> grpc.StatusCode:

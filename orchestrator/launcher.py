@@ -76,7 +76,7 @@ class Launcher:
         for name, launched in self._stages.items():
             logger.info("stage %s: pid %d on %s", name, launched.process.pid, addresses[name])
         pipeline = self.pipeline.with_addresses(addresses)
-        self.server = OrchestratorServer(pipeline)
+        self.server = OrchestratorServer(pipeline, mesh=self.mesh_id)
         self.port = await self.server.start(self.host, self.port)
         for launched in self._stages.values():
             launched.supervisor = asyncio.create_task(self._supervise(launched))

@@ -9,17 +9,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.flow import RequestFlow
+from orchestrator.flow import Identity, RequestFlow
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.sink import EventSink
+from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import InvalidArgument, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.stage_client import StageClient
+from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +46,21 @@ class Router:
         clients: Mapping[str, StageClient],
         readiness: Readiness,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        identity: Identity = lambda _stage: None,
+        receiver: TensorReceiver | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self._pipeline = pipeline
         self._clients = clients
         self._readiness = readiness
         self._clock = clock
+        self._identity = identity
+        self._receiver = receiver
+        self._chunk_bytes = chunk_bytes
+        self._background: set[asyncio.Task[None]] = set()
+        # What recent requests moved: wire bytes read from each stage, by request id.
+        self.recent_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
         self._running: dict[str, _Running] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -82,7 +95,16 @@ class Router:
                 f"request_id: {request_id!r} is already in flight", field="request_id"
             )
         flow = RequestFlow(
-            request_id, self._pipeline, self._clients, sink, entry_inputs, stage_params, self._clock
+            request_id,
+            self._pipeline,
+            self._clients,
+            sink,
+            entry_inputs,
+            stage_params,
+            self._clock,
+            identity=self._identity,
+            receiver=self._receiver,
+            chunk_bytes=self._chunk_bytes,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
         self._running[request_id] = _Running(flow, task)
@@ -111,6 +133,7 @@ class Router:
             done = _done(rid, running.cancel_code, running.cancel_message, running.cancel_stage)
         finally:
             self._running.pop(rid, None)
+            self._after(flow)
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
         level = logging.INFO if done.code == 0 else logging.WARNING
@@ -123,6 +146,15 @@ class Router:
             done.message,
         )
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
+
+    def _after(self, flow: RequestFlow) -> None:
+        self.recent_bytes[flow.request_id] = dict(flow.bytes_in)
+        while len(self.recent_bytes) > 256:
+            self.recent_bytes.popitem(last=False)
+        if flow.shared_from:  # in the background: the client need not wait for it
+            task = asyncio.create_task(flow.release_shared())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     def abort(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
         aborted, not_found = [], []
@@ -155,9 +187,11 @@ class Router:
         return True
 
     async def stop(self) -> None:
-        for running in list(self._running.values()):
-            running.task.cancel()
-        await asyncio.gather(*(r.task for r in self._running.values()), return_exceptions=True)
+        tasks = [r.task for r in self._running.values()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._background, return_exceptions=True)
 
 
 class _Refused(OmniError):

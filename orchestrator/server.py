@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -22,9 +23,12 @@ from orchestrator.router import Router
 from orchestrator.sink import EventSink
 from orchestrator.streams import refuse_refs, single, stream_requests
 from orchestrator.watchdog import WatchdogSettings
+from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import OmniError
-from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
+from services.mesh.node import mesh_id
+from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.stage_client import StageClient
+from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +135,8 @@ class OrchestratorServer:
         *,
         client_high_watermark: int = 256,
         client_low_watermark: int = 64,
+        mesh: str | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -157,10 +163,20 @@ class OrchestratorServer:
             )
             for s in pipeline.stages
         }
-        self.router = Router(pipeline, self.clients, self._not_ready_reason)
+        # Where each stage runs (from its Describe once READY): who can open whose refs.
+        self.identities: dict[str, tensor_pb2.NodeIdentity] = {}
+        receiver = TensorReceiver(mesh or mesh_id(), allow_refs=True)
+        self.router = Router(
+            pipeline,
+            self.clients,
+            self._not_ready_reason,
+            identity=self.identities.get,
+            receiver=receiver,
+            chunk_bytes=chunk_bytes,
+        )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._health_tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
 
     def _not_ready_reason(self, stage: str) -> str | None:
@@ -170,7 +186,18 @@ class OrchestratorServer:
         state = orchestrator_pb2.StageState.Name(status.state)
         return f"{state} ({status.message or stage_pb2.InitPhase.Name(status.phase)})"
 
+    async def _learn_identity(self, name: str) -> None:
+        try:
+            self.identities[name] = (await self.clients[name].describe()).node
+        except grpc.aio.AioRpcError as exc:  # bytes until it is known
+            code = exc.code().name
+            logger.warning("stage %s: Describe failed (%s); its tensors go as bytes", name, code)
+
     def _on_change(self, status: orchestrator_pb2.StageStatus) -> None:
+        if status.state == orchestrator_pb2.STAGE_READY and status.name not in self.identities:
+            self._spawn(self._learn_identity(status.name))
+        elif status.state != orchestrator_pb2.STAGE_READY:
+            self.identities.pop(status.name, None)  # a restarted stage may live elsewhere
         if status.state == orchestrator_pb2.STAGE_DOWN:
             failed = self.router.stage_lost(
                 status.name,
@@ -180,9 +207,12 @@ class OrchestratorServer:
                 logger.warning(
                     "stage %s went down: failed %d in-flight request(s)", status.name, failed
                 )
-        task = asyncio.create_task(self._update_health())
-        self._health_tasks.add(task)
-        task.add_done_callback(self._health_tasks.discard)
+        self._spawn(self._update_health())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _update_health(self) -> None:
         ready = all(m.ready for m in self.monitors.values())
@@ -224,6 +254,9 @@ class OrchestratorServer:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.router.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         for monitor in self.monitors.values():
             await monitor.stop()
         if self._server is not None:

@@ -56,6 +56,13 @@ class Runtime(_Frozen):
     # Run each input window of a request through the engine as it arrives (a
     # decoder consuming windows of a windowed edge) instead of joining them first.
     streaming_input: bool = False
+    # Data plane: tensors up to this size always travel inline; larger ones go by
+    # shared memory (or CUDA IPC) to a consumer on this node that can open them.
+    inline_max_bytes: int = Field(64 << 10, ge=0)
+    shm: bool = True
+    shm_ttl_s: float = Field(300.0, gt=0)  # a block nobody released is freed after this
+    max_input_bytes: int = Field(1 << 30, ge=1024)  # chunked input tensors held at once
+    chunk_bytes: int = Field(1 << 20, ge=1024)  # inline tensors above this go as chunks
 
     @property
     def uses_device_lock(self) -> bool:

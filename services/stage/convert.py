@@ -3,6 +3,9 @@ here; engine-specific checks (prompt length, ranges) live in the engines."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -11,6 +14,7 @@ from services.engines.base import EngineRequest, SamplingParams
 from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.transport import TensorReceiver
 from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
 
 MAX_REQUEST_ID = 256
@@ -81,20 +85,17 @@ def sampling_params(params: stage_pb2.GenerationParams, supported: frozenset[str
 
 
 def engine_request(
-    submit: stage_pb2.Submit, supported: frozenset[str], engine: str
+    submit: stage_pb2.Submit, supported: frozenset[str], engine: str, receiver: TensorReceiver
 ) -> EngineRequest:
     _refuse_unknown_fields(submit, "submit")
     inputs = submit.inputs
-    tensors = {}
+    pieces: dict[str, list[torch.Tensor]] = {}
     for index, tensor in enumerate(inputs.tensors):
         field = f"inputs.tensors[{index}]"
         if not tensor.name:
             raise InvalidArgument(f"{field}.name: must not be empty", field=f"{field}.name")
-        if tensor.name in tensors:
-            raise InvalidArgument(
-                f"{field}.name: duplicate tensor name {tensor.name!r}", field=f"{field}.name"
-            )
-        tensors[tensor.name] = codec.from_proto(tensor, field)
+        pieces.setdefault(tensor.name, []).append(receiver.decode(tensor, field))
+    tensors = {name: _join(name, parts) for name, parts in pieces.items()}
     for index, message in enumerate(inputs.messages):
         if not message.role:
             field = f"inputs.messages[{index}].role"
@@ -109,6 +110,21 @@ def engine_request(
     )
 
 
+def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one name arrive as ordered pieces (windows, shared blocks): one tensor."""
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.dim() for p in parts):
+        field = f"inputs.tensors.{name}"
+        shapes = ", ".join(f"{p.dtype} {list(p.shape)}" for p in parts)
+        raise InvalidArgument(
+            f"{field}: pieces of one tensor must share dtype and trailing dims ({shapes})",
+            field=field,
+        )
+    return torch.cat(parts)
+
+
 def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
     return stage_pb2.StageOutput(
         error=stage_pb2.Error(
@@ -121,7 +137,11 @@ def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
     )
 
 
-def to_output(event: StageEvent) -> stage_pb2.StageOutput:
+Encode = Callable[[torch.Tensor, str], tensor_pb2.Tensor]
+
+
+def to_output(event: StageEvent, encode: Encode = codec.to_proto) -> stage_pb2.StageOutput:
+    """The wire form of ``event``; ``encode`` picks each output tensor's transport."""
     if isinstance(event, SegmentOut):
         seg = event.segment
         return stage_pb2.StageOutput(
@@ -131,7 +151,7 @@ def to_output(event: StageEvent) -> stage_pb2.StageOutput:
                 is_last=seg.is_last,
                 token_ids=seg.token_ids,
                 text_delta=seg.text,
-                tensors=[codec.to_proto(t, name) for name, t in seg.tensors.items()],
+                tensors=[encode(t, name) for name, t in seg.tensors.items()],
                 blobs=[
                     tensor_pb2.Blob(name=b.name, media_type=b.media_type, data=b.data)
                     for b in seg.blobs

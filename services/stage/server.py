@@ -24,6 +24,7 @@ from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
 from services.stage.startup import start_up
 from services.stage.stream import GenerateStream
+from services.stage.tensor_io import StageTensors
 
 logger = logging.getLogger(__name__)
 
@@ -35,16 +36,17 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
-    def __init__(self, runtime: StageRuntime, bus: InitBus) -> None:
+    def __init__(self, runtime: StageRuntime, bus: InitBus, tensors: StageTensors) -> None:
         self._runtime = runtime
         self._bus = bus
+        self._tensors = tensors
 
     async def Generate(
         self,
         request_iterator: AsyncIterator[stage_pb2.StageInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.StageOutput]:
-        stream = GenerateStream(self._runtime)
+        stream = GenerateStream(self._runtime, self._tensors)
         async for output in stream.run(request_iterator):
             yield output
 
@@ -72,6 +74,13 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             load_format=config.load_format,
         )
 
+    async def ReleaseTensors(
+        self, request: stage_pb2.ReleaseTensorsRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.ReleaseTensorsResponse:
+        owner = request.request_id or None
+        released = self._tensors.release(owner, list(request.names))
+        return stage_pb2.ReleaseTensorsResponse(released=released)
+
     async def Abort(
         self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.AbortResponse:
@@ -91,6 +100,7 @@ class StageServer:
             torch.set_num_threads(config.runtime.torch_threads)
         self.engine = engine_class(config.engine)(config.engine_settings())
         self.runtime = StageRuntime(config, self.engine)
+        self.tensors = StageTensors(config)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._bus: InitBus | None = None
@@ -117,7 +127,8 @@ class StageServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        stage_pb2_grpc.add_StageServicer_to_server(StageServicer(self.runtime, self._bus), server)
+        servicer = StageServicer(self.runtime, self._bus, self.tensors)
+        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
         self.port = server.add_insecure_port(f"{host}:{port}")
@@ -126,6 +137,7 @@ class StageServer:
         await self._set_health(ready=False, alive=True)
         await server.start()
         self._server = server
+        self.tensors.start()
         logger.info("stage %s listening on %s:%d", self.config.name, host, self.port)
         self._startup = asyncio.create_task(self._bring_up(), name="stage-startup")
         return self.port
@@ -165,4 +177,5 @@ class StageServer:
         if self._server is not None:
             await self._server.stop(1.0)
         await asyncio.to_thread(self.engine.close)
+        await self.tensors.close()
         return drained

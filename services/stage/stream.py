@@ -13,12 +13,17 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
+import torch
+
 from services.engines.base import EngineRequest
+from services.mesh import chunks
+from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import Cancelled, InvalidArgument, OmniError
-from services.mesh.pb.omni.v1 import stage_pb2
+from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.stage import convert
 from services.stage.events import CompletedOut, ErrorOut, StageEvent
 from services.stage.runtime import StageRuntime
+from services.stage.tensor_io import StageTensors
 from services.stage.transforms import apply_transform
 from services.stage.windows import InputAssembler
 
@@ -28,8 +33,12 @@ _END = object()
 
 
 class GenerateStream:
-    def __init__(self, runtime: StageRuntime) -> None:
+    def __init__(self, runtime: StageRuntime, tensors: StageTensors) -> None:
         self._runtime = runtime
+        self._tensors = tensors
+        self._chunks = ChunkAssembler(runtime.config.runtime.max_input_bytes)
+        # Where each request's output tensors will be opened (Submit.consumer).
+        self._consumers: dict[str, tensor_pb2.NodeIdentity | None] = {}
         self._out: asyncio.Queue[object] = asyncio.Queue(runtime.config.runtime.output_queue_size)
         self._mine: set[str] = set()
         self._assembler = InputAssembler()
@@ -62,6 +71,11 @@ class GenerateStream:
                 kind = message.WhichOneof("kind")
                 if kind == "submit":
                     await self._submit(message.submit)
+                elif kind == "chunk":
+                    try:
+                        self._chunks.add(message.chunk)
+                    except OmniError as exc:
+                        await self._reject("", exc)
                 elif kind == "cancel":
                     request_id = message.cancel.request_id
                     if request_id in self._mine:
@@ -83,6 +97,10 @@ class GenerateStream:
         try:
             convert.check_request_id(request_id, "submit.request_id")
             convert.check_size(submit, runtime.config.runtime.max_message_bytes)
+            self._chunks.resolve(submit.inputs.tensors, "inputs.tensors")
+            if request_id not in self._mine and request_id not in self._consumers:
+                has = submit.HasField("consumer")
+                self._consumers[request_id] = submit.consumer if has else None
             if runtime.config.runtime.streaming_input and (
                 request_id in self._feeds or not submit.is_last
             ):
@@ -94,13 +112,15 @@ class GenerateStream:
             runtime.admit(self._convert(whole), self._emit)
             self._mine.add(request_id)
         except OmniError as exc:
+            if request_id not in self._mine:
+                self._consumers.pop(request_id, None)
             await self._reject(request_id, exc)
 
     def _convert(self, submit: stage_pb2.Submit) -> EngineRequest:
         apply_transform(submit)
         runtime = self._runtime
         return convert.engine_request(
-            submit, runtime.engine.supported_params, runtime.config.engine
+            submit, runtime.engine.supported_params, runtime.config.engine, self._tensors.receiver
         )
 
     async def _window(self, submit: stage_pb2.Submit) -> None:
@@ -144,8 +164,21 @@ class GenerateStream:
         await self._out.put(convert.error_output(request_id, error))
 
     async def _emit(self, event: StageEvent) -> None:
-        await self._out.put(convert.to_output(event))
+        rid = event.request_id
+        consumer = self._consumers.get(rid)
+
+        def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
+            return self._tensors.encode(tensor, name, rid, consumer)
+
+        output = convert.to_output(event, encode)
+        if output.WhichOneof("kind") == "segment":
+            # Bytes too large for one message travel first, as chunks of the stream.
+            threshold = self._runtime.config.runtime.chunk_bytes
+            for chunk in chunks.split(output.segment.tensors, threshold=threshold):
+                await self._out.put(stage_pb2.StageOutput(chunk=chunk))
+        await self._out.put(output)
         if isinstance(event, CompletedOut | ErrorOut):
+            self._consumers.pop(rid, None)
             self._mine.discard(event.request_id)
             self._feeds.pop(event.request_id, None)  # later windows of it are refused
             await self._maybe_end()

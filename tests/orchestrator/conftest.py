@@ -61,7 +61,10 @@ async def stages(
     try:
         await stages.start(
             {
-                "thinker": tiny_config("thinker", omni_cache_dir, runtime=runtime),
+                # Hidden states above 1 KiB go by shared memory to a consumer on this node.
+                "thinker": tiny_config(
+                    "thinker", omni_cache_dir, runtime={**runtime, "inline_max_bytes": 1024}
+                ),
                 "talker": tiny_config("talker", omni_cache_dir, runtime=runtime),
                 "renderer": renderer_config(omni_cache_dir),
             }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -25,9 +26,10 @@ async def test_thinker_hidden_states_condition_the_renderer(stages) -> None:
     config = pipeline(
         stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"]
     )
+    params = {"max_tokens": 6, "seed": 1, "return_hidden_states": True}
     async with orchestrator(config) as (_server, client):
         events = []
-        async for event in client.generate("Draw a cat.", params={"max_tokens": 6, "seed": 1}):
+        async for event in client.generate("Draw a cat.", params=params):
             events.append(event)
     result = Result()
     for event in events:
@@ -40,8 +42,9 @@ async def test_thinker_hidden_states_condition_the_renderer(stages) -> None:
     assert last_thinker < first_renderer and kinds[-1] == ("", "done")
     thinker = result.stages["thinker"]
     assert len(thinker.token_ids) == 6 and thinker.completed is not None
+    # They went to the renderer by shared memory; the client asked too, so it gets bytes.
     hidden = codec.from_proto(codec.concat_raw(thinker.tensors["hidden_states"], "h"))
-    assert hidden.shape == (6, RENDER_DIM)  # asked for because the edge needs them
+    assert hidden.shape == (6, RENDER_DIM)
     (image,) = result.stages["renderer"].tensors["image"]
     assert codec.from_proto(image).dtype == torch.uint8 and list(image.shape)[-1] == 3
 
@@ -203,3 +206,38 @@ async def test_generate_stream_takes_input_windows(stages) -> None:
         while (event := await call.read()) is not grpc.aio.EOF:
             result.add(event)
     assert result.ok and len(result.stages["thinker"].token_ids) == 3
+
+
+def dev_shm(prefix: str = "omni-default-") -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+
+
+async def test_hidden_states_go_by_shared_memory_not_through_the_orchestrator(stages) -> None:
+    config = pipeline(stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["renderer"])
+    before = dev_shm()
+    async with orchestrator(config) as (server, client):
+        result = await client.generate(
+            "Draw a river.", params={"max_tokens": 48, "seed": 6}, request_id="shm"
+        ).collect()
+        assert result.ok, result.done
+        assert "image" in result.stages["renderer"].tensors
+        # 48 rows of 64 float32 = 12 KiB of hidden states; what crossed the
+        # orchestrator from the thinker is the refs and token ids only.
+        assert server.router.recent_bytes["shm"]["thinker"] < 3 * 1024
+        for _ in range(50):  # released by the orchestrator once the request is over
+            if dev_shm() <= before:
+                break
+            await asyncio.sleep(0.1)
+    assert dev_shm() <= before
+
+
+async def test_with_two_consumers_hidden_states_travel_as_bytes(stages) -> None:
+    # Refs go to a single consumer: with two children the stage sends bytes.
+    edges = [*THINK_TO_RENDER, {"from": "thinker", "to": "talker", "transform": "tokens"}]
+    config = pipeline(stages, ["thinker", "renderer", "talker"], edges, outputs=["renderer"])
+    async with orchestrator(config) as (server, client):
+        result = await client.generate(
+            "Draw a river.", params={"max_tokens": 48, "seed": 6}, request_id="bytes"
+        ).collect()
+        assert result.ok, result.done
+        assert server.router.recent_bytes["bytes"]["thinker"] > 12 * 1024

@@ -1,0 +1,71 @@
+"""The stage's side of the data plane: output tensors go to their consumer by
+the cheapest transport it can open (CUDA IPC, shared memory, else bytes), input
+tensors are opened whatever way they came, and shared blocks are freed on
+ReleaseTensors, after a TTL, or when the stage stops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import torch
+
+from services.mesh.cuda_ipc import CudaIpcProducer
+from services.mesh.node import mesh_id
+from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.shm import ShmProducer, sweep
+from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.stage.config import StageConfig
+
+logger = logging.getLogger(__name__)
+
+
+class StageTensors:
+    def __init__(self, config: StageConfig) -> None:
+        runtime = config.runtime
+        self.mesh_id = mesh_id()
+        self._shm = ShmProducer(self.mesh_id, ttl_s=runtime.shm_ttl_s) if runtime.shm else None
+        self._cuda = CudaIpcProducer() if runtime.device.startswith("cuda") else None
+        policy = TransportPolicy(
+            inline_max_bytes=runtime.inline_max_bytes,
+            shm=runtime.shm,
+            cuda_ipc=runtime.device.startswith("cuda"),
+        )
+        self.sender = TensorSender(self.mesh_id, policy, shm=self._shm, cuda=self._cuda)
+        self.receiver = TensorReceiver(self.mesh_id, allow_refs=True)
+        self._ttl_s = runtime.shm_ttl_s
+        self._expiry: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        removed = sweep(self.mesh_id)
+        if removed:
+            logger.info("removed %d shared block(s) left by dead processes", len(removed))
+        if self._shm is not None:
+            self._expiry = asyncio.create_task(self._expire_forever(), name="shm-expiry")
+
+    async def _expire_forever(self) -> None:
+        assert self._shm is not None
+        while True:
+            await asyncio.sleep(max(self._ttl_s / 4, 1.0))
+            expired = self._shm.expire()
+            if expired:
+                logger.warning("freed %d shared block(s) nobody released within the TTL", expired)
+
+    def encode(
+        self, tensor: torch.Tensor, name: str, owner: str, consumer: tensor_pb2.NodeIdentity | None
+    ) -> tensor_pb2.Tensor:
+        return self.sender.encode(tensor, name, owner, consumer)
+
+    def release(self, owner: str | None, names: list[str]) -> int:
+        return self.sender.release(owner, names)
+
+    async def close(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+        if self._shm is not None:
+            self._shm.close()
+        if self._cuda is not None:
+            self._cuda.close()
