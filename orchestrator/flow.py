@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import grpc
 
 from orchestrator.lanes import Lane
-from orchestrator.pipeline import Edge, PipelineConfig
+from orchestrator.pipeline import Edge, Topology
 from orchestrator.sink import EventSink
 from services.mesh import chunks
 from services.mesh import tensors as codec
@@ -49,7 +49,7 @@ class RequestFlow:
     def __init__(
         self,
         request_id: str,
-        pipeline: PipelineConfig,
+        topology: Topology,
         clients: Mapping[str, StageClient],
         sink: EventSink,
         entry_inputs: AsyncIterator[stage_pb2.Submit],
@@ -61,13 +61,13 @@ class RequestFlow:
         chunk_bytes: int = chunks.CHUNK_BYTES,
     ) -> None:
         self.request_id = request_id
-        self._pipeline = pipeline
+        self._topology = topology
         self._clients = clients
         self._sink = sink
         self._entry_inputs = entry_inputs
         self._params = stage_params
         self._clock = clock
-        self._outputs = frozenset(pipeline.outputs)
+        self._outputs = topology.outputs
         self._lanes: dict[str, Lane] = {}  # by downstream stage
         self._identity = identity
         self._chunk_bytes = chunk_bytes
@@ -84,7 +84,7 @@ class RequestFlow:
         done = orchestrator_pb2.Done(request_id=self.request_id, code_name="OK")
         try:
             async with asyncio.TaskGroup() as tasks:
-                for stage in self._pipeline.order:
+                for stage in self._topology.order:
                     tasks.create_task(self._stage(stage), name=f"{self.request_id}@{stage}")
         except* StageFailed as group:
             first = group.exceptions[0]
@@ -104,7 +104,7 @@ class RequestFlow:
 
     async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
         # A stage whose consumers condition on its hidden states must emit them.
-        children = self._pipeline.children(stage)
+        children = self._topology.children[stage]
         hidden = any(e.transform == "hidden_states_to_prompt_embeds" for e in children)
         # One consumer on this node that can open shared blocks: tensors go by ref.
         consumer = self._identity(children[0].to) if len(children) == 1 else None
@@ -118,11 +118,11 @@ class RequestFlow:
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
-        if stage == self._pipeline.entry:
+        if stage == self._topology.entry:
             async for submit in self._entry_inputs:
                 yield submit
             return
-        edge = self._pipeline.incoming(stage)
+        edge = self._topology.incoming[stage]
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
@@ -171,7 +171,7 @@ class RequestFlow:
         await call.done_writing()
 
     async def _read(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
-        lanes = [self._lane(edge) for edge in self._pipeline.children(stage)]
+        lanes = [self._lane(edge) for edge in self._topology.children[stage]]
         is_output = stage in self._outputs
         assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
         while (output := await call.read()) is not grpc.aio.EOF:

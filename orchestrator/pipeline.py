@@ -11,6 +11,7 @@ file (launch files exist, transforms are known) and resolves launch paths.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -307,3 +308,24 @@ def load_pipeline(path: str | Path, *, transforms: Collection[str] = TRANSFORMS)
     path = Path(path)
     data = config_files.read_yaml(path)
     return parse_pipeline(data, str(path), base_dir=path.parent, transforms=transforms)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The pipeline's graph, derived once (requests look it up on every message)."""
+
+    entry: str
+    order: tuple[str, ...]
+    outputs: frozenset[str]
+    children: Mapping[str, tuple[Edge, ...]]
+    incoming: Mapping[str, Edge | None]
+
+    @classmethod
+    def of(cls, pipeline: PipelineConfig) -> Topology:
+        return cls(
+            entry=pipeline.entry,
+            order=pipeline.order,
+            outputs=frozenset(pipeline.outputs),
+            children={name: pipeline.children(name) for name in pipeline.names},
+            incoming={name: pipeline.incoming(name) for name in pipeline.names},
+        )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.flow import Identity, RequestFlow
-from orchestrator.pipeline import PipelineConfig
+from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.sink import EventSink
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import InvalidArgument, OmniError
@@ -51,7 +51,7 @@ class Router:
         receiver: TensorReceiver | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
-        self._pipeline = pipeline
+        self._topology = Topology.of(pipeline)
         self._clients = clients
         self._readiness = readiness
         self._clock = clock
@@ -96,7 +96,7 @@ class Router:
             )
         flow = RequestFlow(
             request_id,
-            self._pipeline,
+            self._topology,
             self._clients,
             sink,
             entry_inputs,
@@ -115,7 +115,7 @@ class Router:
         client_blocked = sink.blocked_s
         try:
             await self._resumed.wait()
-            for stage in self._pipeline.order:
+            for stage in self._topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
                     raise _Refused(stage, f"stage {stage} is not ready: {reason}")
@@ -136,7 +136,7 @@ class Router:
             self._after(flow)
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
-        level = logging.INFO if done.code == 0 else logging.WARNING
+        level = logging.DEBUG if done.code == 0 else logging.WARNING
         logger.log(
             level,
             "request %s: %s in %.0f ms %s",
