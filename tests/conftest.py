@@ -19,6 +19,8 @@ def omni_cache_dir() -> Path:
     $OMNI_CACHE_DIR if set, else <repo>/.cache (gitignored)."""
     path = Path(os.environ.get("OMNI_CACHE_DIR") or REPO / ".cache")
     path.mkdir(parents=True, exist_ok=True)
+    # Stage processes started by the tests (omni up, launchers) find it too.
+    os.environ["OMNI_CACHE_DIR"] = str(path)
     return path
 
 

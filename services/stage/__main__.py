@@ -11,11 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
-import signal
 import sys
 
 from services.mesh.config_files import ConfigError
+from services.mesh.process import announce, configure_logging, stop_on_signals
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 
@@ -25,12 +24,8 @@ logger = logging.getLogger("services.stage")
 async def serve(config_path: str, host: str, port: int) -> int:
     config = load_stage_config(config_path)
     server = StageServer(config)
-    bound = await server.start(host, port)
-    print(f"listening {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop_on_signals()
+    announce(host, await server.start(host, port))
     await stop.wait()
     logger.info(
         "stage %s: stopping (draining up to %.1fs)", config.name, config.runtime.drain_grace_s
@@ -52,11 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         "--port", type=int, default=50051, help="port to bind; 0 picks a free one"
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging()
     try:
         return asyncio.run(serve(args.config, args.host, args.port))
     except ConfigError as exc:

