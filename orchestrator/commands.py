@@ -12,6 +12,8 @@ import time
 import uuid
 from pathlib import Path
 
+import grpc
+
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
 from orchestrator.stage_process import StageProcess
@@ -83,7 +85,11 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
         await server.stop()
         return 0
 
-    return asyncio.run(serve())
+    try:
+        return asyncio.run(serve())
+    except OSError as exc:
+        print(f"omni orchestrator: {exc}", file=sys.stderr)
+        return 1
 
 
 async def generate(
@@ -103,6 +109,26 @@ async def generate(
     if seed is not None:
         params["seed"] = seed
     result = Result()
+    try:
+        await _stream(address, prompt, params, request_id, result)
+    except grpc.aio.AioRpcError as exc:
+        print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print()
+    done = result.done
+    if done is None or done.code != 0:
+        what = f"{done.code_name}: {done.message}" if done else "the stream ended without a status"
+        print(f"error: {what}", file=sys.stderr)
+        return 1
+    for path in save_outputs(result, request_id, out):
+        print(f"saved {path}", file=sys.stderr)
+    return 0
+
+
+async def _stream(
+    address: str, prompt: str, params: dict[str, object], request_id: str, result: Result
+) -> None:
+    """Print the output stages' text as it streams (status lines to stderr)."""
     async with AsyncClient(address) as client:
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
         async for event in client.generate(prompt, params=params, request_id=request_id):
@@ -122,15 +148,6 @@ async def generate(
                 step = f"[{event.stage}] step {p.step}/{p.total_steps}"
                 print(f"\r{step}", end="", file=sys.stderr, flush=True)
                 line = "progress"
-    print()
-    done = result.done
-    if done is None or done.code != 0:
-        what = f"{done.code_name}: {done.message}" if done else "the stream ended without a status"
-        print(f"error: {what}", file=sys.stderr)
-        return 1
-    for path in save_outputs(result, request_id, out):
-        print(f"saved {path}", file=sys.stderr)
-    return 0
 
 
 def default_pipeline() -> Path:
@@ -169,7 +186,11 @@ async def up(
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
     began = time.monotonic()
     try:
-        server = await launcher.start()
+        try:
+            server = await launcher.start()
+        except (OSError, RuntimeError) as exc:  # a port in use, a stage that did not start
+            print(f"omni up: {exc}", file=sys.stderr)
+            return 1
         while True:
             statuses = [m.status for m in server.monitors.values()]
             for status in statuses:

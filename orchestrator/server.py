@@ -27,6 +27,7 @@ from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.process import bind
 from services.mesh.stage_client import StageClient
 from services.mesh.transport import TensorReceiver
 
@@ -230,9 +231,7 @@ class OrchestratorServer:
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
-        self.port = server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.port = bind(server, host, port)
         await self._update_health()
         await self._health.set(LIVENESS_SERVICE, SERVING)
         await server.start()

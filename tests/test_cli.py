@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 from tests.helpers.stage import tiny_config, write_config
 
 # The console script next to this interpreter: the one `pip install -e .` made.
+REPO = Path(__file__).resolve().parents[1]
 OMNI = str(Path(sys.executable).parent / "omni")
 
 
@@ -40,3 +42,39 @@ def test_stage_run_reports_a_failed_stage(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "[gone] FAILED" in done.stderr and "no-such-model" in done.stderr
+
+
+def test_generate_without_a_running_mesh_says_so(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [OMNI, "generate", "Hello", "--address", "127.0.0.1:1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    assert "omni generate: 127.0.0.1:1: UNAVAILABLE" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                OMNI,
+                "stage",
+                "serve",
+                "--config",
+                str(REPO / "examples/stages/chat.yaml"),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -9,6 +9,8 @@ import os
 import signal
 import sys
 
+import grpc
+
 
 def configure_logging() -> None:
     """One format for every process; the level comes from OMNI_LOG_LEVEL (INFO)."""
@@ -31,3 +33,14 @@ def stop_on_signals() -> asyncio.Event:
 def announce(host: str, port: int) -> None:
     """The line launchers read to learn the bound port (``--port 0``)."""
     print(f"listening {host}:{port}", flush=True)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind ``host:port`` (0: a free port); OSError naming the address if it is taken."""
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's way of saying the address is in use or invalid
+        bound = 0
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
+    return bound

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"omni stage: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

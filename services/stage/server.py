@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from services.engines.registry import engine_class
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
+from services.mesh.process import bind
 from services.stage.config import StageConfig
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
@@ -131,9 +132,7 @@ class StageServer:
         stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
-        self.port = server.add_insecure_port(f"{host}:{port}")
-        if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+        self.port = bind(server, host, port)
         await self._set_health(ready=False, alive=True)
         await server.start()
         self._server = server
