@@ -21,7 +21,7 @@ from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import Cancelled, InvalidArgument, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.stage import convert
-from services.stage.events import CompletedOut, ErrorOut, StageEvent
+from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
 from services.stage.runtime import StageRuntime
 from services.stage.tensor_io import StageTensors
 from services.stage.transforms import apply_transform
@@ -171,7 +171,12 @@ class GenerateStream:
         def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
             return self._tensors.encode(tensor, name, rid, consumer)
 
-        output = convert.to_output(event, encode)
+        if isinstance(event, SegmentOut) and event.segment.tensors:
+            # Copying tensors into shared blocks or bytes takes milliseconds per
+            # megabyte: off the loop, so other requests' events keep flowing.
+            output = await asyncio.to_thread(convert.to_output, event, encode)
+        else:
+            output = convert.to_output(event, encode)
         if output.WhichOneof("kind") == "segment":
             # Bytes too large for one message travel first, as chunks of the stream.
             threshold = self._runtime.config.runtime.chunk_bytes
