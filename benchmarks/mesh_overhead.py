@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
-from orchestrator.stage_process import StageProcess
+from orchestrator.stage_process import OrchestratorProcess, StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
@@ -100,43 +100,6 @@ def cpu_s(pid: int) -> float:
 # --- processes -----------------------------------------------------------------
 
 
-class OrchestratorProcess:
-    """``omni orchestrator serve --pipeline FILE --port 0`` as an owned child."""
-
-    def __init__(self, pipeline: Path, log: IO[bytes]) -> None:
-        self.pipeline = pipeline
-        self._log = log
-        self._proc: asyncio.subprocess.Process | None = None
-
-    @property
-    def pid(self) -> int:
-        return self._proc.pid if self._proc else 0
-
-    async def start(self, timeout_s: float = 60.0) -> str:
-        """Spawn it; its address once it listens."""
-        cmd = [sys.executable, "-m", "orchestrator.cli", "orchestrator", "serve"]
-        cmd += ["--pipeline", str(self.pipeline), "--port", "0"]
-        self._proc = await asyncio.create_subprocess_exec(
-            *cmd, cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=self._log
-        )
-        assert self._proc.stdout is not None
-        line = (await asyncio.wait_for(self._proc.stdout.readline(), timeout_s)).decode()
-        if not line.startswith("listening "):
-            raise RuntimeError(f"orchestrator exited with {await self._proc.wait()} unbound")
-        return line.removeprefix("listening ").strip()
-
-    async def stop(self, grace_s: float = 5.0) -> None:
-        proc = self._proc
-        if proc is None or proc.returncode is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), grace_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-
-
 class Mesh:
     """The stage processes, a client of each, and orchestrators over them: all
     that is started here is stopped by ``close()``, on every path."""
@@ -178,7 +141,7 @@ class Mesh:
         parse_pipeline(data, f"chain{k}.yaml")  # a bad file fails here, not in the child
         path = self.folder / f"chain{k}.yaml"
         path.write_text(yaml.safe_dump(data))
-        process = OrchestratorProcess(path, self._log(f"orchestrator-chain{k}"))
+        process = OrchestratorProcess(path, log=self._log(f"orchestrator-chain{k}"))
         try:
             async with AsyncClient(await process.start()) as client:
                 await client.wait_ready(timeout_s=60)

@@ -1,7 +1,9 @@
-"""A stage service as a child process: started, its port learnt, stopped cleanly."""
+"""Our servers as child processes: started, their port learnt from the
+``listening HOST:PORT`` line they print, stopped cleanly (SIGTERM, then SIGKILL)."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import logging
 import os
@@ -13,9 +15,8 @@ from typing import IO
 logger = logging.getLogger(__name__)
 
 
-class StageProcess:
-    """``python -m services.stage serve --config FILE --port N`` as an owned child
-    (port 0 picks a free one; a restart reuses the port it got)."""
+class ServiceProcess(abc.ABC):
+    """A server child process (port 0 picks a free one; a restart reuses the port)."""
 
     def __init__(
         self,
@@ -42,10 +43,13 @@ class StageProcess:
     def returncode(self) -> int | None:
         return self._proc.returncode if self._proc else None
 
+    @abc.abstractmethod
+    def command(self) -> list[str]:
+        """The argv that starts the server (host and port are appended)."""
+
     async def start(self, timeout_s: float = 60.0) -> str:
-        """Spawn the stage and return its address once it has bound its port."""
-        cmd = [sys.executable, "-m", "services.stage", "serve", "--config", str(self.config)]
-        cmd += ["--host", self.host, "--port", str(self.port)]
+        """Spawn the server and return its address once it has bound its port."""
+        cmd = [*self.command(), "--host", self.host, "--port", str(self.port)]
         self._proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdout=asyncio.subprocess.PIPE,
@@ -58,12 +62,12 @@ class StageProcess:
         except TimeoutError:
             await self.stop(0)
             raise RuntimeError(
-                f"stage {self.config} did not bind within {timeout_s:.0f}s"
+                f"{self.config}: the server did not bind within {timeout_s:.0f}s"
             ) from None
         text = line.decode().strip()
         if not text.startswith("listening "):
             code = await self._proc.wait()
-            raise RuntimeError(f"stage {self.config} exited with {code} before binding")
+            raise RuntimeError(f"{self.config}: the server exited with {code} before binding")
         self.address = text.removeprefix("listening ")
         self.port = int(self.address.rsplit(":", 1)[1])
         return self.address
@@ -83,6 +87,21 @@ class StageProcess:
         try:
             return await asyncio.wait_for(proc.wait(), grace_s + 5.0)
         except TimeoutError:
-            logger.warning("stage %s ignored SIGTERM; killing pid %d", self.config, proc.pid)
+            logger.warning("%s ignored SIGTERM; killing pid %d", self.config, proc.pid)
             proc.kill()
             return await proc.wait()
+
+
+class StageProcess(ServiceProcess):
+    """``python -m services.stage serve --config FILE``: one stage service."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "services.stage", "serve", "--config", str(self.config)]
+
+
+class OrchestratorProcess(ServiceProcess):
+    """``omni orchestrator serve --pipeline FILE``: the orchestrator on its own."""
+
+    def command(self) -> list[str]:
+        cli = [sys.executable, "-m", "orchestrator.cli", "orchestrator", "serve"]
+        return [*cli, "--pipeline", str(self.config)]
