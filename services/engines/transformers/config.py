@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from services.engines.base import EngineSettings
+from services.engines.text_defaults import SamplingDefaults
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -19,21 +20,11 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request gets for a parameter it leaves unset."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-
-
-@dataclass(frozen=True)
 class TransformersArgs:
     """``engine_args`` keys this engine honours; anything else is refused."""
 
     dtype: torch.dtype
-    defaults: SamplingDefaults = SamplingDefaults()
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     # Applied to the model config before building it; only with load_format "dummy",
     # so tests and benchmarks get a tiny model that still uses the real tokenizer.
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
@@ -47,11 +38,7 @@ class TransformersArgs:
         dtype_name = settings.dtype or args.get("dtype") or _default_dtype(settings.device)
         if dtype_name not in _DTYPES:
             raise ValueError(f"dtype: {dtype_name!r} is not one of {sorted(_DTYPES)}")
-        defaults_raw = dict(args.get("defaults") or {})
-        try:
-            defaults = SamplingDefaults(**defaults_raw)
-        except TypeError as exc:
-            raise ValueError(f"engine_args.defaults: {exc}") from None
+        defaults = SamplingDefaults.parse(args.get("defaults"))
         overrides = args.get("config_overrides") or {}
         if not isinstance(overrides, Mapping):
             raise ValueError("engine_args.config_overrides: expected a mapping")

@@ -15,7 +15,7 @@ import torch
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from services.engines.base import EngineRequest
-from services.engines.transformers.config import SamplingDefaults
+from services.engines.text_defaults import SamplingDefaults, max_new_tokens
 from services.engines.transformers.sampling import Sampling
 from services.mesh.errors import InvalidArgument
 
@@ -72,16 +72,7 @@ def plan(
             field=field,
         )
     p = request.params
-    if p.max_tokens is None:
-        max_tokens = min(defaults.max_tokens, room)  # an unset default never fails a request
-    elif not 1 <= p.max_tokens <= room:
-        raise InvalidArgument(
-            f"params.max_tokens: must be between 1 and {room} (the model's context of "
-            f"{limits.max_positions} less the {n} prompt tokens), got {p.max_tokens}",
-            field="params.max_tokens",
-        )
-    else:
-        max_tokens = p.max_tokens
+    max_tokens = max_new_tokens(p.max_tokens, defaults.max_tokens, room)
     sampling = Sampling(
         temperature=defaults.temperature if p.temperature is None else p.temperature,
         top_p=defaults.top_p if p.top_p is None else p.top_p,

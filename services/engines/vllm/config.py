@@ -9,30 +9,21 @@ Our keys are ``defaults`` (what a request gets for an unset sampling parameter) 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 from services.engines.base import EngineSettings
+from services.engines.text_defaults import SamplingDefaults
 from services.mesh.errors import InitFailed
 
 OWN_KEYS = frozenset({"defaults", "memory_ratio"})
 
 
 @dataclass(frozen=True)
-class SamplingDefaults:
-    """What a request gets for a parameter it leaves unset (as in the transformers engine)."""
-
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no top-k cut
-
-
-@dataclass(frozen=True)
 class VllmArgs:
-    defaults: SamplingDefaults = SamplingDefaults()
+    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
     memory_ratio: float | None = None
     # Passed to AsyncEngineArgs as given (enforce_eager, max_model_len, ...).
     vllm: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -40,13 +31,10 @@ class VllmArgs:
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> VllmArgs:
         args = dict(settings.engine_args)
-        raw_defaults = args.pop("defaults", None) or {}
-        known = {f.name for f in fields(SamplingDefaults)}
-        if not isinstance(raw_defaults, Mapping) or set(raw_defaults) - known:
-            raise InitFailed(
-                f"engine_args.defaults must be a mapping with keys among {sorted(known)}",
-                field="engine_args.defaults",
-            )
+        try:
+            defaults = SamplingDefaults.parse(args.pop("defaults", None))
+        except ValueError as exc:
+            raise InitFailed(str(exc), field="engine_args.defaults") from None
         memory_ratio = args.pop("memory_ratio", None)
         if memory_ratio is not None and not (
             isinstance(memory_ratio, int | float) and 0 < memory_ratio <= 1
@@ -64,7 +52,7 @@ class VllmArgs:
                     field=f"engine_args.{ours}",
                 )
         return cls(
-            defaults=SamplingDefaults(**raw_defaults),
+            defaults=defaults,
             memory_ratio=None if memory_ratio is None else float(memory_ratio),
             vllm=MappingProxyType(args),
         )

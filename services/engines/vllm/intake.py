@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.engines.vllm.config import SamplingDefaults
+from services.engines.text_defaults import SamplingDefaults, max_new_tokens
 from services.mesh.errors import InvalidArgument
 
 EMBEDS = "prompt_embeds"
@@ -135,16 +135,7 @@ def _embeds(embeds: torch.Tensor, limits: Limits) -> torch.Tensor:
 
 
 def _sampling(params: SamplingParams, defaults: SamplingDefaults, room: int) -> dict[str, Any]:
-    if params.max_tokens is None:
-        max_tokens = min(defaults.max_tokens, room)  # an unset default never fails a request
-    elif not 1 <= params.max_tokens <= room:
-        raise InvalidArgument(
-            f"params.max_tokens: must be between 1 and {room} (the room left in the context), "
-            f"got {params.max_tokens}",
-            field="params.max_tokens",
-        )
-    else:
-        max_tokens = params.max_tokens
+    max_tokens = max_new_tokens(params.max_tokens, defaults.max_tokens, room)
     temperature = defaults.temperature if params.temperature is None else params.temperature
     top_p = defaults.top_p if params.top_p is None else params.top_p
     top_k = defaults.top_k if params.top_k is None else params.top_k
