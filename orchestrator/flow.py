@@ -24,7 +24,7 @@ from orchestrator.sink import EventSink
 from services.mesh import chunks
 from services.mesh import tensors as codec
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import OmniError, Unavailable
+from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from services.mesh.stage_client import StageClient
 from services.mesh.transport import TensorReceiver
@@ -248,7 +248,3 @@ def _event(stage: str, output: stage_pb2.StageOutput) -> orchestrator_pb2.Genera
     kind = output.WhichOneof("kind")
     getattr(event, kind).CopyFrom(getattr(output, kind))
     return event
-
-
-def not_ready(stage: str, reason: str) -> Unavailable:
-    return Unavailable(f"stage {stage} is not ready: {reason}")
