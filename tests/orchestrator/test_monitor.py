@@ -20,6 +20,7 @@ from orchestrator.stage_process import StageProcess
 from orchestrator.watchdog import InitTimeout, WatchdogSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from tests.helpers.http_server import FileServer
+from tests.helpers.lock_holder import lock_held
 from tests.helpers.models import tar_folder, tiny_llama_folder
 from tests.helpers.stage import stage_config, tiny_config, write_config
 
@@ -150,33 +151,19 @@ async def test_a_device_lock_held_elsewhere_times_out_naming_the_phase(
     tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
 ) -> None:
     locks = tmp_path / "locks"
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "import asyncio, pathlib, time\n"
-        "from services.stage.device_lock import DeviceLock\n"
-        f"lock = DeviceLock('cpu', owner='neighbour', lock_dir=pathlib.Path({str(locks)!r}))\n"
-        "asyncio.run(lock.acquire(5))\n"
-        "print('held', flush=True)\n"
-        "time.sleep(120)\n",
-        stdout=asyncio.subprocess.PIPE,
-    )
     stage: StageProcess | None = None
-    try:
-        assert holder.stdout is not None
-        assert (await asyncio.wait_for(holder.stdout.readline(), 60)).strip() == b"held"
-        runtime = {"device_lock": True, "lock_dir": str(locks), "stage_init_timeout_s": 60}
-        config = tiny_config("queued", omni_cache_dir, runtime=runtime)
-        stage = StageProcess(write_config(tmp_path / "queued.yaml", config))
-        address = await stage.start()
-        settings = WatchdogSettings(init_timeout_s=2.0, stall_timeout_s=5.0)
-        async with monitoring("queued", address, settings=settings) as monitor:
-            seen = await until(monitor, lambda s: s.state != STARTING, timeout_s=30)
-    finally:
-        if stage is not None:
-            await stage.stop()
-        holder.kill()
-        await holder.wait()
+    async with lock_held(locks):
+        try:
+            runtime = {"device_lock": True, "lock_dir": str(locks), "stage_init_timeout_s": 60}
+            config = tiny_config("queued", omni_cache_dir, runtime=runtime)
+            stage = StageProcess(write_config(tmp_path / "queued.yaml", config))
+            address = await stage.start()
+            settings = WatchdogSettings(init_timeout_s=2.0, stall_timeout_s=5.0)
+            async with monitoring("queued", address, settings=settings) as monitor:
+                seen = await until(monitor, lambda s: s.state != STARTING, timeout_s=30)
+        finally:
+            if stage is not None:
+                await stage.stop()
     failed = seen[-1][1]
     assert failed.state == FAILED and failed.phase == stage_pb2.DEVICE_LOCK_WAIT
     assert "stage queued: init timed out in phase DEVICE_LOCK_WAIT after 2." in failed.message

@@ -16,6 +16,7 @@ from services.mesh.stage_client import StageClient
 from services.stage.device_lock import DeviceLock
 from tests.helpers.grpcurl import grpcurl, health, json_stream
 from tests.helpers.http_server import FileServer
+from tests.helpers.lock_holder import lock_held
 from tests.helpers.models import tar_folder, tiny_llama_folder
 from tests.helpers.stage import chat, collect, stage_config, tiny_config, write_config
 
@@ -139,19 +140,7 @@ async def test_device_lock_held_by_another_process_times_out_naming_it(
     tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
 ) -> None:
     locks = tmp_path / "locks"
-    holder = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "import asyncio, pathlib, time\n"
-        "from services.stage.device_lock import DeviceLock\n"
-        f"lock = DeviceLock('cpu', owner='neighbour', lock_dir=pathlib.Path({str(locks)!r}))\n"
-        "asyncio.run(lock.acquire(5))\n"
-        "print('held', flush=True)\n"
-        "time.sleep(120)\n",
-        stdout=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert (await holder.stdout.readline()).strip() == b"held"
+    async with lock_held(locks) as holder_pid:
         runtime = {"device_lock": True, "lock_dir": str(locks), "stage_init_timeout_s": 1.5}
         config = tiny_config("second", omni_cache_dir, runtime=runtime)
         stage = StageProcess(write_config(tmp_path / "second.yaml", config))
@@ -159,14 +148,11 @@ async def test_device_lock_held_by_another_process_times_out_naming_it(
         async with StageClient(address) as client:
             events = [e async for e in client.init_events()]
         assert await stage.stop() == 0
-    finally:
-        holder.kill()
-        await holder.wait()
     wait = next(e for e in events if e.phase == stage_pb2.DEVICE_LOCK_WAIT)
-    assert "neighbour" in wait.holder and str(holder.pid) in wait.holder
+    assert "neighbour" in wait.holder and str(holder_pid) in wait.holder
     failed = events[-1]
     assert failed.phase == stage_pb2.FAILED
-    assert "neighbour" in failed.reason and str(holder.pid) in failed.reason
+    assert "neighbour" in failed.reason and str(holder_pid) in failed.reason
     lock = DeviceLock("cpu", "me", locks)
     assert await lock.acquire(1.0) < 0.5  # released by the kernel when its holder died
     lock.release()
