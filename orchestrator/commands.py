@@ -16,7 +16,7 @@ import grpc
 
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
@@ -170,9 +170,9 @@ async def up(
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
     then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT."""
-    from orchestrator.launcher import Launcher, default_mesh_id
     from orchestrator.pipeline import load_pipeline
-    from orchestrator.progress import ProgressView
+    from orchestrator.stages.launcher import Launcher, default_mesh_id
+    from orchestrator.stages.progress import ProgressView
 
     try:
         pipeline = load_pipeline(pipeline_path)

@@ -17,12 +17,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrator.monitor import StageMonitor, StageTarget
 from orchestrator.pipeline import PipelineConfig
-from orchestrator.router import Router
-from orchestrator.sink import EventSink
-from orchestrator.streams import refuse_refs, single, stream_requests
-from orchestrator.watchdog import WatchdogSettings
+from orchestrator.requests.router import Router
+from orchestrator.requests.sink import EventSink
+from orchestrator.requests.streams import refuse_refs, single, stream_requests
+from orchestrator.stages.monitor import StageMonitor, StageTarget
+from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 from services.mesh.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
 

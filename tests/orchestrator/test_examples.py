@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.client import AsyncClient
-from orchestrator.launcher import Launcher
 from orchestrator.pipeline import load_pipeline
+from orchestrator.stages.launcher import Launcher
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
 

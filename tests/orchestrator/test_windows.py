@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.windows import Window, WindowState
+from orchestrator.requests.windows import Window, WindowState
 from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from orchestrator.pipeline import Edge
-from orchestrator.windows import Window, WindowState
+from orchestrator.requests.windows import Window, WindowState
 
 
 def items(window: Window) -> int:

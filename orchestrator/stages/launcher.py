@@ -17,7 +17,7 @@ from typing import IO
 
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.server import OrchestratorServer
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 
 logger = logging.getLogger(__name__)
 

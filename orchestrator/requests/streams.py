@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from orchestrator.router import Router
-from orchestrator.sink import EventSink
+from orchestrator.requests.router import Router
+from orchestrator.requests.sink import EventSink
 from services.mesh.errors import InvalidArgument, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.flow import Identity, RequestFlow
 from orchestrator.pipeline import PipelineConfig, Topology
-from orchestrator.sink import EventSink
+from orchestrator.requests.flow import Identity, RequestFlow
+from orchestrator.requests.sink import EventSink
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import InvalidArgument, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -31,7 +31,7 @@ Readiness = Callable[[str], str | None]
 
 
 @dataclass
-class _Running:
+class _InFlight:
     flow: RequestFlow
     task: asyncio.Task[None]
     cancel_code: grpc.StatusCode = grpc.StatusCode.CANCELLED
@@ -61,7 +61,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         # What recent requests moved: wire bytes read from each stage, by request id.
         self.recent_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, _InFlight] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.completed = 0
@@ -107,7 +107,7 @@ class Router:
             chunk_bytes=self._chunk_bytes,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
-        self._running[request_id] = _Running(flow, task)
+        self._running[request_id] = _InFlight(flow, task)
 
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
         rid = flow.request_id

@@ -18,9 +18,9 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
-from orchestrator.lanes import Lane
 from orchestrator.pipeline import Edge, Topology
-from orchestrator.sink import EventSink
+from orchestrator.requests.lanes import Lane
+from orchestrator.requests.sink import EventSink
 from services.mesh import chunks
 from services.mesh import tensors as codec
 from services.mesh.chunks import ChunkAssembler

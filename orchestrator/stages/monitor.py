@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.watchdog import Watchdog, WatchdogSettings
+from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.stage_client import StageClient
