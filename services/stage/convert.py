@@ -12,7 +12,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.engines.base import EngineRequest, SamplingParams
 from services.mesh import tensors as codec
-from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted
+from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted, wire_error
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.transport import TensorReceiver
 from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
@@ -126,15 +126,7 @@ def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
-    return stage_pb2.StageOutput(
-        error=stage_pb2.Error(
-            request_id=request_id,
-            code=error.code.value[0],
-            code_name=error.code.name,
-            message=error.message,
-            field=error.field,
-        )
-    )
+    return stage_pb2.StageOutput(error=wire_error(request_id, error))
 
 
 Encode = Callable[[torch.Tensor, str], tensor_pb2.Tensor]

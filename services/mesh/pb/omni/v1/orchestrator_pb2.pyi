@@ -43,20 +43,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
 
 class Done(_message.Message):
-    __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms")
+    __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms", "field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     CODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     code_name: str
     message: str
     stage: str
     total_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    field: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ..., total_ms: _Optional[float] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
     __slots__ = ("stage", "segment", "progress", "completed", "error", "done", "chunk")

@@ -275,7 +275,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format")
+    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +286,7 @@ class StageDescription(_message.Message):
     OUTPUT_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     engine: str
     model: str
@@ -296,7 +297,18 @@ class StageDescription(_message.Message):
     output_tensors: _containers.RepeatedScalarFieldContainer[str]
     node: _tensor_pb2.NodeIdentity
     load_format: str
-    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ...) -> None: ...
+    transforms: _containers.RepeatedCompositeFieldContainer[TransformInfo]
+    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ...) -> None: ...
+
+class TransformInfo(_message.Message):
+    __slots__ = ("name", "needs_tensors", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    needs_tensors: _containers.RepeatedScalarFieldContainer[str]
+    description: str
+    def __init__(self, name: _Optional[str] = ..., needs_tensors: _Optional[_Iterable[str]] = ..., description: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)
