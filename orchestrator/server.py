@@ -20,7 +20,13 @@ from grpc_reflection.v1alpha import reflection
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.streams import refuse_refs, single, stream_requests
+from orchestrator.requests.streams import (
+    check_stage_params,
+    refusal,
+    refuse_refs,
+    single,
+    stream_requests,
+)
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.chunks import CHUNK_BYTES
@@ -28,6 +34,7 @@ from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.process import bind
+from services.mesh.request_ids import check_request_id
 from services.mesh.stage_client import StageClient
 from services.mesh.transport import TensorReceiver
 
@@ -49,22 +56,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
         rid = request.request_id or uuid.uuid4().hex
-        unknown = sorted(set(request.stage_params) - set(self._server.monitors))
-        if unknown:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"stage_params: unknown stage {unknown[0]!r} "
-                f"(stages: {', '.join(self._server.monitors)})",
-            )
-        try:
-            refuse_refs(request.inputs)
-        except OmniError as exc:
-            await context.abort(exc.code, exc.message)
-        submit = stage_pb2.Submit(
-            request_id=rid, inputs=request.inputs, params=request.params, is_last=True
-        )
         sink = EventSink(*self._server.client_watermarks)
-        self._router.start(rid, single(submit), dict(request.stage_params), sink)
+        try:
+            check_request_id(rid, "request_id")
+            check_stage_params(request.stage_params, self._server.monitors, "stage_params")
+            refuse_refs(request.inputs)
+            submit = stage_pb2.Submit(
+                request_id=rid, inputs=request.inputs, params=request.params, is_last=True
+            )
+            self._router.start(rid, single(submit), dict(request.stage_params), sink)
+        except OmniError as exc:
+            logger.info("request %s refused: %s", rid, exc.message)
+            yield refusal(rid, exc)
+            return
         finished = False
         try:
             while (event := await sink.get()) is not None:
@@ -78,11 +82,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def GenerateStream(
         self,
-        request_iterator: AsyncIterator[stage_pb2.StageInput],
+        request_iterator: AsyncIterator[orchestrator_pb2.StreamInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        watermarks = self._server.client_watermarks
-        async for event in stream_requests(self._router, request_iterator, watermarks):
+        server = self._server
+        async for event in stream_requests(
+            self._router, request_iterator, list(server.monitors), server.client_watermarks
+        ):
             yield event
 
     async def Abort(

@@ -21,7 +21,7 @@ import grpc
 from orchestrator.pipeline import Edge, Topology
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
-from services.mesh import chunks
+from services.mesh import chunks, errors
 from services.mesh import tensors as codec
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
@@ -39,8 +39,8 @@ MAX_CHUNKED_BYTES = 4 << 30  # a chunked tensor larger than this from a stage is
 class StageFailed(OmniError):
     """A stage ended the request with an error, or the stage itself went away."""
 
-    def __init__(self, stage: str, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+        super().__init__(message, field=field)
         self.code = code
         self.stage = stage
 
@@ -81,7 +81,7 @@ class RequestFlow:
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
         began = self._clock()
-        done = orchestrator_pb2.Done(request_id=self.request_id, code_name="OK")
+        done = errors.done(self.request_id)
         try:
             async with asyncio.TaskGroup() as tasks:
                 for stage in self._topology.order:
@@ -89,8 +89,7 @@ class RequestFlow:
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
-            done.code, done.code_name = first.code.value[0], first.code.name
-            done.message, done.stage = first.message, first.stage
+            done = errors.done(self.request_id, first, first.stage)
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
@@ -149,6 +148,10 @@ class RequestFlow:
         try:
             await self._read(stage, call)
             await writer
+        except StageFailed:
+            raise
+        except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
+            raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         except grpc.aio.AioRpcError as exc:
             raise StageFailed(
                 stage,
@@ -182,8 +185,9 @@ class RequestFlow:
                 continue
             if kind == "error":
                 error = output.error
-                code = _status(error.code)
-                raise StageFailed(stage, code, f"stage {stage}: {error.code_name}: {error.message}")
+                code = errors.status_code(error.code)
+                message = f"stage {stage}: {error.code_name}: {error.message}"
+                raise StageFailed(stage, code, message, error.field)
             if kind == "segment":
                 assembler.resolve(output.segment.tensors, "segment.tensors")
             if is_output:
@@ -234,13 +238,6 @@ class RequestFlow:
                 )
 
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
 
 
 def _event(stage: str, output: stage_pb2.StageOutput) -> orchestrator_pb2.GenerateEvent:

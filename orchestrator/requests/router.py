@@ -13,13 +13,12 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-import grpc
-
 from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.requests.flow import Identity, RequestFlow
 from orchestrator.requests.sink import EventSink
+from services.mesh import errors
 from services.mesh.chunks import CHUNK_BYTES
-from services.mesh.errors import InvalidArgument, OmniError
+from services.mesh.errors import Cancelled, InvalidArgument, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.stage_client import StageClient
 from services.mesh.transport import TensorReceiver
@@ -34,9 +33,9 @@ Readiness = Callable[[str], str | None]
 class _InFlight:
     flow: RequestFlow
     task: asyncio.Task[None]
-    cancel_code: grpc.StatusCode = grpc.StatusCode.CANCELLED
-    cancel_message: str = ""
-    cancel_stage: str = ""
+    # Why the request was stopped from outside (abort, stage loss, a bad input), if it was.
+    stopped_by: OmniError | None = None
+    stopped_at: str = ""  # the stage to name in the Done
 
 
 class Router:
@@ -125,12 +124,12 @@ class Router:
             waited = sink.blocked_s - client_blocked  # a slow client held the stages back
             self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
         except _Refused as refused:
-            done = _done(rid, grpc.StatusCode.UNAVAILABLE, refused.message, refused.stage)
+            done = errors.done(rid, refused, refused.stage)
         except asyncio.CancelledError:
             running = self._running.get(rid)
-            if running is None or not running.cancel_message:
+            if running is None or running.stopped_by is None:
                 raise  # the client went away: nobody to tell
-            done = _done(rid, running.cancel_code, running.cancel_message, running.cancel_stage)
+            done = errors.done(rid, running.stopped_by, running.stopped_at)
         finally:
             self._running.pop(rid, None)
             self._after(flow)
@@ -159,7 +158,7 @@ class Router:
     def abort(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
         aborted, not_found = [], []
         for rid in request_ids:
-            if self._cancel(rid, grpc.StatusCode.CANCELLED, f"request {rid} was aborted"):
+            if self.fail(rid, Cancelled(f"request {rid} was aborted")):
                 aborted.append(rid)
             else:
                 not_found.append(rid)
@@ -175,16 +174,21 @@ class Router:
         """Fail at once every request a lost stage holds; returns how many."""
         lost = [rid for rid, r in self._running.items() if stage in r.flow.active_stages]
         for rid in lost:
-            self._cancel(rid, grpc.StatusCode.UNAVAILABLE, message, stage)
+            self.fail(rid, Unavailable(message), stage)
         return len(lost)
 
-    def _cancel(self, rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> bool:
+    def fail(self, rid: str, error: OmniError, stage: str = "") -> bool:
+        """End a running request with ``error`` (its one Done says so); False if unknown."""
         running = self._running.get(rid)
         if running is None:
             return False
-        running.cancel_code, running.cancel_message, running.cancel_stage = code, message, stage
+        if running.stopped_by is None:  # the first reason is the one reported
+            running.stopped_by, running.stopped_at = error, stage
         running.task.cancel()
         return True
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._running
 
     async def stop(self) -> None:
         tasks = [r.task for r in self._running.values()]
@@ -194,13 +198,7 @@ class Router:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-class _Refused(OmniError):
+class _Refused(Unavailable):
     def __init__(self, stage: str, message: str) -> None:
         super().__init__(message)
         self.stage = stage
-
-
-def _done(rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> orchestrator_pb2.Done:
-    return orchestrator_pb2.Done(
-        request_id=rid, code=code.value[0], code_name=code.name, message=message, stage=stage
-    )

@@ -45,7 +45,7 @@ class OrchestratorStub:
                 _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/omni.v1.Orchestrator/GenerateStream',
-                request_serializer=omni_dot_v1_dot_stage__pb2.StageInput.SerializeToString,
+                request_serializer=omni_dot_v1_dot_orchestrator__pb2.StreamInput.SerializeToString,
                 response_deserializer=omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
@@ -90,7 +90,8 @@ class OrchestratorServicer:
 
     def GenerateStream(self, request_iterator, context):
         """Streaming input: Submit windows of one or more requests (sequence/is_last
-        as in Stage.Generate) and Cancel them; events as for Generate.
+        as in Stage.Generate), TensorChunks before the Submit that refers to them,
+        and Cancel; events as for Generate, each request ending in exactly one Done.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,7 +142,7 @@ def add_OrchestratorServicer_to_server(servicer, server):
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=omni_dot_v1_dot_stage__pb2.StageInput.FromString,
+                    request_deserializer=omni_dot_v1_dot_orchestrator__pb2.StreamInput.FromString,
                     response_serializer=omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -224,7 +225,7 @@ class Orchestrator:
             request_iterator,
             target,
             '/omni.v1.Orchestrator/GenerateStream',
-            omni_dot_v1_dot_stage__pb2.StageInput.SerializeToString,
+            omni_dot_v1_dot_orchestrator__pb2.StreamInput.SerializeToString,
             omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
