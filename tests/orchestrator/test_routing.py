@@ -242,7 +242,9 @@ async def test_generate_stream_takes_input_windows(stages) -> None:
 
 
 async def test_generate_stream_takes_tensor_chunks_and_stage_params(stages) -> None:
-    config = pipeline(stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"])
+    config = pipeline(
+        stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"]
+    )
     rows = 5
     embeds = torch.randn(rows, RENDER_DIM)
     raw = embeds.numpy().tobytes()
