@@ -34,9 +34,9 @@ from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.process import bind
+from services.mesh.ref_reader import RefReader
 from services.mesh.request_ids import check_request_id
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +172,13 @@ class OrchestratorServer:
         }
         # Where each stage runs (from its Describe once READY): who can open whose refs.
         self.identities: dict[str, tensor_pb2.NodeIdentity] = {}
-        receiver = TensorReceiver(mesh or mesh_id(), allow_refs=True)
+        refs = RefReader(mesh or mesh_id())
         self.router = Router(
             pipeline,
             self.clients,
             self._not_ready_reason,
             identity=self.identities.get,
-            receiver=receiver,
+            refs=refs,
             chunk_bytes=chunk_bytes,
         )
         self._health = health.aio.HealthServicer()

@@ -22,12 +22,11 @@ from orchestrator.pipeline import Edge, Topology
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from services.mesh import chunks, errors
-from services.mesh import tensors as codec
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
+from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ class RequestFlow:
         clock: Callable[[], float] = time.monotonic,
         *,
         identity: Identity = lambda _stage: None,
-        receiver: TensorReceiver | None = None,
+        refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
     ) -> None:
         self.request_id = request_id
@@ -71,7 +70,7 @@ class RequestFlow:
         self._lanes: dict[str, Lane] = {}  # by downstream stage
         self._identity = identity
         self._chunk_bytes = chunk_bytes
-        self._receiver = receiver
+        self._refs = refs
         self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
         self.shared_from: set[str] = set()  # stages that may have handed over shared blocks
         self.active_stages: set[str] = set()
@@ -214,10 +213,9 @@ class RequestFlow:
                 del tensors[:]
                 tensors.extend(kept)
             for index, tensor in enumerate(tensors):
-                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._receiver:
+                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
-                    opened = self._receiver.decode(tensor, f"segment.tensors[{index}]")
-                    tensors[index].CopyFrom(codec.to_proto(opened, tensor.name))
+                    tensors[index].CopyFrom(self._refs.read(tensor, f"segment.tensors[{index}]"))
             for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
                 await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
         await self._sink.put(event)

@@ -20,8 +20,8 @@ from services.mesh import errors
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import Cancelled, InvalidArgument, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class Router:
         clock: Callable[[], float] = time.monotonic,
         *,
         identity: Identity = lambda _stage: None,
-        receiver: TensorReceiver | None = None,
+        refs: RefReader | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self._topology = Topology.of(pipeline)
@@ -55,7 +55,7 @@ class Router:
         self._readiness = readiness
         self._clock = clock
         self._identity = identity
-        self._receiver = receiver
+        self._refs = refs
         self._chunk_bytes = chunk_bytes
         self._background: set[asyncio.Task[None]] = set()
         # What recent requests moved: wire bytes read from each stage, by request id.
@@ -102,7 +102,7 @@ class Router:
             stage_params,
             self._clock,
             identity=self._identity,
-            receiver=self._receiver,
+            refs=self._refs,
             chunk_bytes=self._chunk_bytes,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")

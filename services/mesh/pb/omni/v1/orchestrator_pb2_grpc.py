@@ -30,6 +30,16 @@ if _version_not_supported:
 class OrchestratorStub:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     def __init__(self, channel):
@@ -78,6 +88,16 @@ class OrchestratorStub:
 class OrchestratorServicer:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     def Generate(self, request, context):
@@ -181,6 +201,16 @@ def add_OrchestratorServicer_to_server(servicer, server):
 class Orchestrator:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     @staticmethod
