@@ -202,13 +202,14 @@ async def up(
                 print(f"stage logs: {run_dir}", file=sys.stderr)
                 return 1
             if all(s.state == orchestrator_pb2.STAGE_READY for s in statuses):
+                await server.wait_ready()  # and described: the orchestrator serves now
                 break
             if stop.is_set():
                 return 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-        for name, client in server.clients.items():
-            if (await client.describe()).load_format == "dummy":
+        for name, description in server.descriptions.items():
+            if description.load_format == "dummy":
                 print(
                     f"note: stage {name} runs with dummy (random) weights; configure a real "
                     "model in its stage file for meaningful output",

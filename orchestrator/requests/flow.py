@@ -24,14 +24,33 @@ from orchestrator.requests.sink import EventSink
 from services.mesh import chunks, errors
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
-from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
 
-# Where each stage runs, once known (its Describe): None = unknown, send bytes.
-Identity = Callable[[str], tensor_pb2.NodeIdentity | None]
+# What each stage said of itself (its Describe), once it is up; None = not yet.
+Describe = Callable[[str], stage_pb2.StageDescription | None]
+# What a producer is asked for when its consumer's transform needs it.
+_ASK_FOR = {"hidden_states": "return_hidden_states"}
+
+
+def transform_needs(
+    description: stage_pb2.StageDescription | None, transform: str
+) -> frozenset[str] | None:
+    """The tensors ``transform`` needs from the producer, as the consuming stage
+    advertises them; None when that stage does not offer it (or is not described)."""
+    if not transform:
+        return frozenset()
+    if description is None:
+        return None
+    for offered in description.transforms:
+        if offered.name == transform:
+            return frozenset(offered.needs_tensors)
+    return None
+
+
 MAX_CHUNKED_BYTES = 4 << 30  # a chunked tensor larger than this from a stage is refused
 
 
@@ -55,7 +74,7 @@ class RequestFlow:
         stage_params: Mapping[str, stage_pb2.GenerationParams],
         clock: Callable[[], float] = time.monotonic,
         *,
-        identity: Identity = lambda _stage: None,
+        describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
     ) -> None:
@@ -68,7 +87,7 @@ class RequestFlow:
         self._clock = clock
         self._outputs = topology.outputs
         self._lanes: dict[str, Lane] = {}  # by downstream stage
-        self._identity = identity
+        self._describe = describe
         self._chunk_bytes = chunk_bytes
         self._refs = refs
         self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
@@ -101,15 +120,21 @@ class RequestFlow:
         return lane
 
     async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
-        # A stage whose consumers condition on its hidden states must emit them.
+        # What the consumers' transforms need, the producer is asked to emit.
         children = self._topology.children[stage]
-        hidden = any(e.transform == "hidden_states_to_prompt_embeds" for e in children)
+        asks = {
+            _ASK_FOR[name]
+            for e in children
+            for name in transform_needs(self._describe(e.to), e.transform) or ()
+            if name in _ASK_FOR
+        }
         # One consumer on this node that can open shared blocks: tensors go by ref.
-        consumer = self._identity(children[0].to) if len(children) == 1 else None
+        described = self._describe(children[0].to) if len(children) == 1 else None
+        consumer = described.node if described is not None else None
         async for submit in self._submits(stage):
             self._client_hidden.setdefault(stage, submit.params.return_hidden_states)
-            if hidden:
-                submit.params.return_hidden_states = True
+            for param in asks:
+                setattr(submit.params, param, True)
             if consumer is not None:
                 submit.consumer.CopyFrom(consumer)
                 self.shared_from.add(stage)

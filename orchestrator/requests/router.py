@@ -14,11 +14,17 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from orchestrator.pipeline import PipelineConfig, Topology
-from orchestrator.requests.flow import Identity, RequestFlow
+from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
 from services.mesh.chunks import CHUNK_BYTES
-from services.mesh.errors import Cancelled, InvalidArgument, OmniError, Unavailable
+from services.mesh.errors import (
+    Cancelled,
+    FailedPrecondition,
+    InvalidArgument,
+    OmniError,
+    Unavailable,
+)
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
@@ -46,7 +52,7 @@ class Router:
         readiness: Readiness,
         clock: Callable[[], float] = time.monotonic,
         *,
-        identity: Identity = lambda _stage: None,
+        describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
@@ -54,7 +60,7 @@ class Router:
         self._clients = clients
         self._readiness = readiness
         self._clock = clock
-        self._identity = identity
+        self._describe = describe
         self._refs = refs
         self._chunk_bytes = chunk_bytes
         self._background: set[asyncio.Task[None]] = set()
@@ -101,7 +107,7 @@ class Router:
             entry_inputs,
             stage_params,
             self._clock,
-            identity=self._identity,
+            describe=self._describe,
             refs=self._refs,
             chunk_bytes=self._chunk_bytes,
         )
@@ -117,14 +123,15 @@ class Router:
             for stage in self._topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
-                    raise _Refused(stage, f"stage {stage} is not ready: {reason}")
+                    raise _Refused(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
+            self._check_transforms()
             done = await flow.run()
             for edge, seconds in flow.blocked_s.items():
                 self.blocked_s[edge] = self.blocked_s.get(edge, 0.0) + seconds
             waited = sink.blocked_s - client_blocked  # a slow client held the stages back
             self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
         except _Refused as refused:
-            done = errors.done(rid, refused, refused.stage)
+            done = errors.done(rid, refused.error, refused.stage)
         except asyncio.CancelledError:
             running = self._running.get(rid)
             if running is None or running.stopped_by is None:
@@ -145,6 +152,22 @@ class Router:
             done.message,
         )
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
+
+    def _check_transforms(self) -> None:
+        """Every edge's transform must be one its consuming stage offers."""
+        for stage in self._topology.order:
+            for edge in self._topology.children[stage]:
+                description = self._describe(edge.to)
+                if transform_needs(description, edge.transform) is not None:
+                    continue
+                offered = sorted(t.name for t in description.transforms) if description else []
+                raise _Refused(
+                    edge.to,
+                    FailedPrecondition(
+                        f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer "
+                        f"transform {edge.transform!r} (it offers: {', '.join(offered) or 'none'})"
+                    ),
+                )
 
     def _after(self, flow: RequestFlow) -> None:
         self.recent_bytes[flow.request_id] = dict(flow.bytes_in)
@@ -198,7 +221,10 @@ class Router:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-class _Refused(Unavailable):
-    def __init__(self, stage: str, message: str) -> None:
-        super().__init__(message)
+class _Refused(Exception):
+    """The request cannot start: ``error`` says why, naming ``stage``."""
+
+    def __init__(self, stage: str, error: OmniError) -> None:
+        super().__init__(error.message)
         self.stage = stage
+        self.error = error

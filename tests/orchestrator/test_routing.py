@@ -335,3 +335,22 @@ async def test_with_two_consumers_hidden_states_travel_as_bytes(stages) -> None:
         ).collect()
         assert result.ok, result.done
         assert server.router.recent_bytes["bytes"]["thinker"] > 12 * 1024
+
+
+async def test_the_stages_say_which_transforms_exist_and_what_they_need(stages) -> None:
+    config = pipeline(stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["renderer"])
+    async with orchestrator(config) as (server, client):
+        offered = {
+            t.name: list(t.needs_tensors) for t in server.descriptions["renderer"].transforms
+        }
+        assert offered["hidden_states_to_prompt_embeds"] == ["hidden_states"]
+        assert offered["tokens"] == [] and offered["text"] == []
+    edges = [{"from": "thinker", "to": "talker", "transform": "no_such_transform"}]
+    config = pipeline(stages, ["thinker", "talker"], edges)
+    async with orchestrator(config) as (_server, client):
+        result = await client.generate("Hi", params={"max_tokens": 2}).collect()
+    assert result.done.code_name == "FAILED_PRECONDITION" and result.done.stage == "talker"
+    assert "thinker -> talker: stage talker does not offer transform 'no_such_transform'" in (
+        result.done.message
+    )
+    assert "hidden_states_to_prompt_embeds" in result.done.message  # what it does offer
