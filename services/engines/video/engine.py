@@ -13,7 +13,7 @@ Between calls the pipeline drains: the engine is not told which window is a
 request's last, so none may still be in flight when a call returns (its output
 could never be emitted). The model's state (KV caches, input projection,
 decoder, window count) is kept per request id between calls (streams.py), so a
-request's output is the same however its frames are cut into calls. Overlap
+request's output is the same however its frames are cut into calls at window borders. Overlap
 therefore grows with the model windows one call carries: an edge ``window: N``
 of a source that emits one model window per segment gives N per call.
 """
