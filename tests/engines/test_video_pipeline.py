@@ -156,7 +156,7 @@ async def test_device_1_finishes_window_t_minus_1_while_device_0_runs_window_t()
     windows = 5
     for mode in ("basic", "aggressive"):
         timeline = Timeline()
-        await upscale(mode, [clip(2 * windows)], emulated_block_s=0.02, timeline=timeline)
+        await upscale(mode, [clip(2 * windows)], emulated_block_s=0.05, timeline=timeline)
         dev0 = {s.label: s for s in timeline.of("dev0")}
         dev1 = {s.label: s for s in timeline.of("dev1")}
         copy = {s.label: s for s in timeline.of("copy")}

@@ -120,9 +120,17 @@ def copy_to(queue: DeviceQueue, label: str, source: Work, device: torch.device) 
 
     def copy(value: Any) -> Any:
         # On a CPU the copy is a real one, so the two "devices" share no memory.
-        return _map(value, lambda t: t.to(device, non_blocking=True, copy=True))
+        return _map(value, lambda t: _copy_one(t, device))
 
     return queue.submit(label, copy, source)
+
+
+def _copy_one(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if tensor.is_cuda and tensor.device != device:
+        # A copy between two GPUs runs on the source device's current stream: the
+        # source's memory must not be reused before that stream is past the copy.
+        tensor.record_stream(torch.cuda.current_stream(tensor.device))
+    return tensor.to(device, non_blocking=True, copy=True)
 
 
 def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -135,7 +143,7 @@ def _map(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def _record_stream(value: Any, stream: torch.cuda.Stream) -> None:
     if isinstance(value, torch.Tensor):
-        if value.is_cuda:
+        if value.is_cuda and value.device == stream.device:
             value.record_stream(stream)
     elif isinstance(value, tuple):
         for item in value:
