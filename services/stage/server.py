@@ -20,6 +20,7 @@ from services.engines.registry import engine_class
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 from services.mesh.process import bind
+from services.stage import transforms
 from services.stage.config import StageConfig
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
@@ -73,6 +74,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             output_tensors=list(engine.output_tensors),
             node=node_identity(),
             load_format=config.load_format,
+            transforms=transforms.describe(),
         )
 
     async def ReleaseTensors(

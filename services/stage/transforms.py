@@ -49,6 +49,21 @@ TRANSFORMS: dict[str, Callable[[stage_pb2.StageInputs], None]] = {
 }
 
 
+# What each transform needs the producing stage to emit (advertised in Describe).
+NEEDS: dict[str, tuple[str, ...]] = {"hidden_states_to_prompt_embeds": ("hidden_states",)}
+
+
+def describe() -> list[stage_pb2.TransformInfo]:
+    return [
+        stage_pb2.TransformInfo(
+            name=name,
+            needs_tensors=NEEDS.get(name, ()),
+            description=(fn.__doc__ or "").strip(),
+        )
+        for name, fn in sorted(TRANSFORMS.items())
+    ]
+
+
 def apply_transform(submit: stage_pb2.Submit) -> None:
     """Rewrite ``submit.inputs`` in place by ``submit.transform`` ("" = as they are)."""
     if not submit.transform:

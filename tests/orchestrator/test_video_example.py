@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from orchestrator.client import AsyncClient
-from orchestrator.launcher import Launcher
 from orchestrator.pipeline import load_pipeline
+from orchestrator.stages.launcher import Launcher
 from services.engines.video.source import pattern_frames
 from services.mesh import tensors as codec
 
