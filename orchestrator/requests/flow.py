@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import grpc
 
 from orchestrator.pipeline import Edge, Topology
+from orchestrator.requests import observe
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
-from services.mesh import chunks, errors
+from services.mesh import chunks, errors, telemetry
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -149,6 +150,7 @@ class RequestFlow:
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
+        name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
             submit = stage_pb2.Submit(
                 request_id=self.request_id,
@@ -161,10 +163,15 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
-            yield submit
+            with observe.window_span(name, submit):
+                yield submit
             lane.taken(window)
 
     async def _stage(self, stage: str) -> None:
+        with observe.stage_span(self.request_id, stage):
+            await self._run_stage(stage)
+
+    async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
         call = client.open_stream()
         self.active_stages.add(stage)
@@ -192,6 +199,7 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
+            telemetry.inject_into(submit.trace_context)
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
                 await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))
@@ -203,6 +211,7 @@ class RequestFlow:
         assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
         while (output := await call.read()) is not grpc.aio.EOF:
             self.bytes_in[stage] = self.bytes_in.get(stage, 0) + output.ByteSize()
+            observe.outputs(stage, output)
             kind = output.WhichOneof("kind")
             if kind == "chunk":
                 assembler.add(output.chunk)
