@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
-BAR = 16
+BAR = 20
 SPEED_WINDOW_S = 5.0  # bytes over this many seconds make the speed
 STARTING = orchestrator_pb2.STAGE_STARTING
 _DOWNLOADING = (stage_pb2.DOWNLOAD_START, stage_pb2.DOWNLOAD_PROGRESS)
@@ -77,41 +77,57 @@ class _Download:
         return (b1 - b0) / (t1 - t0) if t1 > t0 else None
 
 
-def render(status: orchestrator_pb2.StageStatus, speed: float | None = None) -> str:
-    state = orchestrator_pb2.StageState.Name(status.state).removeprefix("STAGE_")
-    phase = stage_pb2.InitPhase.Name(status.phase) if status.phase else "-"
-    parts = [f"{status.name:<10}", f"{state:<8}", f"{phase:<17}"]
-    starting = status.state == STARTING
-    downloading = starting and status.phase in (
-        stage_pb2.DOWNLOAD_START,
-        stage_pb2.DOWNLOAD_PROGRESS,
-    )
-    if downloading:
-        parts.append(_download(status, speed))
-    if starting:
-        paused = " paused" if status.paused else ""
-        parts.append(f"budget {status.budget_left_s:.0f}/{status.budget_s:.0f}s{paused}")
+_PHASES = {
+    stage_pb2.STARTING: "starting",
+    stage_pb2.DEVICE_LOCK_WAIT: "device lock",
+    stage_pb2.DEVICE_LOCK_ACQUIRED: "device locked",
+    stage_pb2.DOWNLOAD_START: "downloading",
+    stage_pb2.DOWNLOAD_PROGRESS: "downloading",
+    stage_pb2.DOWNLOAD_DONE: "downloaded",
+    stage_pb2.LOAD_START: "loading",
+    stage_pb2.LOAD_DONE: "loaded",
+    stage_pb2.MEMORY_PLANNED: "memory planned",
+    stage_pb2.WARMUP: "warming up",
+    stage_pb2.READY: "ready",
+    stage_pb2.FAILED: "FAILED",
+}
+
+
+def render(status: orchestrator_pb2.StageStatus, speed: float | None = None) -> tuple[str, str]:
+    """Two lines for one stage: what it is doing, and (while it downloads) how far."""
+    if status.state == STARTING:
+        doing = _PHASES.get(status.phase, "starting")  # type: ignore[call-overload]
+    else:
+        doing = orchestrator_pb2.StageState.Name(status.state).removeprefix("STAGE_")
+        doing = "ready" if status.state == orchestrator_pb2.STAGE_READY else doing
+    head = [f"{status.name:<10}", f"{doing:<14}"]
+    if status.state == STARTING:
+        paused = " (paused)" if status.paused else ""
+        head.append(f"budget {status.budget_left_s:.0f}/{status.budget_s:.0f}s{paused}")
     model = short_source(status.source)
     if model:
-        parts.append(model)
+        head.append(model)
     message = status.message
     if message and status.state != orchestrator_pb2.STAGE_READY:
         if status.source and status.source in message:
             message = message.replace(status.source, model)  # never the whole URL
-        parts.append(f"- {message}")
-    return " ".join(parts).rstrip()
+        head.append(f"- {message}")
+    detail = ""
+    if status.state == STARTING and status.phase in _DOWNLOADING:
+        detail = f"{'':<10} {_download(status, speed)}"
+    return " ".join(head).rstrip(), detail
 
 
 def _download(status: orchestrator_pb2.StageStatus, speed: float | None) -> str:
     done, total = status.bytes_done, status.bytes_total
     rate = f"{human_bytes(speed)}/s" if speed else "-/s"
     if not total:
-        return f"{human_bytes(done)} {rate}"
+        return f"{human_bytes(done)}  {rate}"
     share = min(done / total, 1.0)
     filled = int(share * BAR)
     eta = f"eta {human_seconds((total - done) / speed)}" if speed else "eta -"
     bar = f"[{'#' * filled}{'.' * (BAR - filled)}]"
-    return f"{bar} {share * 100:3.0f}% {human_bytes(done)}/{human_bytes(total)} {rate} {eta}"
+    return f"{bar} {share * 100:3.0f}%  {human_bytes(done)}/{human_bytes(total)}  {rate}  {eta}"
 
 
 def _fit(line: str, width: int) -> str:
@@ -158,18 +174,23 @@ class ProgressView:
             self._printed_at[name] = now
             print(self._line(name), file=self._out, flush=True)
 
-    def _line(self, name: str) -> str:
+    def _lines(self, name: str) -> tuple[str, str]:
         status = self._statuses.get(name)
         if status is None:
-            return name
+            return name, ""
         download = self._downloads.get(name)
         return render(status, download.speed() if download else None)
 
+    def _line(self, name: str) -> str:
+        head, detail = self._lines(name)
+        return f"{head} | {detail.strip()}" if detail else head
+
     def _redraw(self) -> None:
-        width = self._width()
+        width = self._width() - 1  # a line exactly as wide as the terminal may wrap
         if self._drawn:
             self._out.write(f"\x1b[{self._drawn}F")  # back to the first line of the block
         for name in self._names:
-            self._out.write("\x1b[2K" + _fit(self._line(name), width - 1) + "\n")
-        self._drawn = len(self._names)
+            for line in self._lines(name):  # two lines a stage, so the block never moves
+                self._out.write("\x1b[2K" + _fit(line, width) + "\n")
+        self._drawn = 2 * len(self._names)
         self._out.flush()
