@@ -186,6 +186,7 @@ class RequestFlow:
                 raise StageFailed(stage, code, f"stage {stage}: {error.code_name}: {error.message}")
             if kind == "segment":
                 assembler.resolve(output.segment.tensors, "segment.tensors")
+                assembler.resolve_blobs(output.segment.blobs, "segment.blobs")
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
@@ -214,7 +215,11 @@ class RequestFlow:
                     # Clients get bytes: a ref names memory of a mesh process.
                     opened = self._receiver.decode(tensor, f"segment.tensors[{index}]")
                     tensors[index].CopyFrom(codec.to_proto(opened, tensor.name))
-            for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
+            blobs = event.segment.blobs
+            for chunk in [
+                *chunks.split(tensors, threshold=self._chunk_bytes),
+                *chunks.split_blobs(blobs, threshold=self._chunk_bytes),
+            ]:
                 await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
         await self._sink.put(event)
 
