@@ -231,6 +231,7 @@ class StageServer:
         if self._watch is not None:
             self._watch.cancel()
             await asyncio.gather(self._watch, return_exceptions=True)
+        self.runtime.draining = True  # before readiness turns: a probe then sees it refused
         await self._set_health(ready=False, alive=not self.failed.is_set())
         drained = await self.runtime.drain(grace)
         if self._server is not None:

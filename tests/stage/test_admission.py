@@ -1,12 +1,22 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
 
 from services.mesh.errors import ResourceExhausted
 from services.stage.admission import Admission
+
+
+async def settled(condition: Callable[[], bool], turns: int = 100) -> None:
+    """Let the loop run the tasks until ``condition`` holds (no wall-clock wait)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the tasks never got there")
 
 
 async def test_runs_up_to_max_active_then_queues_then_refuses() -> None:
@@ -21,7 +31,7 @@ async def test_runs_up_to_max_active_then_queues_then_refuses() -> None:
 
     first = asyncio.create_task(job("a"))
     second = asyncio.create_task(job("b"))
-    await asyncio.sleep(0.01)
+    await settled(lambda: admission.queued == 1)
     assert (admission.active, admission.queued) == (1, 1)
     with pytest.raises(ResourceExhausted) as refused:
         async with admission.slot("c"):
@@ -44,7 +54,7 @@ async def test_a_cancelled_waiter_leaves_the_queue() -> None:
 
     running = asyncio.create_task(job())
     waiting = asyncio.create_task(job())
-    await asyncio.sleep(0.01)
+    await settled(lambda: admission.queued == 1)
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     assert admission.queued == 0
