@@ -2,9 +2,10 @@
 (``engine: "tests.helpers.engines:ScriptedEngine"``): no model, and behaviour a
 test can ask for by prompt.
 
-    "die"    one token, then the engine dies (``EngineDead``)
-    "hold"   one token, then nothing until the request is cancelled
-    other    ``max_tokens`` tokens (ids 0, 1, …), one per step
+    token ids   echoed back, one per step: what the stage received, in order
+    "die"       one token, then the engine dies (``EngineDead``)
+    "hold"      one token, then nothing until the request is cancelled
+    other text  ``max_tokens`` tokens (ids 0, 1, …), one per step
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ class ScriptedEngine:
         prompt_tokens = len(request.token_ids) or len(prompt.split())
         if self.dead:
             raise EngineDead("the scripted engine is dead")
+        if request.token_ids:
+            for token in request.token_ids:
+                await asyncio.sleep(0)
+                yield TokenOutput(token_ids=(token,), text=f"{token} ")
+            count = len(request.token_ids)
+            yield FinishOutput("done", prompt_tokens=count, completion_tokens=count)
+            return
         yield TokenOutput(token_ids=(0,), text="0 ")
         if prompt == "die":
             self.dead = True
