@@ -28,13 +28,21 @@ class InputFeed:
 
     def __init__(self, depth: int = 4) -> None:
         self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
+        self._abandoned = False
 
-    async def put(self, request: EngineRequest) -> None:
-        await self._queue.put(request)
+    async def put(self, request: EngineRequest | None) -> None:
+        if not self._abandoned:
+            await self._queue.put(request)
 
     async def close(self) -> None:
         """No more windows: the request ends after those already queued."""
-        await self._queue.put(None)
+        await self.put(None)
+
+    def abandon(self) -> None:
+        """The request has ended: nobody reads on, so a blocked ``put`` must not wait."""
+        self._abandoned = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
 
     async def windows(self) -> AsyncIterator[EngineRequest]:
         while (request := await self._queue.get()) is not None:

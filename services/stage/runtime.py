@@ -140,6 +140,8 @@ class StageRuntime:
             record.final = True
             await record.sink(final)
         finally:
+            if record.feed is not None:
+                record.feed.abandon()
             self.requests.remove(record)
 
     async def _outcome(

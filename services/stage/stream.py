@@ -144,7 +144,7 @@ class GenerateStream:
             )
 
     async def _cancel(self, request_id: str) -> None:
-        record = self._mine(request_id)
+        record = self._on_this_stream(request_id)
         if record is None:
             error = NotFound(
                 f"cancel.request_id: no request {request_id!r} in flight on this stream",
@@ -154,7 +154,7 @@ class GenerateStream:
             return
         await self._runtime.end(record, Cancelled(f"request {request_id}: cancelled by the client"))
 
-    def _mine(self, request_id: str) -> InFlight | None:
+    def _on_this_stream(self, request_id: str) -> InFlight | None:
         record = self._requests.live(request_id)
         return record if record is not None and record.stream is self else None
 
@@ -162,7 +162,7 @@ class GenerateStream:
         rid = submit.request_id
         try:
             convert.check_request_id(rid, "submit.request_id")
-            record = self._mine(rid)
+            record = self._on_this_stream(rid)
             if record is None and self._requests.live(rid) is not None:
                 raise InvalidArgument(
                     f"submit.request_id: {rid!r} is already in flight on stage "
@@ -180,7 +180,7 @@ class GenerateStream:
 
     async def _refuse(self, request_id: str, error: OmniError) -> None:
         """One final event for ``request_id``: ending it if it is in flight here."""
-        record = self._mine(request_id) if request_id else None
+        record = self._on_this_stream(request_id) if request_id else None
         if record is not None:
             await self._runtime.end(record, error)
         else:
