@@ -223,6 +223,7 @@ class RequestFlow:
                 raise StageFailed(stage, code, message, error.field)
             if kind == "segment":
                 assembler.resolve(output.segment.tensors, "segment.tensors")
+                assembler.resolve_blobs(output.segment.blobs, "segment.blobs")
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
@@ -250,7 +251,11 @@ class RequestFlow:
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
                     tensors[index].CopyFrom(self._refs.read(tensor, f"segment.tensors[{index}]"))
-            for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
+            blobs = event.segment.blobs
+            for chunk in [
+                *chunks.split(tensors, threshold=self._chunk_bytes),
+                *chunks.split_blobs(blobs, threshold=self._chunk_bytes),
+            ]:
                 await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
         await self._sink.put(event)
 
