@@ -28,6 +28,8 @@ from typing import Any
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks._common import median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
