@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -153,3 +153,13 @@ class Engine(Protocol):
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class KeepsRequestState(Protocol):
+    """An engine that keeps state per request from one ``generate`` call to the
+    next (the input windows of a streaming request: KV caches, a decoder's
+    memory). The stage calls ``release`` once the request has ended, on every
+    path (completed, failed, cancelled, its stream gone)."""
+
+    def release(self, request_id: str) -> None: ...

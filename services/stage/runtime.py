@@ -20,6 +20,7 @@ from services.engines.base import (
     EngineEvent,
     EngineRequest,
     FinishOutput,
+    KeepsRequestState,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
@@ -142,6 +143,8 @@ class StageRuntime:
         finally:
             if record.feed is not None:
                 record.feed.abandon()
+            if isinstance(self.engine, KeepsRequestState):
+                self.engine.release(record.request_id)
             self.requests.remove(record)
 
     async def _outcome(
@@ -239,6 +242,8 @@ class StageRuntime:
                     await self._flush(rid, segmenter, sink, done)
                     await sink(ProgressOut(rid, event))
                 elif isinstance(event, TensorOutput):
+                    if segmenter.holds(event):  # a later window's: never over an earlier one
+                        await self._flush(rid, segmenter, sink, done)
                     segmenter.add_outputs(event)
                 elif isinstance(event, FinishOutput):
                     done.reason = event.reason
