@@ -34,10 +34,24 @@ def _vllm() -> type[Engine]:
     return VllmEngine
 
 
+def _video() -> type[Engine]:
+    from services.engines.video import VideoEngine
+
+    return VideoEngine
+
+
+def _video_frames() -> type[Engine]:
+    from services.engines.video import FrameSourceEngine
+
+    return FrameSourceEngine
+
+
 ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "transformers": _transformers,
     "diffusers": _diffusers,
     "vllm": _vllm,
+    "video": _video,
+    "video_frames": _video_frames,
 }
 
 

@@ -117,6 +117,30 @@ async def test_a_download_longer_than_the_budget_still_comes_up(
     assert calls and calls[-1].state == READY
 
 
+async def test_a_stage_timed_out_by_the_watchdog_is_taken_back_when_it_gets_ready(
+    tmp_path: Path, archive: tuple[Path, int]
+) -> None:
+    archive_path, size = archive
+    with FileServer(archive_path.parent, rate_bps=size // 3) as server:  # about 4 s
+        config = stage_config("late", tmp_path / "cache", model=server.url(archive_path.name))
+        stage = StageProcess(write_config(tmp_path / "late.yaml", config))
+        address = await stage.start()
+        try:
+            # The download counts here, so the 1.5 s budget runs out while it goes on.
+            settings = WatchdogSettings(1.5, stall_timeout_s=30.0, paused_phases=frozenset())
+            async with monitoring("late", address, settings=settings) as monitor:
+                calls: list[Status] = []
+                monitor.on_change(calls.append)
+                seen = await until(monitor, lambda s: s.state == READY, timeout_s=90)
+        finally:
+            await stage.stop()
+    assert states(seen)[-2:] == [FAILED, READY]
+    failed = next(s for _, s in seen if s.state == FAILED)
+    assert "init timed out" in failed.message
+    assert "taken back" in seen[-1][1].message and monitor.ready
+    assert calls[-1].state == READY  # what drives the orchestrator's health
+
+
 async def test_a_stalled_download_fails_saying_so(
     tmp_path: Path, archive: tuple[Path, int]
 ) -> None:

@@ -28,6 +28,11 @@ if _version_not_supported:
 
 class StageStub:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     def __init__(self, channel):
@@ -65,6 +70,11 @@ class StageStub:
 
 class StageServicer:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     def Generate(self, request_iterator, context):
@@ -163,6 +173,11 @@ def add_StageServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Stage:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     @staticmethod
