@@ -142,8 +142,10 @@ class RequestFlow:
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
+        # The stage's spans of this request hang under this stage's span (not a window's).
         if stage == self._topology.entry:
             async for submit in self._entry_inputs:
+                telemetry.inject_into(submit.trace_context)
                 yield submit
             return
         edge = self._topology.incoming[stage]
@@ -163,6 +165,7 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
+            telemetry.inject_into(submit.trace_context)
             with observe.window_span(name, submit):
                 yield submit
             lane.taken(window)
@@ -199,7 +202,6 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
-            telemetry.inject_into(submit.trace_context)
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
                 await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import sys
 
+from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.process import announce, configure_logging, stop_on_signals
 from services.stage.config import load_stage_config
@@ -27,6 +28,7 @@ EXIT_ENGINE_DEAD = 3
 
 async def serve(config_path: str, host: str, port: int) -> int:
     config = load_stage_config(config_path)
+    telemetry.setup(f"omni-stage-{config.name}")
     server = StageServer(config)
     stop = stop_on_signals()
     announce(host, await server.start(host, port))
@@ -59,12 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     try:
         return asyncio.run(serve(args.config, args.host, args.port))
+    except ValueError as exc:  # the telemetry settings (OMNI_PROMETHEUS_PORT)
+        print(f"omni stage: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 1
+    finally:
+        telemetry.shutdown()
 
 
 if __name__ == "__main__":

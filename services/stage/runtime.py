@@ -26,6 +26,7 @@ from services.engines.base import (
     TokenOutput,
 )
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
+from services.stage import observe
 from services.stage.admission import Admission
 from services.stage.config import StageConfig
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
@@ -137,7 +138,8 @@ class StageRuntime:
         self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
     ) -> None:
         try:
-            final = await self._outcome(record, first, more)
+            with observe.request(self.config.name, record.request_id, record.trace_context):
+                final = await self._outcome(record, first, more)
             record.final = True
             await record.sink(final)
         finally:
@@ -158,13 +160,18 @@ class StageRuntime:
         segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
         done = _Done(submitted)
         try:
-            async with self._admission.slot(rid):
+            with observe.queued(stage):
+                await self._admission.wait_turn(rid)
+            try:
                 started = self._clock()
-                await self._generate(first, record.sink, segmenter, done)
-                if more is not None:
-                    async for window in more:
-                        await self._generate(window, record.sink, segmenter, done)
-                await self._flush(rid, segmenter, record.sink, done, is_last=True)
+                with observe.running(stage):
+                    await self._generate(first, record.sink, segmenter, done)
+                    if more is not None:
+                        async for window in more:
+                            await self._generate(window, record.sink, segmenter, done)
+                    await self._flush(rid, segmenter, record.sink, done, is_last=True)
+            finally:
+                self._admission.leave()
             return CompletedOut(
                 rid,
                 done.reason,
