@@ -11,6 +11,17 @@ import sys
 
 import grpc
 
+# Keepalive on every server: ping idle clients (a vanished client's streams are
+# ended), and let clients ping as often as every second (the default would
+# answer a client's keepalive pings with GOAWAY "too many pings").
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
 
 def configure_logging() -> None:
     """One format for every process; the level comes from OMNI_LOG_LEVEL (INFO)."""
@@ -35,10 +46,19 @@ def announce(host: str, port: int) -> None:
     print(f"listening {host}:{port}", flush=True)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind ``host:port`` (0: a free port); OSError naming the address if it is taken."""
+def bind(
+    server: grpc.aio.Server,
+    host: str,
+    port: int,
+    credentials: grpc.ServerCredentials | None = None,
+) -> int:
+    """Bind ``host:port`` (0: a free port), with TLS when ``credentials`` are given;
+    OSError naming the address if it is taken."""
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        if credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", credentials)
     except RuntimeError:  # grpc's way of saying the address is in use or invalid
         bound = 0
     if bound == 0:

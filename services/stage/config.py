@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES
 from services.mesh import config_files
+from services.mesh.security import SecuritySettings
 
 
 class _Frozen(BaseModel):
@@ -88,6 +89,8 @@ class StageConfig(_Frozen):
     runtime: Runtime = Runtime()
     segmenting: Segmenting = Segmenting()
     cache_dir: Path | None = None
+    # TLS / mTLS and the mesh token (services.mesh.security); OMNI_* env overrides.
+    security: SecuritySettings = SecuritySettings()
 
     @field_validator("engine")
     @classmethod
