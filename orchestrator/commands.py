@@ -20,6 +20,7 @@ from orchestrator.stages.processes import StageProcess
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
+from services.mesh.security import PLAINTEXT, Dialing
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -64,20 +65,28 @@ async def run_stage(config: Path, prompt: str, max_tokens: int) -> int:
                 os.unlink(log.name)
 
 
-def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
-    """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT."""
+def serve_orchestrator(
+    pipeline_path: Path, host: str, port: int, flags: dict[str, object] | None = None
+) -> int:
+    """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT.
+    Security: the pipeline file's section, then OMNI_* env, then ``flags``."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.server import OrchestratorServer
 
     configure_logging()
     try:
         pipeline = load_pipeline(pipeline_path)
+        security = pipeline.security.with_env().overridden(flags or {}, "command line")
     except ConfigError as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 2
 
     async def serve() -> int:
-        server = OrchestratorServer(pipeline)
+        try:
+            server = OrchestratorServer(pipeline, security=security)
+        except ConfigError as exc:  # a token or certificate file that cannot be used
+            print(f"omni orchestrator: {exc}", file=sys.stderr)
+            return 2
         stop = stop_on_signals()
         announce(host, await server.start(host, port))
         await stop.wait()
@@ -100,6 +109,8 @@ async def generate(
     request_id: str = "",
     max_tokens: int | None = None,
     seed: int | None = None,
+    dialing: Dialing = PLAINTEXT,
+    timeout_s: float | None = None,
 ) -> int:
     """omni generate: stream the output stages' text; save tensors and images."""
     request_id = request_id or uuid.uuid4().hex[:12]
@@ -110,7 +121,7 @@ async def generate(
         params["seed"] = seed
     result = Result()
     try:
-        await _stream(address, prompt, params, request_id, result)
+        await _stream(address, prompt, params, request_id, result, dialing, timeout_s)
     except grpc.aio.AioRpcError as exc:
         print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -126,12 +137,21 @@ async def generate(
 
 
 async def _stream(
-    address: str, prompt: str, params: dict[str, object], request_id: str, result: Result
+    address: str,
+    prompt: str,
+    params: dict[str, object],
+    request_id: str,
+    result: Result,
+    dialing: Dialing,
+    timeout_s: float | None,
 ) -> None:
     """Print the output stages' text as it streams (status lines to stderr)."""
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, dialing) as client:
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
-        async for event in client.generate(prompt, params=params, request_id=request_id):
+        events = client.generate(
+            prompt, params=params, request_id=request_id, timeout_s=timeout_s
+        )
+        async for event in events:
             result.add(event)
             kind = event.WhichOneof("kind")
             if kind == "segment" and event.segment.text_delta:
