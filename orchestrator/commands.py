@@ -11,6 +11,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -20,7 +21,7 @@ from orchestrator.stages.processes import StageProcess
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
-from services.mesh.security import PLAINTEXT, Dialing
+from services.mesh.security import PLAINTEXT, Dialing, client_dialing
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -148,9 +149,7 @@ async def _stream(
     """Print the output stages' text as it streams (status lines to stderr)."""
     async with AsyncClient(address, dialing) as client:
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
-        events = client.generate(
-            prompt, params=params, request_id=request_id, timeout_s=timeout_s
-        )
+        events = client.generate(prompt, params=params, request_id=request_id, timeout_s=timeout_s)
         async for event in events:
             result.add(event)
             kind = event.WhichOneof("kind")
@@ -187,9 +186,11 @@ async def up(
     prompt: str | None,
     out: Path,
     max_tokens: int | None,
+    tls: bool = False,
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
-    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT."""
+    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. ``tls``: a
+    throwaway mesh CA, mTLS and a mesh token inside, TLS and an admin token outside."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.stages.launcher import Launcher, default_mesh_id
     from orchestrator.stages.progress import ProgressView
@@ -200,7 +201,24 @@ async def up(
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
-    launcher = Launcher(pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port)
+    dialing = PLAINTEXT
+    secured: dict[str, Any] = {}
+    if tls:
+        from orchestrator.stages.mesh_pki import make_mesh_pki
+
+        launched = [s.name for s in pipeline.stages if s.launch is not None]
+        pki = make_mesh_pki(run_dir, launched, host)
+        secured = {"security": pki.orchestrator, "stage_env": pki.stage_env}
+        token = pki.admin_token_file.read_text().strip()
+        dialing = client_dialing(token=token, ca=pki.ca)
+        print(
+            f"omni up: TLS on: CA {pki.ca}, admin token in {pki.admin_token_file}",
+            file=sys.stderr,
+            flush=True,
+        )
+    launcher = Launcher(
+        pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port, **secured
+    )
     stop = stop_on_signals()
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
@@ -238,7 +256,9 @@ async def up(
         elapsed = time.monotonic() - began
         print(f"ready in {elapsed:.1f}s: orchestrator at {launcher.address}", flush=True)
         if prompt is not None:
-            return await generate(launcher.address, prompt, out, max_tokens=max_tokens)
+            return await generate(
+                launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing
+            )
         await stop.wait()
         return 0
     finally:

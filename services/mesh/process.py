@@ -4,6 +4,7 @@ run until SIGTERM or SIGINT asks it to stop (the up command uses these too)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -30,6 +31,26 @@ def configure_logging() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+PARENT_PID_ENV = "OMNI_PARENT_PID"
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Stop (SIGTERM) when the process that launched us dies, even by SIGKILL.
+
+    Launchers (``omni up``) set OMNI_PARENT_PID to their pid; without it this
+    does nothing. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op.
+    """
+    expected = os.environ.get(PARENT_PID_ENV)
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return
+    if str(os.getppid()) != expected:  # it died before the prctl: nobody will signal us
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_on_signals() -> asyncio.Event:

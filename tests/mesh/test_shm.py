@@ -269,7 +269,7 @@ def test_sweep_spares_live_blocks_and_takes_stale_ones(producer: ShmProducer, me
         (SHM_ROOT / name).write_bytes(b"x")
     try:
         swept = sweep(mesh)
-        assert set(stale + [dead_mesh]) <= set(swept) and live_mesh not in swept
+        assert {*stale, dead_mesh} <= set(swept) and live_mesh not in swept
         assert blocks_of(mesh) == [mine]
         assert (SHM_ROOT / live_mesh).exists() and not (SHM_ROOT / dead_mesh).exists()
         assert sweep(mesh, every_mesh=False) == []
