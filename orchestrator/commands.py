@@ -85,7 +85,7 @@ def serve_orchestrator(
     async def serve() -> int:
         try:
             server = OrchestratorServer(pipeline, security=security)
-        except ConfigError as exc:  # a token or certificate file that cannot be used
+        except (ConfigError, ValueError) as exc:  # token files, certificates, OMNI_MESH_ID
             print(f"omni orchestrator: {exc}", file=sys.stderr)
             return 2
         stop = stop_on_signals()
