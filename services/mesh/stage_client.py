@@ -28,6 +28,8 @@ def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", -1),
         ("grpc.keepalive_time_ms", interval_ms),
         ("grpc.keepalive_timeout_ms", interval_ms),
+        # gRPC >= 1.6x times an unanswered ping out by this, not keepalive_timeout_ms.
+        ("grpc.http2.ping_timeout_ms", interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
