@@ -49,7 +49,7 @@ class Result:
 
     stages: dict[str, StageResult] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
-    # Tensors too large for one message arrive as chunks before their segment.
+    # Tensors and blobs too large for one message arrive as chunks before their segment.
     _chunks: ChunkAssembler = field(default_factory=lambda: ChunkAssembler(MAX_CHUNKED_BYTES))
 
     @property
@@ -68,6 +68,7 @@ class Result:
         if kind == "segment":
             seg = event.segment
             self._chunks.resolve(seg.tensors, "segment.tensors")
+            self._chunks.resolve_blobs(seg.blobs, "segment.blobs")
             stage.text += seg.text_delta
             stage.token_ids.extend(seg.token_ids)
             for tensor in seg.tensors:

@@ -18,6 +18,7 @@ import grpc
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
 from orchestrator.stages.processes import StageProcess
+from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
@@ -78,7 +79,8 @@ def serve_orchestrator(
     try:
         pipeline = load_pipeline(pipeline_path)
         security = pipeline.security.with_env().overridden(flags or {}, "command line")
-    except ConfigError as exc:
+        telemetry.setup(f"omni-orchestrator-{pipeline.name}")
+    except (ConfigError, ValueError) as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 2
 
@@ -100,6 +102,8 @@ def serve_orchestrator(
     except OSError as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 1
+    finally:
+        telemetry.shutdown()
 
 
 async def generate(
@@ -197,7 +201,8 @@ async def up(
 
     try:
         pipeline = load_pipeline(pipeline_path)
-    except ConfigError as exc:
+        telemetry.setup(f"omni-orchestrator-{pipeline.name}")  # the stages set up their own
+    except (ConfigError, ValueError) as exc:
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
@@ -264,3 +269,4 @@ async def up(
     finally:
         print("omni up: stopping", file=sys.stderr, flush=True)
         await launcher.stop()
+        telemetry.shutdown()

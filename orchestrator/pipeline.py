@@ -103,6 +103,8 @@ class Edge(_Frozen):
     # -1: the downstream stage starts after the upstream is_last (full trigger);
     # N: every N items are forwarded as soon as they are complete.
     window: int = -1
+    # The first window's size when smaller than ``window`` (a quicker first output).
+    first_window: int | None = Field(None, ge=1)
     transform: str = Field("", pattern=TRANSFORM_PATTERN)
     high_watermark: int = Field(64, ge=1)
     low_watermark: int = Field(16, ge=0)
@@ -118,6 +120,13 @@ class Edge(_Frozen):
     @classmethod
     def _blank_transform(cls, transform: Any) -> Any:
         return "" if transform is None else transform  # `transform:` with no value
+
+    @model_validator(mode="after")
+    def _first_window(self) -> Edge:
+        if self.first_window is not None and self.window == -1:
+            message = "expected a window of N items to start smaller than (window is -1)"
+            raise _invalid([(("first_window",), message, self.first_window)], "Edge")
+        return self
 
     @model_validator(mode="after")
     def _watermarks(self) -> Edge:

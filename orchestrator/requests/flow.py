@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 import grpc
 
 from orchestrator.pipeline import Edge, Topology
+from orchestrator.requests import observe
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
-from services.mesh import chunks, errors
+from services.mesh import chunks, errors, telemetry
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -151,6 +152,7 @@ class RequestFlow:
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
+        name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
             submit = stage_pb2.Submit(
                 request_id=self.request_id,
@@ -163,10 +165,15 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
-            yield submit
+            with observe.window_span(name, submit):
+                yield submit
             lane.taken(window)
 
     async def _stage(self, stage: str) -> None:
+        with observe.stage_span(self.request_id, stage):
+            await self._run_stage(stage)
+
+    async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
         # The client's deadline, if it set one, bounds the stage calls too.
         timeout = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
@@ -196,6 +203,7 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
+            telemetry.inject_into(submit.trace_context)
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
                 await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))
@@ -207,6 +215,7 @@ class RequestFlow:
         assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
         while (output := await call.read()) is not grpc.aio.EOF:
             self.bytes_in[stage] = self.bytes_in.get(stage, 0) + output.ByteSize()
+            observe.outputs(stage, output)
             kind = output.WhichOneof("kind")
             if kind == "chunk":
                 assembler.add(output.chunk)
@@ -218,6 +227,7 @@ class RequestFlow:
                 raise StageFailed(stage, code, message, error.field)
             if kind == "segment":
                 assembler.resolve(output.segment.tensors, "segment.tensors")
+                assembler.resolve_blobs(output.segment.blobs, "segment.blobs")
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
@@ -245,7 +255,11 @@ class RequestFlow:
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
                     tensors[index].CopyFrom(self._refs.read(tensor, f"segment.tensors[{index}]"))
-            for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
+            blobs = event.segment.blobs
+            for chunk in [
+                *chunks.split(tensors, threshold=self._chunk_bytes),
+                *chunks.split_blobs(blobs, threshold=self._chunk_bytes),
+            ]:
                 await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
         await self._sink.put(event)
 

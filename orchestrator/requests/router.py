@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 from orchestrator.pipeline import PipelineConfig, Topology
+from orchestrator.requests import observe
 from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
@@ -146,6 +147,10 @@ class Router:
         self._running[request_id] = _InFlight(flow, task, owner)
 
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
+        with observe.request_span(flow.request_id):
+            await self._drive(flow, sink)
+
+    async def _drive(self, flow: RequestFlow, sink: EventSink) -> None:
         rid = flow.request_id
         began = self._clock()
         client_blocked = sink.blocked_s
@@ -161,6 +166,7 @@ class Router:
                 self.blocked_s[edge] = self.blocked_s.get(edge, 0.0) + seconds
             waited = sink.blocked_s - client_blocked  # a slow client held the stages back
             self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
+            flow.blocked_s["client"] = waited
         except _Refused as refused:
             done = errors.done(rid, refused.error, refused.stage)
         except asyncio.CancelledError:
@@ -173,6 +179,7 @@ class Router:
             self._after(flow)
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
+        observe.finished(done, flow.blocked_s)
         level = logging.DEBUG if done.code == 0 else logging.WARNING
         logger.log(
             level,

@@ -123,6 +123,7 @@ class Watchdog:
         self._stall_since: float | None = None  # None: no download seen live right now
         self._bytes_done = 0
         self._bytes_total = 0
+        self._source = ""
         self._last_mono: float | None = None
         self._origin: tuple[int, int] | None = None  # wall_time of the STARTING seen
 
@@ -180,6 +181,8 @@ class Watchdog:
             self._finish(now, FAILED, InitFailed(f"stage {self.stage}: init failed: {reason}"))
 
     def _on_download(self, event: stage_pb2.InitEvent, now: float) -> None:
+        if event.source:
+            self._source = event.source
         if event.phase == stage_pb2.DOWNLOAD_DONE:
             self._stall_since = None
             self._bytes_done, self._bytes_total = event.bytes_done, event.bytes_total
@@ -368,4 +371,5 @@ class Watchdog:
             bytes_done=self._bytes_done,
             bytes_total=self._bytes_total,
             message=self._message,
+            source=self._source,
         )

@@ -92,7 +92,7 @@ class ProgressOutput:
 
 @dataclass(frozen=True)
 class FinishOutput:
-    reason: str  # "length", "stop", "eos", "done", or "abort" after Engine.abort()
+    reason: str  # "length", "stop", "eos" or "done"
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
@@ -123,7 +123,12 @@ class ModelInfo:
 class Engine(Protocol):
     """An engine plug-in. ``load`` and ``warmup`` block (a stage calls them in a
     thread); ``generate`` is an async generator that stops at the next step
-    boundary when its consumer stops iterating (cancellation)."""
+    boundary when its consumer stops iterating: closing it (``aclose``, or the
+    consuming task cancelled) is the one way a request is cancelled or aborted.
+
+    Errors: an ``OmniError`` from ``generate`` ends that request with its
+    status; ``services.mesh.errors.EngineDead`` says the engine itself is gone,
+    and the stage then fails and exits to be restarted."""
 
     name: ClassVar[str]
     # GenerationParams fields (and `extra` keys as "extra.KEY") this engine honours;
@@ -146,7 +151,5 @@ class Engine(Protocol):
         ...
 
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
-
-    async def abort(self, request_id: str) -> None: ...
 
     def close(self) -> None: ...

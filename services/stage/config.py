@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from services.engines.base import EngineSettings, SamplingParams
-from services.engines.registry import ENGINES
+from services.engines.registry import ENGINES, is_plugin
 from services.mesh import config_files
 from services.mesh.security import SecuritySettings
 
@@ -113,8 +113,9 @@ class StageConfig(_Frozen):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, engine: str) -> str:
-        if engine not in ENGINES:
-            raise ValueError(f"expected one of {', '.join(sorted(ENGINES))}")
+        if engine not in ENGINES and not is_plugin(engine):
+            known = ", ".join(sorted(ENGINES))
+            raise ValueError(f"expected one of {known}, or a plug-in as package.module:ClassName")
         return engine
 
     @model_validator(mode="after")

@@ -237,3 +237,14 @@ def test_models_built_in_python_are_checked_the_same_way() -> None:
     with pytest.raises(ValidationError) as err:
         PipelineConfig.model_validate(edit(lambda d: d["edges"][1].update(to="t")))
     assert err.value.errors()[0]["loc"] == ("edges", 1, "to")
+
+
+def test_first_window_belongs_to_a_window_of_n(tmp_path: Path) -> None:
+    path = tmp_path / "pipe.yaml"
+    path.write_text(TWO.replace("window: 4", "window: -1\n    first_window: 2"))
+    with pytest.raises(ConfigError) as err:
+        load_pipeline(path)
+    assert str(err.value).startswith(f"{path}: edges.0.first_window: expected a window of N")
+    path.write_text(TWO.replace("window: 4", "window: 8\n    first_window: 2"))
+    edge = load_pipeline(path).edges[0]
+    assert (edge.window, edge.first_window) == (8, 2)

@@ -146,15 +146,6 @@ class DiffusersEngine:
             if self._runs.get(request.request_id) is run:
                 del self._runs[request.request_id]
 
-    async def abort(self, request_id: str) -> None:
-        run = self._runs.get(request_id)
-        if run is None:
-            return
-        logger.info("diffusers request %s: abort", request_id)
-        run.cancel.set()
-        if run.future.cancel():  # it never started, so no worker will report on it
-            run.emit(_Done(interrupted=True))
-
     def close(self) -> None:
         for run in list(self._runs.values()):
             run.cancel.set()
@@ -214,7 +205,10 @@ class DiffusersEngine:
             emit(_Done(error=exc))
             return
         blobs = (Blob("image", "image/png", encode_png(image)),) if job.return_png else ()
-        emit(_Done(events=(TensorOutput({"image": image}, blobs), FinishOutput("done"))))
+        # prompt_tokens: the prompt-embedding rows it conditioned on (an upstream hand-off).
+        rows = job.call["prompt_embeds"].shape[-2] if "prompt_embeds" in job.call else 0
+        finish = FinishOutput("done", prompt_tokens=rows)
+        emit(_Done(events=(TensorOutput({"image": image}, blobs), finish)))
 
     def _denoise(
         self,

@@ -109,13 +109,6 @@ class TransformersEngine:
     def check(self, request: EngineRequest) -> None:
         self._plan(request)
 
-    async def abort(self, request_id: str) -> None:
-        running = self._running.get(request_id)
-        if running is None:
-            logger.debug("abort of %s: not running", request_id)
-            return
-        running.aborted = True
-
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         plan = self._plan(request)
         model, tokenizer = self._loaded()

@@ -95,7 +95,14 @@ class GenerationParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., return_hidden_states: _Optional[bool] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., preview_every: _Optional[int] = ..., return_png: _Optional[bool] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer")
+    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +110,7 @@ class Submit(_message.Message):
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: StageInputs
     params: GenerationParams
@@ -110,7 +118,8 @@ class Submit(_message.Message):
     is_last: bool
     transform: str
     consumer: _tensor_pb2.NodeIdentity
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
