@@ -181,6 +181,15 @@ async def test_tokens_ownership_and_admin_pause(mesh: Mesh) -> None:
             stream = aiter(events)
             first = await anext(stream)
             assert first.WhichOneof("kind") == "segment"
+            # Nor cancel it on a GenerateStream of his.
+            call = bob.stub.GenerateStream(metadata=bob.metadata)
+            cancel = orchestrator_pb2.StreamInput(cancel=stage_pb2.Cancel(request_id="alice-1"))
+            await call.write(cancel)
+            await call.done_writing()
+            answers = [event async for event in call]
+            assert [(e.done.request_id, e.done.code_name) for e in answers] == [
+                ("alice-1", "NOT_FOUND")
+            ]
             reply = await bob.abort("alice-1")
             assert list(reply.not_found) == ["alice-1"] and not reply.aborted
             assert "alice-1" in server.router
