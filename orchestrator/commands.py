@@ -22,7 +22,13 @@ from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
-from services.mesh.security import PLAINTEXT, Dialing, client_dialing
+from services.mesh.security import (
+    PLAINTEXT,
+    Dialing,
+    SecuritySettings,
+    client_dialing,
+    mesh_dialing,
+)
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -45,7 +51,9 @@ async def run_stage(config: Path, prompt: str, max_tokens: int) -> int:
         stage = StageProcess(config, log=log)
         try:
             address = await stage.start()
-            async with StageClient(address) as client:
+            # A stage made secure by OMNI_* env (which it inherits) is dialled the same way.
+            dialing = mesh_dialing(SecuritySettings().with_env())
+            async with StageClient(address, dialing) as client:
                 async for event in client.init_events():
                     print(_phase_line(event), file=sys.stderr, flush=True)
                     if event.phase == stage_pb2.FAILED:
