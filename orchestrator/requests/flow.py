@@ -78,8 +78,10 @@ class RequestFlow:
         describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # time.monotonic() by which the client wants its answer
         self._topology = topology
         self._clients = clients
         self._sink = sink
@@ -176,7 +178,9 @@ class RequestFlow:
 
     async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
-        call = client.open_stream()
+        # The client's deadline, if it set one, bounds the stage calls too.
+        timeout = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
+        call = client.open_stream(timeout)
         self.active_stages.add(stage)
         writer = asyncio.create_task(self._write(stage, call))
         try:
@@ -267,7 +271,7 @@ class RequestFlow:
 
         async def release(stage: str) -> None:
             try:
-                await self._clients[stage].stub.ReleaseTensors(request, timeout=5.0)
+                await self._clients[stage].release_tensors(request, timeout_s=5.0)
             except grpc.aio.AioRpcError as exc:  # its TTL frees them
                 logger.info(
                     "request %s: release on stage %s failed: %s",
