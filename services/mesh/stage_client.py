@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -10,13 +11,21 @@ import grpc
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 
+# round_robin: a target that resolves to several replicas (``dns:///svc:port`` of a
+# headless Service, ``ipv4:a:p,b:p``) gets a connection to each, and every call (one
+# request's Generate stream) goes to the next ready one. pick_first, gRPC's default,
+# would pin every request to the first address. One address: the same as pick_first.
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
+    ("grpc.service_config", SERVICE_CONFIG),
 ]
 
 
 class StageClient:
+    """A channel to one stage: ``host:port``, or any gRPC target naming its replicas."""
+
     def __init__(self, address: str) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
