@@ -357,3 +357,19 @@ def test_bad_values_are_refused_naming_the_value(values: dict[str, Any], named: 
     with pytest.raises(helm_python.HelmError) as refused:
         render(values)
     assert named in str(refused.value)
+
+
+def test_the_readme_example_values_render_valid_stage_files() -> None:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Deploy on Kubernetes", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    docs = render(example)
+    specs = pod_specs(docs)
+    assert [c["name"] for c in specs["omni-voice"]["containers"]] == ["decoder", "talker"]
+    pipeline = parse_pipeline(config_file(docs, "omni-pipeline", "pipeline.yaml"), "rendered")
+    assert pipeline.entry == "thinker"
+    for name in pipeline.names:
+        stage_file = config_file(docs, "omni-stages", f"{name}.yaml")
+        parse_stage_config(stage_file, name)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
