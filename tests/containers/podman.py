@@ -40,6 +40,7 @@ _INPUT_FILES = ("constraints.txt", "pyproject.toml", "README.md", ".containerign
 _INPUT_TREES = ("services", "orchestrator")
 # One build, and one played mesh, at a time on this machine, whatever the checkout.
 _LOCK = Path("/var/tmp/omni-container-tests.lock")
+KEEP_IMAGES = 3  # test images kept on a machine (other checkouts may be using theirs)
 
 
 def unavailable() -> str | None:
@@ -130,6 +131,7 @@ def cpu_image(log_dir: Path) -> Image:
             if done.returncode != 0:
                 tail = "\n".join(log.read_text().splitlines()[-40:])
                 raise RuntimeError(f"building {ref} failed (exit {done.returncode}):\n{tail}")
+            _forget_old_images(keep=KEEP_IMAGES)
         size = int(run("image", "inspect", "--format", "{{.Size}}", ref).stdout.strip())
     return Image(ref=ref, size_bytes=size, build_s=build_s)
 
@@ -161,6 +163,18 @@ def podman_compatible(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                         env["value"] = socket.gethostname()
         out.append(doc)
     return out
+
+
+def _forget_old_images(keep: int) -> None:
+    """Untag all but the newest ``keep`` test images, so a machine that builds for
+    every change does not fill its disk (their shared layers stay for the cache)."""
+    listed = run("images", "--format", "{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}").stdout
+    ours = sorted(
+        (line.split("\t") for line in listed.splitlines() if f"\t{REPOSITORY}:cpu-" in line),
+        reverse=True,
+    )
+    for _created, ref in ours[keep:]:
+        run("rmi", ref, check=False)  # one in use by a container stays
 
 
 @contextlib.contextmanager
