@@ -11,7 +11,6 @@
 set -euo pipefail
 
 BASE_IMAGE=${OMNI_BASE_IMAGE:-localhost/omni-base:bookworm}
-MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 
 if [[ $(id -u) != 0 ]]; then
     echo "setup-host.sh: needs root (apt-get, /etc/containers, debootstrap)" >&2
@@ -43,10 +42,15 @@ if ! podman image exists "$BASE_IMAGE"; then
     echo "setup-host.sh: building $BASE_IMAGE with debootstrap (about 2 minutes, once)"
     rootfs=$(mktemp -d /var/tmp/omni-rootfs.XXXXXX)
     trap 'rm -rf "$rootfs"' EXIT
+    # debootstrap's own default mirror unless DEBIAN_MIRROR names another.
     debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
-        bookworm "$rootfs" "$MIRROR" >/dev/null
-    # apt lists and caches are not needed in an image that installs nothing more.
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | podman import - "$BASE_IMAGE" >/dev/null
+        bookworm "$rootfs" ${DEBIAN_MIRROR:+"$DEBIAN_MIRROR"} >/dev/null
+    # Nothing installs into it later: no apt caches, docs or manuals.
+    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        "$rootfs"/usr/share/doc/* "$rootfs"/usr/share/man/* "$rootfs"/usr/share/info/*
+    if ! out=$(tar -C "$rootfs" -c . | podman import - "$BASE_IMAGE" 2>&1); then
+        echo "$out" >&2
+        exit 1
+    fi
 fi
 echo "setup-host.sh: podman $(podman --version | awk '{print $3}'), base image $BASE_IMAGE ready"
