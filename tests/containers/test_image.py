@@ -11,6 +11,7 @@ import pytest
 from tests.containers import podman
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+UP_CACHE_VOLUME = "omni-test-up-cache"
 
 # Run inside the image: what an operator would check by hand.
 _FACTS = """
@@ -38,7 +39,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         ["podman", "run", "--rm", "--network", "none", *args],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=False,
     )
 
@@ -77,3 +78,18 @@ def test_one_entry_point_dispatches_every_role(cpu_image: podman.Image) -> None:
     # A bad stage file is refused with the file named, exit 2, not a traceback.
     bad = _run(cpu_image.ref, "stage", "serve", "--config", "/etc/hostname")
     assert bad.returncode == 2 and "/etc/hostname" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_omni_up_runs_the_packaged_default_pipeline_inside_the_image(
+    cpu_image: podman.Image,
+) -> None:
+    # The whole mesh in one container, from the pipeline and stage files the wheel
+    # ships; a named volume keeps the converted SmolLM2 between runs.
+    done = _run(
+        "-v", f"{UP_CACHE_VOLUME}:/var/cache/omni", "--tmpfs", "/tmp/out",
+        cpu_image.ref, "up", "--port", "0", "--max-tokens", "8", "--out", "/tmp/out",
+        "--prompt", "What is the capital of France?",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ready in" in done.stdout and "Paris" in done.stdout, done.stdout
+    assert "renderer-image.png" in done.stderr, done.stderr[-3000:]
