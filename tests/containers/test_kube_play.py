@@ -83,6 +83,10 @@ async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podm
             with Image.open(png) as image:
                 assert image.size == (64, 64) and image.mode == "RGB"
 
+            orchestrator = f"127.0.0.1:{ports['orchestrator']}"
+            assert (
+                await asyncio.to_thread(health, orchestrator, "omni.v1.Orchestrator") == "SERVING"
+            )
             stage = f"127.0.0.1:{ports['thinker']}"
             assert await asyncio.to_thread(health, stage, "omni.v1.Stage") == "SERVING"
             assert await asyncio.to_thread(health, stage, "liveness") == "SERVING"
