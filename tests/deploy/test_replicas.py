@@ -10,16 +10,22 @@ addresses a DNS answer would give. The replicas differ only in their default
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from pathlib import Path
 
+import grpc
 import pytest
 
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stage_process import StageProcess
+from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient, chat_submit
+from services.stage import server as stage_server
+from services.stage.config import parse_stage_config
+from services.stage.server import StageServer
 from tests.helpers.lock_holder import lock_held
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
@@ -167,3 +173,48 @@ async def test_a_replica_that_is_not_ready_gets_no_requests(
             await server.stop(1.0)
             for replica in replicas:
                 await replica.stop(1)
+
+
+async def test_connections_age_out_but_streams_live_on(
+    monkeypatch: pytest.MonkeyPatch, omni_cache_dir: Path, smollm2_gguf: Path
+) -> None:
+    """A stage sends GOAWAY to old connections, so a client dialling replicas by DNS
+    resolves again (and finds replicas added since); a stream open then runs on."""
+    monkeypatch.setattr(stage_server, "MAX_CONNECTION_AGE_MS", 500)
+    config = tiny_config("solo", omni_cache_dir, runtime={"torch_threads": 1})
+    server = StageServer(parse_stage_config(config))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with StageClient(f"127.0.0.1:{port}") as client:
+            await client.wait_ready(timeout_s=120)
+            call = client.open_stream()
+            assert await asyncio.wait_for(ask(call, "before"), 30) == 2
+            # Past the age: the connection has had its GOAWAY, this stream goes on.
+            await asyncio.sleep(1.5)
+            assert await asyncio.wait_for(ask(call, "after"), 30) == 2
+            await call.done_writing()
+            assert await call.read() is grpc.aio.EOF
+            # The aged connection is closed by the server and taken again (round_robin
+            # reconnects at once); without a maximum age it would stay READY.
+            assert client.channel.get_state() == grpc.ChannelConnectivity.READY
+            await asyncio.wait_for(
+                client.channel.wait_for_state_change(grpc.ChannelConnectivity.READY), 5
+            )
+            assert (await client.describe()).name == "solo"
+    finally:
+        await server.stop(1.0)
+
+
+async def ask(call: grpc.aio.StreamStreamCall, request_id: str) -> int:
+    """One request on an open Generate stream; the number of tokens it came back with."""
+    await call.write(stage_pb2.StageInput(submit=chat_submit(request_id, "Hello", max_tokens=2)))
+    tokens = 0
+    while (output := await call.read()) is not grpc.aio.EOF:
+        kind = output.WhichOneof("kind")
+        assert kind in ("segment", "completed"), output
+        if kind == "segment":
+            tokens += len(output.segment.token_ids)
+        else:
+            assert output.completed.request_id == request_id
+            return tokens
+    raise AssertionError(f"the stream ended before {request_id} completed")
