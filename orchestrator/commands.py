@@ -10,6 +10,7 @@ import sys
 import tempfile
 import time
 import uuid
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -182,11 +183,18 @@ async def _stream(
 
 
 def default_pipeline() -> Path:
-    """examples/pipelines/default.yaml of the working directory, else of this checkout."""
+    """examples/pipelines/default.yaml of the working directory, else the one shipped
+    inside the package (a checkout and an installed wheel alike)."""
     relative = Path("examples/pipelines/default.yaml")
     if relative.is_file():
         return relative
-    return Path(__file__).resolve().parents[1] / relative
+    return bundled_examples() / "pipelines" / "default.yaml"
+
+
+def bundled_examples() -> Path:
+    """The example pipelines and stage files, installed as package data."""
+    # Located through the package, not this file, so the module may move.
+    return Path(str(resources.files("orchestrator") / "examples"))
 
 
 async def up(

@@ -9,6 +9,7 @@ How it authenticates (TLS, the mesh token) is a ``Dialing``.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
@@ -17,15 +18,21 @@ from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 from services.mesh.security import PLAINTEXT, Dialing
 
+# round_robin: a target that resolves to several replicas (``dns:///svc:port`` of a
+# headless Service, ``ipv4:a:p,b:p``) gets a connection to each, and every call (one
+# request's Generate stream) goes to the next ready one. pick_first, gRPC's default,
+# would pin every request to the first address. One address: the same as pick_first.
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 KEEPALIVE_S = 10.0  # idle seconds before a ping; an unanswered ping fails the calls
 
 
-def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int]]:
+def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int | str]]:
     """Options of every channel of ours: no message size limit, keepalive on."""
     interval_ms = max(int(keepalive_s * 1000), 1000)
     return [
         ("grpc.max_receive_message_length", -1),
         ("grpc.max_send_message_length", -1),
+        ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.keepalive_time_ms", interval_ms),
         ("grpc.keepalive_timeout_ms", interval_ms),
         # gRPC >= 1.6x times an unanswered ping out by this, not keepalive_timeout_ms.
@@ -39,6 +46,8 @@ CHANNEL_OPTIONS = channel_options()
 
 
 class StageClient:
+    """A channel to one stage: ``host:port``, or any gRPC target naming its replicas."""
+
     def __init__(
         self, address: str, dialing: Dialing = PLAINTEXT, *, keepalive_s: float = KEEPALIVE_S
     ) -> None:

@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 LIVENESS_SERVICE = "liveness"
 SERVICE_NAMES = (STAGE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+# Each client connection gets a GOAWAY after this long (calls in flight run on to their
+# end; new ones take a new connection). A client that dials a stage's replicas by DNS
+# (a headless Service) resolves again then, so replicas added since are found: gRPC's
+# DNS resolver has no refresh period of its own.
+MAX_CONNECTION_AGE_MS = 120_000
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # With mesh auth on, only the mesh (its client certificate or token) may run,
@@ -189,6 +194,7 @@ class StageServer:
                 ("grpc.max_receive_message_length", transport_limit),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
+                ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
                 *SERVER_KEEPALIVE_OPTIONS,
             ],
             interceptors=[AuthInterceptor(stage_authenticator(security), MESH_ONLY)],
