@@ -163,3 +163,16 @@ class KeepsRequestState(Protocol):
     path (completed, failed, cancelled, its stream gone)."""
 
     def release(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class PreparesModel(Protocol):
+    """An engine that first turns a fetched model into the form it loads, once per
+    file (a GGUF converted to safetensors). The stage runs it as its own start-up
+    step (PREPARE, saying what it does) before ``load``, which would do it anyway."""
+
+    def preparation(self, model_path: Path) -> str | None:
+        """What ``prepare`` will do to this file, or None when it is done already."""
+        ...
+
+    def prepare(self, model_path: Path) -> None: ...

@@ -28,7 +28,11 @@ from services.engines.base import (
 )
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
-from services.engines.transformers.loading import load_model
+from services.engines.transformers.loading import (
+    conversion_pending,
+    converted_folder,
+    load_model,
+)
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 from services.mesh.errors import InitFailed
@@ -64,6 +68,12 @@ class TransformersEngine:
         self._running: dict[str, _Running] = {}
 
     # -- lifecycle -------------------------------------------------------------
+
+    def preparation(self, model_path: Path) -> str | None:
+        return conversion_pending(model_path, self._settings.cache_dir)
+
+    def prepare(self, model_path: Path) -> None:
+        converted_folder(model_path, self._settings.cache_dir)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:
