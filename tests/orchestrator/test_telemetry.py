@@ -5,6 +5,9 @@ friends) is set; nothing is set up without it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -12,6 +15,7 @@ import yaml
 from orchestrator.client import AsyncClient
 from orchestrator.stages.processes import OrchestratorProcess
 from services.mesh import telemetry
+from services.mesh.stage_client import StageClient, chat_submit
 from tests.helpers.otlp import OtlpReceiver, Received
 from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
@@ -128,3 +132,38 @@ async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
         assert receiver.latest(
             ORCHESTRATOR, "omni.edge.windows", **{"omni.edge": "thinker->renderer"}
         ) == len(windows)
+
+
+async def test_a_stage_serves_metrics_for_scraping_when_given_a_port(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port for the scrape endpoint
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = {
+        "name": "scraped",
+        "engine": "tests.helpers.engines:ScriptedEngine",
+        "load_format": "dummy",
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    stages = Stages(tmp_path, env={"OMNI_PROMETHEUS_PORT": str(port)})
+    try:
+        await stages.start({"scraped": config})
+        async with StageClient(stages.addresses["scraped"]) as stage:
+            outputs = [o async for o in stage.generate(chat_submit("p1", "hello", max_tokens=3))]
+        assert outputs[-1].WhichOneof("kind") == "completed"
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=10).read().decode()
+        )
+    finally:
+        await stages.stop()
+    # Both gauges exist for the stage, and read 0 now that the request is over.
+    for name in ("omni_stage_running", "omni_stage_queue_depth"):
+        line = next(
+            (
+                ln
+                for ln in text.splitlines()
+                if ln.startswith(name) and 'omni_stage="scraped"' in ln
+            ),
+            None,
+        )
+        assert line is not None and line.rsplit(" ", 1)[1] == "0.0", (name, text[:2000])
