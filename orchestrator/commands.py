@@ -178,8 +178,12 @@ async def _stream(
                     print(flush=True)
                 p = event.progress
                 step = f"[{event.stage}] step {p.step}/{p.total_steps}"
-                print(f"\r{step}", end="", file=sys.stderr, flush=True)
-                line = "progress"
+                if sys.stderr.isatty():  # one line, redrawn
+                    print(f"\r{step}", end="", file=sys.stderr, flush=True)
+                    line = "progress"
+                else:  # logs: a line each
+                    print(step, file=sys.stderr, flush=True)
+                    line = ""
 
 
 def default_pipeline() -> Path:
