@@ -122,6 +122,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             request_iterator,
             list(server.monitors),
             server.client_watermarks,
+            server.max_input_bytes,
             owner=self._caller(context),
             timeout_s=context.time_remaining(),
         ):
@@ -182,6 +183,8 @@ class OrchestratorServer:
         mesh: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         security: SecuritySettings | None = None,
+        max_message_bytes: int = 64 << 20,
+        max_input_bytes: int = 256 << 20,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -191,6 +194,10 @@ class OrchestratorServer:
         self.pipeline = pipeline
         # Events buffered per client stream before the stages are held back.
         self.client_watermarks = (client_high_watermark, client_low_watermark)
+        # The front door: no client message beyond this (gRPC answers RESOURCE_EXHAUSTED
+        # before it is read), nor more chunked input held at once on one stream.
+        self.max_message_bytes = max_message_bytes
+        self.max_input_bytes = max_input_bytes
         # The pipeline file's security section, then OMNI_* env (a mounted secret).
         self.security = security or pipeline.security.with_env()
         self.authenticator = orchestrator_authenticator(self.security)
@@ -290,7 +297,7 @@ class OrchestratorServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
                 *SERVER_KEEPALIVE_OPTIONS,
