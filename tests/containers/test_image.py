@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from tests.containers import podman
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 UP_CACHE_VOLUME = "omni-test-up-cache"
+EXAMPLES = Path(__file__).resolve().parents[2] / "orchestrator" / "examples"
 
 # Run inside the image: what an operator would check by hand.
 _FACTS = """
@@ -53,7 +55,8 @@ def test_image_runs_omni_as_a_non_root_user_with_examples_and_smollm2_inside(
     assert facts["uid"] == 10001
     # Build arguments lend the proxy's CA and the wheel folder to pip only.
     assert not {"PIP_CERT", "PIP_FIND_LINKS", "TORCH_INDEX_URL"} & set(facts["env"])
-    assert facts["cwd_examples"] == ["chat.yaml", "default.yaml", "talker.yaml"]
+    shipped = sorted(p.name for p in (EXAMPLES / "pipelines").glob("*.yaml"))
+    assert facts["cwd_examples"] == shipped and "default.yaml" in shipped
     assert facts["default_stages"] == ["thinker", "renderer"]
     assert facts["gguf"] > 50_000_000
     assert facts["dev_tools"] == []
