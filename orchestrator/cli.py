@@ -19,17 +19,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client import DEFAULT_ADDRESS
-
-
-def port_number(text: str) -> int:
-    """A TCP port, 0 (pick a free one) to 65535: argparse exits 2 naming the flag."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
-    return port
+from services.mesh.process import port_number
 
 
 def _security_flags(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@ run until SIGTERM or SIGINT asks it to stop (the up command uses these too)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import ctypes
 import logging
@@ -86,3 +87,14 @@ def bind(
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
     return bound
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (pick a free one) to 65535: argparse exits 2 naming the flag."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
+    return port

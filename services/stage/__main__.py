@@ -19,7 +19,13 @@ from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.errors import InitFailed
 from services.mesh.node import mesh_id
-from services.mesh.process import announce, configure_logging, die_with_parent, stop_on_signals
+from services.mesh.process import (
+    announce,
+    configure_logging,
+    die_with_parent,
+    port_number,
+    stop_on_signals,
+)
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 
@@ -61,17 +67,6 @@ async def serve(config_path: str, host: str, port: int) -> int:
     drained = await server.stop()
     logger.info("stage %s: stopped%s", config.name, "" if drained else " (some requests cut off)")
     return EXIT_ENGINE_DEAD if server.failed.is_set() else 0
-
-
-def port_number(text: str) -> int:
-    """0 (a free port) to 65535; anything else exits 2 naming --port."""
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
-    return port
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,6 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
 from services.stage.inputs import Inputs
 
-MAX_REQUEST_ID = 256
 _SCALAR_PARAMS = (
     "max_tokens",
     "temperature",
@@ -33,15 +32,6 @@ _SCALAR_PARAMS = (
     "preview_every",
     "return_png",
 )
-
-
-def check_request_id(request_id: str, field: str) -> None:
-    if not request_id:
-        raise InvalidArgument(f"{field}: must not be empty", field=field)
-    if len(request_id) > MAX_REQUEST_ID or not request_id.isprintable():
-        raise InvalidArgument(
-            f"{field}: expected at most {MAX_REQUEST_ID} printable characters", field=field
-        )
 
 
 def check_size(submit: stage_pb2.Submit, limit: int) -> None:

@@ -30,6 +30,7 @@ from services.mesh import chunks
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.request_ids import check_request_id
 from services.stage import convert, observe
 from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
 from services.stage.inputs import Inputs, InputWindows, decode
@@ -162,7 +163,7 @@ class GenerateStream:
     async def _submit(self, submit: stage_pb2.Submit) -> None:
         rid = submit.request_id
         try:
-            convert.check_request_id(rid, "submit.request_id")
+            check_request_id(rid, "submit.request_id")
             record = self._on_this_stream(rid)
             if record is None and self._requests.live(rid) is not None:
                 raise InvalidArgument(
