@@ -25,6 +25,8 @@ class EngineSettings:
     dtype: str | None = None  # None: the engine's default for the device
     load_format: LoadFormat = "auto"
     max_prompt_tokens: int = 4096
+    # The most requests one engine step may run together (the stage's runtime.max_batch_size).
+    max_batch_size: int = 1
     cache_dir: Path = field(default_factory=lambda: Path("~/.cache/omni-mesh").expanduser())
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -95,6 +97,9 @@ class FinishOutput:
     reason: str  # "length", "stop", "eos", "done", or "abort" after Engine.abort()
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Time the request waited inside the engine for a place in a batch (its
+    # admission), before its first step ran.
+    queue_ms: float = 0.0
 
 
 EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput
@@ -137,6 +142,12 @@ class Engine(Protocol):
     def load(self, model_path: Path | None) -> ModelInfo:
         """Load from a fetched file or folder; None only with load_format dummy
         for an engine that can build its model from engine_args alone."""
+        ...
+
+    def plan_kv_cache(self, pages: int, page_size: int) -> None:
+        """The stage's memory plan (MEMORY_PLANNED): at most ``pages`` KV pages of
+        ``page_size`` tokens may be held at once. Called after ``load``, before
+        ``warmup``; an engine without a KV cache (or one that plans its own) ignores it."""
         ...
 
     def warmup(self) -> None: ...

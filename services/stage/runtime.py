@@ -48,7 +48,12 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self._clock = clock
-        self._intake = Intake(config.runtime.max_batch_size, config.runtime.max_queue_size)
+        # The engine batches: it decides which requests share a step (max_batch_size
+        # of them, within its KV plan) and queues the rest itself. The intake only
+        # bounds what the stage holds at once, so that enough requests reach the
+        # engine to form batches.
+        runtime = config.runtime
+        self._intake = Intake(runtime.max_batch_size + runtime.max_queue_size, 0)
         self._requests: dict[str, _Running] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -150,7 +155,7 @@ class StageRuntime:
                     done.reason,
                     done.prompt_tokens,
                     done.completion_tokens,
-                    queue_ms=(started - submitted) * 1e3,
+                    queue_ms=(started - submitted) * 1e3 + done.queue_ms,
                     time_to_first_ms=(done.first_at - submitted) * 1e3,
                     total_ms=(now - submitted) * 1e3,
                 )
@@ -214,6 +219,7 @@ class StageRuntime:
                     done.reason = event.reason
                     done.prompt_tokens += event.prompt_tokens
                     done.completion_tokens += event.completion_tokens
+                    done.queue_ms += event.queue_ms
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -227,3 +233,4 @@ class _Done:
     reason: str = "done"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    queue_ms: float = 0.0  # inside the engine, waiting for a place in a batch

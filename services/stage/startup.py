@@ -124,6 +124,9 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             ),
             message=f"model {plan.model_bytes} bytes, {plan.cache_pages} KV pages",
         )
+        if info.kv is not None:
+            # The engine admits requests only while their KV fits these pages.
+            engine.plan_kv_cache(plan.cache_pages, plan.page_size)
         t0 = time.monotonic()
         bus.publish(stage_pb2.WARMUP, message="first forward")
         await asyncio.to_thread(engine.warmup)

@@ -28,11 +28,14 @@ class TransformersArgs:
     # Applied to the model config before building it; only with load_format "dummy",
     # so tests and benchmarks get a tiny model that still uses the real tokenizer.
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Prompt tokens one prefill forward may run, all newcomers together: bigger
+    # prefills faster, smaller stalls the running decoders less.
+    prefill_tokens: int = 512
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> TransformersArgs:
         args = dict(settings.engine_args)
-        unknown = sorted(set(args) - {"dtype", "defaults", "config_overrides"})
+        unknown = sorted(set(args) - {"dtype", "defaults", "config_overrides", "prefill_tokens"})
         if unknown:
             raise ValueError(f"engine_args: unknown keys {unknown} for the transformers engine")
         dtype_name = settings.dtype or args.get("dtype") or _default_dtype(settings.device)
@@ -45,7 +48,13 @@ class TransformersArgs:
         if overrides and settings.load_format != "dummy":
             # Overriding the shape of a real checkpoint could only fail at load time.
             raise ValueError("engine_args.config_overrides needs load_format: dummy")
+        prefill_tokens = args.get("prefill_tokens", 512)
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int):
+            raise ValueError("engine_args.prefill_tokens: expected an integer >= 1")
+        if prefill_tokens < 1:
+            raise ValueError("engine_args.prefill_tokens: expected an integer >= 1")
         return cls(
+            prefill_tokens=prefill_tokens,
             dtype=_DTYPES[dtype_name],
             defaults=defaults,
             config_overrides=MappingProxyType(dict(overrides)),

@@ -97,6 +97,10 @@ class VllmEngine:
         logger.info("loaded %s", description)
         return ModelInfo(model_bytes=size, kv=kv_geometry(vllm_config), description=description)
 
+    def plan_kv_cache(self, pages: int, page_size: int) -> None:
+        # vLLM sized its own KV blocks while starting (gpu_memory_utilization).
+        logger.debug("vllm engine: the stage's plan of %d pages is informational", pages)
+
     def warmup(self) -> None:
         # AsyncLLM has already profiled memory and captured CUDA graphs while starting.
         logger.info("vllm engine: warm-up happened while starting")
