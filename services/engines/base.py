@@ -98,8 +98,8 @@ class FinishOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Time the request waited inside the engine for a place in a batch (its
-    # admission), before its first step ran.
-    queue_ms: float = 0.0
+    # admission), before its first step ran. A timing, not part of the outcome.
+    queue_ms: float = field(default=0.0, compare=False)
 
 
 EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput

@@ -119,6 +119,15 @@ class TransformersEngine:
             self._loop = None
 
     @property
+    def model(self) -> PreTrainedModel:
+        return self._loaded()[0]
+
+    @property
+    def kv_plan(self) -> tuple[int, int] | None:
+        """(pages, page_size) of the stage's memory plan; None before plan_kv_cache."""
+        return self._kv
+
+    @property
     def active_requests(self) -> frozenset[str]:
         """Ids of the requests being generated now (for metrics and tests)."""
         return frozenset(self._active)
