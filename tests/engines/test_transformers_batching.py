@@ -189,7 +189,7 @@ def tiny(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngin
         load_format="dummy",
         max_batch_size=8,
         cache_dir=omni_cache_dir,
-        engine_args={"config_overrides": TINY_LLAMA},
+        engine_args={"config_overrides": TINY_LLAMA, "prefill_tokens": 16},
     )
     engine = TransformersEngine(settings)
     engine.load(smollm2_gguf)
@@ -203,13 +203,13 @@ def test_a_prompt_that_can_never_fit_the_kv_plan_is_refused(tiny: TransformersEn
     with pytest.raises(InvalidArgument) as caught:
         tiny.check(EngineRequest("big", token_ids=tuple(range(1, 9))))
     assert caught.value.field == "inputs.token_ids"
-    assert "can never fit the stage's KV cache: 2 pages of 4 tokens hold 8 tokens" in (
+    assert "can never fit the stage's KV cache, which holds 8 tokens (2 x 4-token pages)" in (
         caught.value.message
     )
     with pytest.raises(InvalidArgument) as caught:  # fits, but not with what it asks for
         tiny.check(EngineRequest("long", token_ids=(1, 2, 3), params=SamplingParams(max_tokens=6)))
     assert caught.value.field == "params.max_tokens"
-    assert "the stage's KV cache (2 pages of 4 tokens)" in caught.value.message
+    assert "the stage's KV cache (2 x 4-token pages)" in caught.value.message
 
 
 async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEngine) -> None:
@@ -226,3 +226,30 @@ async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEng
     finishes = [r.finish for r in runs]
     assert finishes[2] is not None and finishes[0] is not None
     assert finishes[2].queue_ms > finishes[0].queue_ms  # the third waited for pages
+
+
+async def test_a_long_prompt_does_not_hold_back_a_short_one(tiny: TransformersEngine) -> None:
+    """Prefill goes in chunks; the shortest remaining prompt sets the chunk, so a
+    short prompt that arrives behind a long one still gets its first token first."""
+    recorder = Forwards(tiny.model)
+    firsts: list[str] = []
+
+    async def run(rid: str, prompt: tuple[int, ...]) -> Run:
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        run = Run()
+        async for event in tiny.generate(EngineRequest(rid, token_ids=prompt, params=params)):
+            if isinstance(event, TokenOutput) and not run.tokens:
+                firsts.append(rid)
+            if isinstance(event, TokenOutput):
+                run.tokens.extend(event.token_ids)
+        return run
+
+    try:
+        long = asyncio.create_task(run("long", tuple(range(10, 410))))  # 400 tokens
+        await asyncio.sleep(0)  # submitted first
+        await asyncio.gather(long, run("short", (5, 6, 7)))
+    finally:
+        recorder.close()
+    assert firsts == ["short", "long"]
+    prefill_columns = [columns for _rows, columns in recorder.shapes if columns > 1]
+    assert max(prefill_columns) <= 16  # the long prompt went in chunks of the budget

@@ -123,6 +123,10 @@ class TransformersEngine:
         return self._loaded()[0]
 
     @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._loaded()[1]
+
+    @property
     def kv_plan(self) -> tuple[int, int] | None:
         """(pages, page_size) of the stage's memory plan; None before plan_kv_cache."""
         return self._kv
@@ -216,6 +220,7 @@ class TransformersEngine:
         limits = BatchLimits(
             max_batch_size=self._settings.max_batch_size,
             prefill_tokens=self._args.prefill_tokens,
+            gather_s=self._args.gather_ms / 1e3,
             kv_pages=pages,
             page_size=page_size,
         )

@@ -77,13 +77,13 @@ def plan(
     where = "the model's context"
     if limits.kv_tokens is not None and limits.kv_tokens - n < room:
         pages = limits.kv_tokens // limits.page_size
-        where = f"the stage's KV cache ({pages} pages of {limits.page_size} tokens)"
+        where = f"the stage's KV cache ({pages} x {limits.page_size}-token pages)"
         room = limits.kv_tokens - n
         if room < 1:
             raise InvalidArgument(
-                f"{field}: prompt has {n} tokens and can never fit the stage's KV cache: "
-                f"{pages} pages of {limits.page_size} tokens hold {limits.kv_tokens} "
-                "tokens, the prompt and at least one new token",
+                f"{field}: prompt has {n} tokens and can never fit the stage's KV cache, "
+                f"which holds {limits.kv_tokens} tokens ({pages} x {limits.page_size}-token "
+                "pages) for the prompt and at least one new token",
                 field=field,
             )
     p = request.params

@@ -76,6 +76,16 @@ class KvRows:
         self.mask = torch.cat([self.mask, self.mask.new_zeros(count, self.width)])
         self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(count)])
 
+    def repeat(self, count: int) -> None:
+        """One row becomes ``count`` copies of it (a prompt prefix several share)."""
+        assert self.rows == 1, "repeat a single row"
+        for layer in self._layers():
+            keys, values = _tensors(layer)
+            layer.keys = keys.expand(count, -1, -1, -1).contiguous()
+            layer.values = values.expand(count, -1, -1, -1).contiguous()
+        self.mask = self.mask.expand(count, -1).contiguous()
+        self.next_pos = self.next_pos.expand(count).contiguous()
+
     def select(self, rows: Sequence[int]) -> None:
         """Keep only ``rows``, in that order."""
         if list(rows) == list(range(self.rows)):

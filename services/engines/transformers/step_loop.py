@@ -5,7 +5,9 @@ Each step (the nano-vllm / mini-sglang shape):
 1. retire what was cancelled or aborted since the last step;
 2. admit waiting requests in arrival order while the batch has room
    (``max_batch_size`` sequences) and the KV plan has pages for them; the head
-   of the queue waits for pages rather than being overtaken;
+   of the queue waits for pages rather than being overtaken; requests admitted
+   together whose prompts share a prefix (a chat template's system prompt) run
+   it once;
 3. prefill: one forward over every admitted request still reading its prompt,
    each advancing by one chunk (shortest remaining prompt sets the chunk, so a
    short prompt finishes in its first step and a long one cannot hold it back;
@@ -44,6 +46,13 @@ class BatchLimits:
     prefill_tokens: int  # prompt tokens one prefill forward may take, all rows together
     kv_pages: int | None = None  # None: no memory plan (an engine used outside a stage)
     page_size: int = 16
+    # An idle loop waits this long after a first arrival for the requests sent
+    # with it, so that they share their prefill (dynamic batching's queue delay).
+    gather_s: float = 0.0
+
+
+# Shorter common prefixes are not worth a forward of their own.
+_MIN_SHARED_PREFIX = 16
 
 
 class StepLoop:
@@ -99,6 +108,8 @@ class StepLoop:
                     self._cond.wait()
                 if self._closed:
                     break
+                if not self._busy():
+                    self._gather()
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
             try:
@@ -108,6 +119,15 @@ class StepLoop:
                 logger.exception("transformers step failed; failing %d requests", self._count())
                 self._fail_all(exc)
         self._fail_all(RuntimeError("the transformers engine closed"))
+
+    def _gather(self) -> None:
+        """With the lock held: wait up to ``gather_s`` for more arrivals."""
+        deadline = self._clock() + self.limits.gather_s
+        while not self._closed and len(self._inbox) < self.limits.max_batch_size:
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            self._cond.wait(left)
 
     def _busy(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running)
@@ -135,17 +155,44 @@ class StepLoop:
         self._running = _keep(self._running, self._running_kv)
 
     def _admit(self) -> None:
-        admitted = 0
-        while self._waiting and self._fits(self._waiting[0]):
+        admitted: list[Sequence] = []
+        while self._waiting and self._fits(self._waiting[0], admitted):
             sequence = self._waiting.popleft()
             sequence.admitted = self._clock()
-            self._prefilling.append(sequence)
-            admitted += 1
-        if admitted:
-            self._prefill_kv.add_rows(admitted)
+            admitted.append(sequence)
+        if not admitted:
+            return
+        sharing, alone = self._shared_prefix(admitted)
+        self._prefilling += sharing + alone
+        self._prefill_kv.add_rows(len(alone))
 
-    def _fits(self, candidate: Sequence) -> bool:
-        members = [*self._prefilling, *self._running, candidate]
+    def _shared_prefix(self, admitted: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Requests admitted together whose prompts start alike (a chat template's
+        system prompt) run that prefix once and copy its KV rows; returns them and
+        the rest. Their own tokens (at least the last one) still go through prefill."""
+        ids = [s for s in admitted if s.plan.embeds is None]
+        if len(ids) < 2:
+            return [], admitted
+        prompts = [s.plan.token_ids for s in ids]
+        length = min(len(p) for p in prompts) - 1
+        for column in range(length):
+            if any(p[column] != prompts[0][column] for p in prompts[1:]):
+                length = column
+                break
+        if length < _MIN_SHARED_PREFIX:
+            return [], admitted
+        shared = KvRows(self._model, rows=1)
+        embeds = ids[0].prompt_chunk(length, self._embed)[None]
+        valid = torch.ones(1, length, dtype=torch.long, device=self._device)
+        shared.forward(embeds, valid, hidden=False)
+        shared.repeat(len(ids))
+        for sequence in ids[1:]:
+            sequence.prefilled = length
+        self._prefill_kv.concat(shared)
+        return ids, [s for s in admitted if s.plan.embeds is not None]
+
+    def _fits(self, candidate: Sequence, admitted: list[Sequence]) -> bool:
+        members = [*self._prefilling, *self._running, *admitted, candidate]
         if len(members) > self.limits.max_batch_size:
             return False
         if self.limits.kv_pages is None:
