@@ -107,7 +107,7 @@ async def alone(engine: TransformersEngine, request: EngineRequest) -> Run:
 async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
     engine: TransformersEngine, forwards: Forwards
 ) -> None:
-    requests = [chat(f"r{i}", p, max_tokens=8) for i, p in enumerate(PROMPTS)]
+    requests = [chat(f"r{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
     solo = [await alone(engine, r) for r in requests]
     forwards.shapes.clear()
     together = await asyncio.gather(*(collect(engine.generate(r)) for r in requests))
