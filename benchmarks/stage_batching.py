@@ -1,6 +1,6 @@
 """Batching inside a stage: N concurrent requests against the same N one after another.
 
-    python benchmarks/stage_batching.py [--levels 1 2 4 8] [--max-tokens 32]
+    python benchmarks/stage_batching.py [--levels 1 2 4 8] [--max-tokens 32] [--rounds 2]
         [--threads 1] [--equality-prompts 32] [--images] [--out FILE]
 
 Everything goes through a real stage process's Stage.Generate stream (one stream
@@ -104,7 +104,7 @@ def p99(values: list[float]) -> float:
 
 
 async def text_levels(
-    client: StageClient, levels: list[int], max_tokens: int
+    client: StageClient, levels: list[int], max_tokens: int, rounds: int
 ) -> tuple[list[dict[str, Any]], float]:
     rows: list[dict[str, Any]] = []
     alone_ttft: list[float] = []
@@ -113,11 +113,15 @@ async def text_levels(
             chat_submit(f"n{n}-{i}", PROMPTS[i], max_tokens=max_tokens, temperature=0.0)
             for i in range(n)
         ]
-        runs = await side_by_side(client, submits)
-        alone_ttft += runs["one after another"][1]
+        pooled: dict[str, tuple[float, list[float], int]] = {}
+        for _ in range(rounds):  # both modes each round, so drift hits both
+            for mode, (seconds, ttfts, tokens) in (await side_by_side(client, submits)).items():
+                total, all_ttfts, count = pooled.get(mode, (0.0, [], 0))
+                pooled[mode] = (total + seconds, all_ttfts + ttfts, count + sum(map(len, tokens)))
+        alone_ttft += pooled["one after another"][1]
         base = None
-        for mode, (seconds, ttfts, tokens) in runs.items():
-            rate = sum(len(t) for t in tokens) / seconds
+        for mode, (seconds, ttfts, count) in pooled.items():
+            rate = count / seconds
             base = base or rate
             rows.append(
                 {
@@ -197,6 +201,7 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="side-by-side rounds per level")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the stage")
     parser.add_argument("--equality-prompts", type=int, default=32)
     parser.add_argument("--images", action=argparse.BooleanOptionalAction, default=True)
@@ -209,7 +214,7 @@ async def main() -> int:
         stage, client = await with_stage(llm_stage(top, args.threads), tmp)
         try:
             await one(client, chat_submit("warm", PROMPTS[0], max_tokens=4, temperature=0.0))
-            rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens)
+            rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens, args.rounds)
             if args.equality_prompts:
                 payload["equality"] = await equality(client, args.equality_prompts, top)
         finally:
