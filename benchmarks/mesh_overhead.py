@@ -60,7 +60,7 @@ from benchmarks._mesh_report import (
 )
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
-from orchestrator.stage_process import OrchestratorProcess, StageProcess
+from orchestrator.stages.processes import OrchestratorProcess, StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config

@@ -18,12 +18,14 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.stage_client import CHANNEL_OPTIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
+ORCHESTRATOR_SERVICE = "omni.v1.Orchestrator"  # its readiness in grpc health
 MAX_CHUNKED_BYTES = 16 << 30
 Params = stage_pb2.GenerationParams | Mapping[str, Any] | None
 
@@ -46,7 +48,7 @@ class Result:
 
     stages: dict[str, StageResult] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
-    # Tensors too large for one message arrive as chunks before their segment.
+    # Tensors and blobs too large for one message arrive as chunks before their segment.
     _chunks: ChunkAssembler = field(default_factory=lambda: ChunkAssembler(MAX_CHUNKED_BYTES))
 
     @property
@@ -65,6 +67,7 @@ class Result:
         if kind == "segment":
             seg = event.segment
             self._chunks.resolve(seg.tensors, "segment.tensors")
+            self._chunks.resolve_blobs(seg.blobs, "segment.blobs")
             stage.text += seg.text_delta
             stage.token_ids.extend(seg.token_ids)
             for tensor in seg.tensors:
@@ -147,6 +150,12 @@ class AsyncClient:
     def watch_stages(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
         return self.stub.WatchStages(orchestrator_pb2.WatchStagesRequest())
 
+    async def serving(self) -> bool:
+        """The orchestrator's readiness (grpc health of omni.v1.Orchestrator)."""
+        request = health_pb2.HealthCheckRequest(service=ORCHESTRATOR_SERVICE)
+        reply = await health_pb2_grpc.HealthStub(self.channel).Check(request)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def pause(self) -> None:
         await self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest())
 
@@ -154,7 +163,8 @@ class AsyncClient:
         await self.stub.ResumeGeneration(orchestrator_pb2.ResumeGenerationRequest())
 
     async def wait_ready(self, timeout_s: float = 600.0) -> list[orchestrator_pb2.StageStatus]:
-        """Until every stage is READY; raises RuntimeError naming a FAILED stage."""
+        """Until every stage is READY and the orchestrator serves; raises RuntimeError
+        naming a FAILED stage."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -167,7 +177,8 @@ class AsyncClient:
             if failed:
                 raise RuntimeError("; ".join(f"stage {s.name}: {s.message}" for s in failed))
             if stages and all(s.state == orchestrator_pb2.STAGE_READY for s in stages):
-                return stages
+                if await self.serving():
+                    return stages
             if time.monotonic() > deadline:
                 raise TimeoutError(f"orchestrator at {self.address} not ready in {timeout_s:.0f}s")
             await asyncio.sleep(0.2)

@@ -16,7 +16,8 @@ import grpc
 
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
+from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
@@ -72,7 +73,8 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
     configure_logging()
     try:
         pipeline = load_pipeline(pipeline_path)
-    except ConfigError as exc:
+        telemetry.setup(f"omni-orchestrator-{pipeline.name}")
+    except (ConfigError, ValueError) as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 2
 
@@ -90,6 +92,8 @@ def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
     except OSError as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 1
+    finally:
+        telemetry.shutdown()
 
 
 async def generate(
@@ -170,13 +174,14 @@ async def up(
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
     then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT."""
-    from orchestrator.launcher import Launcher, default_mesh_id
     from orchestrator.pipeline import load_pipeline
-    from orchestrator.progress import ProgressView
+    from orchestrator.stages.launcher import Launcher, default_mesh_id
+    from orchestrator.stages.progress import ProgressView
 
     try:
         pipeline = load_pipeline(pipeline_path)
-    except ConfigError as exc:
+        telemetry.setup(f"omni-orchestrator-{pipeline.name}")  # the stages set up their own
+    except (ConfigError, ValueError) as exc:
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
@@ -202,13 +207,14 @@ async def up(
                 print(f"stage logs: {run_dir}", file=sys.stderr)
                 return 1
             if all(s.state == orchestrator_pb2.STAGE_READY for s in statuses):
+                await server.wait_ready()  # and described: the orchestrator serves now
                 break
             if stop.is_set():
                 return 0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
-        for name, client in server.clients.items():
-            if (await client.describe()).load_format == "dummy":
+        for name, description in server.descriptions.items():
+            if description.load_format == "dummy":
                 print(
                     f"note: stage {name} runs with dummy (random) weights; configure a real "
                     "model in its stage file for meaningful output",
@@ -223,3 +229,4 @@ async def up(
     finally:
         print("omni up: stopping", file=sys.stderr, flush=True)
         await launcher.stop()
+        telemetry.shutdown()

@@ -5,12 +5,13 @@ Every error names the file, the key path inside it and what was expected
 (formatting: services.mesh.config_files), e.g.
 ``pipe.yaml: edges.1.to: unknown stage; expected one of thinker, renderer (got 'rendrer')``.
 The models check the graph; ``parse_pipeline`` also checks the world around the
-file (launch files exist, transforms are known) and resolves launch paths.
+file (launch files exist) and resolves launch paths. Whether the consuming stage
+offers an edge's transform is learnt from its Describe once it is up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,8 +22,9 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 from services.mesh import config_files
 from services.mesh.config_files import ConfigError
 
-# Input processors a consuming stage knows; "" passes inputs through unchanged.
-TRANSFORMS: frozenset[str] = frozenset({"text", "hidden_states_to_prompt_embeds", "tokens"})
+# An edge's transform is a name the consuming stage offers (its Describe lists
+# them and what each needs); "" passes inputs through unchanged.
+TRANSFORM_PATTERN = r"^([a-z][a-z0-9_]*)?$"
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 Loc = tuple[str | int, ...]
@@ -100,7 +102,9 @@ class Edge(_Frozen):
     # -1: the downstream stage starts after the upstream is_last (full trigger);
     # N: every N items are forwarded as soon as they are complete.
     window: int = -1
-    transform: str = ""
+    # The first window's size when smaller than ``window`` (a quicker first output).
+    first_window: int | None = Field(None, ge=1)
+    transform: str = Field("", pattern=TRANSFORM_PATTERN)
     high_watermark: int = Field(64, ge=1)
     low_watermark: int = Field(16, ge=0)
 
@@ -115,6 +119,13 @@ class Edge(_Frozen):
     @classmethod
     def _blank_transform(cls, transform: Any) -> Any:
         return "" if transform is None else transform  # `transform:` with no value
+
+    @model_validator(mode="after")
+    def _first_window(self) -> Edge:
+        if self.first_window is not None and self.window == -1:
+            message = "expected a window of N items to start smaller than (window is -1)"
+            raise _invalid([(("first_window",), message, self.first_window)], "Edge")
+        return self
 
     @model_validator(mode="after")
     def _watermarks(self) -> Edge:
@@ -274,20 +285,12 @@ def parse_pipeline(
     source: str = "<pipeline>",
     *,
     base_dir: Path | None = None,
-    transforms: Collection[str] = TRANSFORMS,
 ) -> PipelineConfig:
     """Validate a parsed pipeline file; launch paths resolve against ``base_dir``
     (default: the working directory) and must name existing files."""
     config = config_files.validate(PipelineConfig, data, source)
     base = (base_dir or Path.cwd()).resolve()
     problems: list[str] = []
-    for k, edge in enumerate(config.edges):
-        if edge.transform and edge.transform not in transforms:
-            expected = ", ".join(sorted(transforms))
-            problems.append(
-                f"edges.{k}.transform: expected one of {expected}, or none to pass inputs "
-                f"through (got {edge.transform!r})"
-            )
     stages: list[Stage] = []
     for i, stage in enumerate(config.stages):
         if stage.launch is not None:
@@ -304,10 +307,10 @@ def parse_pipeline(
     return config.model_copy(update={"stages": tuple(stages)})
 
 
-def load_pipeline(path: str | Path, *, transforms: Collection[str] = TRANSFORMS) -> PipelineConfig:
+def load_pipeline(path: str | Path) -> PipelineConfig:
     path = Path(path)
     data = config_files.read_yaml(path)
-    return parse_pipeline(data, str(path), base_dir=path.parent, transforms=transforms)
+    return parse_pipeline(data, str(path), base_dir=path.parent)
 
 
 @dataclass(frozen=True)

@@ -17,19 +17,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from orchestrator.monitor import StageMonitor, StageTarget
 from orchestrator.pipeline import PipelineConfig
-from orchestrator.router import Router
-from orchestrator.sink import EventSink
-from orchestrator.streams import refuse_refs, single, stream_requests
-from orchestrator.watchdog import WatchdogSettings
+from orchestrator.requests.router import Router
+from orchestrator.requests.sink import EventSink
+from orchestrator.requests.streams import (
+    check_stage_params,
+    refusal,
+    refuse_refs,
+    single,
+    stream_requests,
+)
+from orchestrator.stages.monitor import StageMonitor, StageTarget
+from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
-from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.process import bind
+from services.mesh.ref_reader import RefReader
+from services.mesh.request_ids import check_request_id
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -49,22 +56,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
         rid = request.request_id or uuid.uuid4().hex
-        unknown = sorted(set(request.stage_params) - set(self._server.monitors))
-        if unknown:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"stage_params: unknown stage {unknown[0]!r} "
-                f"(stages: {', '.join(self._server.monitors)})",
-            )
-        try:
-            refuse_refs(request.inputs)
-        except OmniError as exc:
-            await context.abort(exc.code, exc.message)
-        submit = stage_pb2.Submit(
-            request_id=rid, inputs=request.inputs, params=request.params, is_last=True
-        )
         sink = EventSink(*self._server.client_watermarks)
-        self._router.start(rid, single(submit), dict(request.stage_params), sink)
+        try:
+            check_request_id(rid, "request_id")
+            check_stage_params(request.stage_params, self._server.monitors, "stage_params")
+            refuse_refs(request.inputs)
+            submit = stage_pb2.Submit(
+                request_id=rid, inputs=request.inputs, params=request.params, is_last=True
+            )
+            self._router.start(rid, single(submit), dict(request.stage_params), sink)
+        except OmniError as exc:
+            logger.info("request %s refused: %s", rid, exc.message)
+            yield refusal(rid, exc)
+            return
         finished = False
         try:
             while (event := await sink.get()) is not None:
@@ -78,11 +82,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     async def GenerateStream(
         self,
-        request_iterator: AsyncIterator[stage_pb2.StageInput],
+        request_iterator: AsyncIterator[orchestrator_pb2.StreamInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        watermarks = self._server.client_watermarks
-        async for event in stream_requests(self._router, request_iterator, watermarks):
+        server = self._server
+        async for event in stream_requests(
+            self._router, request_iterator, list(server.monitors), server.client_watermarks
+        ):
             yield event
 
     async def Abort(
@@ -164,41 +170,54 @@ class OrchestratorServer:
             )
             for s in pipeline.stages
         }
-        # Where each stage runs (from its Describe once READY): who can open whose refs.
-        self.identities: dict[str, tensor_pb2.NodeIdentity] = {}
-        receiver = TensorReceiver(mesh or mesh_id(), allow_refs=True)
+        # What each stage says of itself once READY (Describe): where it runs (who
+        # can open whose refs) and the transforms it offers.
+        self.descriptions: dict[str, stage_pb2.StageDescription] = {}
+        refs = RefReader(mesh or mesh_id())
         self.router = Router(
             pipeline,
             self.clients,
             self._not_ready_reason,
-            identity=self.identities.get,
-            receiver=receiver,
+            describe=self.descriptions.get,
+            refs=refs,
             chunk_bytes=chunk_bytes,
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._serving = asyncio.Event()  # every stage READY and described
         self.port = 0
 
     def _not_ready_reason(self, stage: str) -> str | None:
         status = self.monitors[stage].status
         if status.state == orchestrator_pb2.STAGE_READY:
-            return None
+            return None if stage in self.descriptions else "READY, its Describe is pending"
         state = orchestrator_pb2.StageState.Name(status.state)
         return f"{state} ({status.message or stage_pb2.InitPhase.Name(status.phase)})"
 
-    async def _learn_identity(self, name: str) -> None:
-        try:
-            self.identities[name] = (await self.clients[name].describe()).node
-        except grpc.aio.AioRpcError as exc:  # bytes until it is known
-            code = exc.code().name
-            logger.warning("stage %s: Describe failed (%s); its tensors go as bytes", name, code)
+    def _ready(self, stage: str) -> bool:
+        return self._not_ready_reason(stage) is None
+
+    async def _describe(self, name: str) -> None:
+        """Learn what a READY stage says of itself; retried while it stays READY."""
+        delay = 0.2
+        while self.monitors[name].ready and name not in self.descriptions:
+            try:
+                self.descriptions[name] = await self.clients[name].describe()
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code().name
+                logger.warning(
+                    "stage %s: Describe failed (%s); retrying in %.1fs", name, code, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        await self._update_health()
 
     def _on_change(self, status: orchestrator_pb2.StageStatus) -> None:
-        if status.state == orchestrator_pb2.STAGE_READY and status.name not in self.identities:
-            self._spawn(self._learn_identity(status.name))
+        if status.state == orchestrator_pb2.STAGE_READY and status.name not in self.descriptions:
+            self._spawn(self._describe(status.name))
         elif status.state != orchestrator_pb2.STAGE_READY:
-            self.identities.pop(status.name, None)  # a restarted stage may live elsewhere
+            self.descriptions.pop(status.name, None)  # a restarted stage may live elsewhere
         if status.state == orchestrator_pb2.STAGE_DOWN:
             failed = self.router.stage_lost(
                 status.name,
@@ -216,7 +235,11 @@ class OrchestratorServer:
         task.add_done_callback(self._tasks.discard)
 
     async def _update_health(self) -> None:
-        ready = all(m.ready for m in self.monitors.values())
+        ready = all(self._ready(name) for name in self.monitors)
+        if ready:
+            self._serving.set()
+        else:
+            self._serving.clear()
         await self._health.set("", SERVING if ready else NOT_SERVING)
         await self._health.set(ORCHESTRATOR_SERVICE, SERVING if ready else NOT_SERVING)
 
@@ -243,9 +266,13 @@ class OrchestratorServer:
         return self.port
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        await asyncio.wait_for(
-            asyncio.gather(*(m.wait_ready() for m in self.monitors.values())), timeout_s
-        )
+        """Every stage READY and described (a stage's init failure raises)."""
+
+        async def ready() -> None:
+            await asyncio.gather(*(m.wait_ready() for m in self.monitors.values()))
+            await self._serving.wait()
+
+        await asyncio.wait_for(ready(), timeout_s)
 
     async def wait(self) -> None:
         assert self._server is not None, "start() first"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -94,7 +94,7 @@ class ProgressOutput:
 
 @dataclass(frozen=True)
 class FinishOutput:
-    reason: str  # "length", "stop", "eos", "done", or "abort" after Engine.abort()
+    reason: str  # "length", "stop", "eos" or "done"
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Time the request waited inside the engine for a place in a batch (its
@@ -128,7 +128,12 @@ class ModelInfo:
 class Engine(Protocol):
     """An engine plug-in. ``load`` and ``warmup`` block (a stage calls them in a
     thread); ``generate`` is an async generator that stops at the next step
-    boundary when its consumer stops iterating (cancellation)."""
+    boundary when its consumer stops iterating: closing it (``aclose``, or the
+    consuming task cancelled) is the one way a request is cancelled or aborted.
+
+    Errors: an ``OmniError`` from ``generate`` ends that request with its
+    status; ``services.mesh.errors.EngineDead`` says the engine itself is gone,
+    and the stage then fails and exits to be restarted."""
 
     name: ClassVar[str]
     # GenerationParams fields (and `extra` keys as "extra.KEY") this engine honours;
@@ -144,12 +149,6 @@ class Engine(Protocol):
         for an engine that can build its model from engine_args alone."""
         ...
 
-    def plan_kv_cache(self, pages: int, page_size: int) -> None:
-        """The stage's memory plan (MEMORY_PLANNED): at most ``pages`` KV pages of
-        ``page_size`` tokens may be held at once. Called after ``load``, before
-        ``warmup``; an engine without a KV cache (or one that plans its own) ignores it."""
-        ...
-
     def warmup(self) -> None: ...
 
     def check(self, request: EngineRequest) -> None:
@@ -158,6 +157,14 @@ class Engine(Protocol):
 
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
 
-    async def abort(self, request_id: str) -> None: ...
-
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PlansKvCache(Protocol):
+    """An engine whose KV cache the stage's memory plan bounds (MEMORY_PLANNED)."""
+
+    def plan_kv_cache(self, pages: int, page_size: int) -> None:
+        """At most ``pages`` KV pages of ``page_size`` tokens may be held at once.
+        Called after ``load``, before ``warmup``."""
+        ...

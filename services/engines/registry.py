@@ -1,8 +1,16 @@
 """Engines by name. Each entry imports its module only when asked for, so a CPU
-stage never imports vllm and a GPU image need not carry diffusers."""
+stage never imports vllm and a GPU image need not carry diffusers.
+
+Plug-in engines: a stage file may name an engine class outside this package as
+``engine: "package.module:ClassName"`` (an importable module, a colon, a class
+that implements ``services.engines.base.Engine``). The module is imported when
+the stage starts; a name that does not resolve fails the stage file's check.
+"""
 
 from __future__ import annotations
 
+import importlib
+import re
 from collections.abc import Callable
 
 from services.engines.base import Engine
@@ -26,16 +34,47 @@ def _vllm() -> type[Engine]:
     return VllmEngine
 
 
+def _video() -> type[Engine]:
+    from services.engines.video import VideoEngine
+
+    return VideoEngine
+
+
+def _video_frames() -> type[Engine]:
+    from services.engines.video import FrameSourceEngine
+
+    return FrameSourceEngine
+
+
 ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "transformers": _transformers,
     "diffusers": _diffusers,
     "vllm": _vllm,
+    "video": _video,
+    "video_frames": _video_frames,
 }
 
 
+_PLUGIN = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+def is_plugin(name: str) -> bool:
+    """Whether ``name`` has the ``package.module:ClassName`` form of a plug-in engine."""
+    return _PLUGIN.fullmatch(name) is not None
+
+
 def engine_class(name: str) -> type[Engine]:
+    if is_plugin(name):
+        module_name, _, class_name = name.partition(":")
+        try:
+            found: type[Engine] = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"plug-in engine {name!r} cannot be loaded: {exc}") from None
+        return found
     try:
         return ENGINES[name]()
     except KeyError:
         known = ", ".join(sorted(ENGINES))
-        raise ValueError(f"unknown engine {name!r} (known: {known})") from None
+        raise ValueError(
+            f"unknown engine {name!r} (known: {known}, or package.module:ClassName)"
+        ) from None

@@ -1,14 +1,15 @@
-"""Inline tensor bytes across several stream messages, so any size fits.
+"""Inline tensor and blob bytes across several stream messages, so any size fits.
 
 gRPC clients refuse messages over 4 MiB by default; rather than ask every client
-to raise that limit, a large raw tensor travels as TensorChunk messages (each at
-most CHUNK_BYTES) followed by the message whose tensor says ``chunked``.
+to raise that limit, a large raw tensor (or blob, e.g. a PNG) travels as
+TensorChunk messages (each at most CHUNK_BYTES) followed by the message whose
+tensor (or blob) says ``chunked``.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import MutableSequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 
 from services.mesh.errors import InvalidArgument, ResourceExhausted
@@ -24,13 +25,26 @@ def split(
 
     Returns the chunks to send, in order, before the message holding ``tensors``.
     """
+    return _split(tensors, "data", "raw", threshold)
+
+
+def split_blobs(
+    blobs: MutableSequence[tensor_pb2.Blob], *, threshold: int = CHUNK_BYTES
+) -> list[tensor_pb2.TensorChunk]:
+    """``split`` for blobs: the bytes of every blob over ``threshold`` become chunks."""
+    return _split(blobs, "payload", "data", threshold)
+
+
+def _split(
+    messages: Sequence[tensor_pb2.Tensor | tensor_pb2.Blob], oneof: str, inline: str, threshold: int
+) -> list[tensor_pb2.TensorChunk]:
     if threshold <= 0:
         raise ValueError(f"threshold must be positive, got {threshold}")
     chunks: list[tensor_pb2.TensorChunk] = []
-    for tensor in tensors:
-        if tensor.WhichOneof("data") != "raw":
+    for message in messages:
+        if message.WhichOneof(oneof) != inline:
             continue
-        raw = tensor.raw  # protobuf hands out a new copy per access: take it once
+        raw = getattr(message, inline)  # protobuf hands out a new copy per access: take it once
         total = len(raw)
         if total <= threshold:
             continue
@@ -41,7 +55,7 @@ def split(
             )
             for start in range(0, total, threshold)
         ]
-        tensor.chunked.CopyFrom(tensor_pb2.ChunkRef(chunk_id=chunk_id, nbytes=total))
+        message.chunked.CopyFrom(tensor_pb2.ChunkRef(chunk_id=chunk_id, nbytes=total))
     return chunks
 
 
@@ -111,11 +125,24 @@ class ChunkAssembler:
         All refs are checked before any tensor changes, so an error leaves
         ``tensors`` as it was.
         """
-        ready: list[tuple[tensor_pb2.Tensor, str]] = []
-        for i, tensor in enumerate(tensors):
-            if tensor.WhichOneof("data") != "chunked":
+        self._resolve(tensors, "data", "raw", field)
+
+    def resolve_blobs(self, blobs: MutableSequence[tensor_pb2.Blob], field: str) -> None:
+        """``resolve`` for blobs: every ``chunked`` blob gets its ``data`` back."""
+        self._resolve(blobs, "payload", "data", field)
+
+    def _resolve(
+        self,
+        messages: Sequence[tensor_pb2.Tensor | tensor_pb2.Blob],
+        oneof: str,
+        inline: str,
+        field: str,
+    ) -> None:
+        ready: list[tuple[tensor_pb2.Tensor | tensor_pb2.Blob, str]] = []
+        for i, message in enumerate(messages):
+            if message.WhichOneof(oneof) != "chunked":
                 continue
-            ref = tensor.chunked
+            ref = message.chunked
             if any(chunk_id == ref.chunk_id for _, chunk_id in ready):
                 raise InvalidArgument(
                     f"{field}[{i}].chunked: {ref.chunk_id!r} is referenced twice",
@@ -135,9 +162,9 @@ class ChunkAssembler:
                     f"{pending.total}",
                     field=f"{field}[{i}]",
                 )
-            ready.append((tensor, ref.chunk_id))
-        for tensor, chunk_id in ready:
-            tensor.raw = b"".join(self._pending.pop(chunk_id).parts)
+            ready.append((message, ref.chunk_id))
+        for message, chunk_id in ready:
+            setattr(message, inline, b"".join(self._pending.pop(chunk_id).parts))
 
     def discard_all(self) -> None:
         self._pending.clear()

@@ -1,4 +1,7 @@
-"""Domain errors carry their gRPC status; one function maps any exception.
+"""Domain errors carry their gRPC status; one mapping turns any exception into
+what a client sees, whichever way it travels: the status of an RPC
+(``abort_rpc``), a stage's in-band ``Error`` (``wire_error``) or the
+orchestrator's final ``Done`` (``done``). Both servicers use only these.
 
 Only messages of ``OmniError`` reach clients: anything else is a bug and is
 reported as INTERNAL without its text (no paths or stack traces leak out).
@@ -6,7 +9,11 @@ reported as INTERNAL without its text (no paths or stack traces leak out).
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import grpc
+
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
 
 class OmniError(Exception):
@@ -48,14 +55,65 @@ class DeadlineExceeded(OmniError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
+class EngineDead(OmniError):
+    """The engine is gone (a fatal error, not a request's): the stage fails,
+    its health turns NOT_SERVING and the process exits so it is restarted."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class InitFailed(OmniError):
     """A stage could not come up (model fetch, device lock, load)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 
 
-def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message a client sees for ``exc``."""
+def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
+    """The status, message and offending field a client sees for ``exc``."""
     if isinstance(exc, OmniError):
-        return exc.code, exc.message
-    return grpc.StatusCode.INTERNAL, "internal error (see the server log)"
+        return exc.code, exc.message, exc.field
+    return grpc.StatusCode.INTERNAL, "internal error (see the server log)", ""
+
+
+def wire_error(request_id: str, exc: BaseException) -> stage_pb2.Error:
+    """``exc`` as a stage's in-band Error: it ends one request, not the stream."""
+    code, message, field = to_status(exc)
+    return stage_pb2.Error(
+        request_id=request_id,
+        code=code.value[0],
+        code_name=code.name,
+        message=message,
+        field=field,
+    )
+
+
+def done(
+    request_id: str, exc: BaseException | None = None, stage: str = ""
+) -> orchestrator_pb2.Done:
+    """A request's one final event: OK when ``exc`` is None, else its status."""
+    if exc is None:
+        return orchestrator_pb2.Done(request_id=request_id, code_name="OK")
+    code, message, field = to_status(exc)
+    return orchestrator_pb2.Done(
+        request_id=request_id,
+        code=code.value[0],
+        code_name=code.name,
+        message=message,
+        field=field,
+        stage=stage,
+    )
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    """The StatusCode of a wire ``code`` (UNKNOWN for a value gRPC does not define)."""
+    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+async def abort_rpc(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:
+    """End an RPC with ``exc``'s status (for errors that are not a request's)."""
+    code, message, _field = to_status(exc)
+    await context.abort(code, message)
+    raise AssertionError("context.abort returns only by raising")

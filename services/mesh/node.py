@@ -6,6 +6,7 @@ import functools
 import os
 import re
 import socket
+import sys
 from pathlib import Path
 
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -26,11 +27,10 @@ def _namespace(kind: str) -> str:
 
 
 def _gpu_uuids() -> list[str]:
-    # Only ask torch when CUDA is already usable: initialising CUDA in a CPU
-    # process would cost seconds and memory for nothing.
-    import torch
-
-    if not torch.cuda.is_available():
+    # A process that has not imported torch (the orchestrator) holds no GPU
+    # tensors: it must not pay for importing torch just to say so.
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
         return []
     return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
 

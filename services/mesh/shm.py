@@ -18,8 +18,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -29,22 +27,17 @@ from pathlib import Path
 import torch
 
 from services.mesh import tensors
-from services.mesh.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
-from services.mesh.node import check_mesh_id, node_identity, same_ipc
+from services.mesh.errors import ResourceExhausted
+from services.mesh.node import check_mesh_id, node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.shm_refs import HELD, SHM_ROOT, opened_block, sweep
+
+__all__ = ["SHM_ROOT", "ShmProducer", "open_tensor", "sweep"]
 
 logger = logging.getLogger(__name__)
 
-SHM_ROOT = Path("/dev/shm")
-BLOCK_NAME = re.compile(
-    r"omni-(?P<mesh>[a-z0-9][a-z0-9-]{0,30})-(?P<pid>[1-9][0-9]{0,9})-(?P<counter>[0-9a-f]{1,16})"
-)
-
 # One counter per process, so two producers of one mesh never pick the same name.
 _COUNTER = itertools.count(1)
-# Blocks this process created and still holds: sweep spares them even though
-# their pid (ours) is alive, and removes older blocks that merely reuse our pid.
-_HELD: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,7 @@ class ShmProducer:
         # Registered before it is filled, so close() from another thread frees it too.
         with self._lock:
             self._blocks[name] = _Block(owner, self._clock())
-            _HELD.add(name)
+            HELD.add(name)
         try:
             _fill(fd, source, nbytes)
         except BaseException as exc:
@@ -150,7 +143,7 @@ class ShmProducer:
             with self._lock:
                 if self._blocks.pop(name, None) is None:
                     continue  # another thread freed it first
-                _HELD.discard(name)
+                HELD.discard(name)
             try:
                 os.unlink(self.root / name)
             except FileNotFoundError:
@@ -186,60 +179,12 @@ def _fill(fd: int, tensor: torch.Tensor, nbytes: int) -> None:
 def open_tensor(
     msg: tensor_pb2.Tensor, *, mesh_id: str, field: str, root: Path = SHM_ROOT
 ) -> torch.Tensor:
-    """Map a ShmRef's bytes copy-on-write and view them as a tensor (no read copy).
-
-    Every check that needs no file system runs first; the block is then opened
-    without following links and bounded by its real size, so a ref can never make
-    this process read outside the block.
-    """
+    """Map a ShmRef's bytes copy-on-write and view them as a tensor (no read copy);
+    the ref is checked first (``shm_refs.opened_block``)."""
     ref = msg.shm
-    where = f"{field}.shm"
-    _check_name(ref.name, mesh_id, f"{where}.name")
-    expected = tensors.nbytes_of(msg, field)
-    dtype = tensors.DTYPES[msg.dtype]
-    if ref.nbytes != expected:
-        raise InvalidArgument(
-            f"{where}.nbytes: dtype {msg.dtype} and shape {list(msg.shape)} need {expected} "
-            f"bytes, the ref says {ref.nbytes}",
-            field=f"{where}.nbytes",
-        )
-    if ref.offset % dtype.itemsize:
-        raise InvalidArgument(
-            f"{where}.offset: {ref.offset} is not a multiple of {msg.dtype}'s size",
-            field=f"{where}.offset",
-        )
-    if not ref.HasField("producer"):
-        raise InvalidArgument(f"{where}.producer: missing", field=f"{where}.producer")
-    if not same_ipc(ref.producer, node_identity()):
-        raise FailedPrecondition(
-            f"{where}: block {ref.name} lives on another node or IPC namespace", field=where
-        )
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-    try:
-        fd = os.open(root / ref.name, flags)
-    except FileNotFoundError:
-        raise FailedPrecondition(
-            f"{where}.name: block {ref.name} is gone (released, expired or its producer died)",
-            field=f"{where}.name",
-        ) from None
-    except OSError as exc:
-        reason = errno.errorcode.get(exc.errno or 0, "error")
-        raise FailedPrecondition(
-            f"{where}.name: block {ref.name} cannot be opened ({reason})",
-            field=f"{where}.name",
-        ) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise FailedPrecondition(
-                f"{where}.name: {ref.name} is not a block", field=f"{where}.name"
-            )
-        if ref.offset + ref.nbytes > info.st_size:
-            raise InvalidArgument(
-                f"{where}.offset: bytes {ref.offset}..{ref.offset + ref.nbytes} lie outside "
-                f"block {ref.name} of {info.st_size} bytes",
-                field=f"{where}.offset",
-            )
+    dtype = tensors.DTYPES[msg.dtype] if msg.dtype in tensors.DTYPES else None
+    with opened_block(msg, mesh_id, field, root) as fd:
+        assert dtype is not None  # checked by opened_block
         if ref.nbytes == 0:
             return torch.empty(tuple(msg.shape), dtype=dtype)
         # /proc/self/fd/N reopens exactly the inode checked above (no race with a
@@ -248,58 +193,4 @@ def open_tensor(
         flat = torch.from_file(
             f"/proc/self/fd/{fd}", shared=False, size=ref.offset + ref.nbytes, dtype=torch.uint8
         )
-    finally:
-        os.close(fd)
     return flat[ref.offset :].view(dtype).reshape(tuple(msg.shape))
-
-
-def _check_name(name: str, mesh_id: str, field: str) -> None:
-    shown = repr(name[:80])
-    if not name or "/" in name or "\0" in name or ".." in name or name.startswith("."):
-        raise InvalidArgument(f"{field}: {shown} is not a bare block name", field=field)
-    match = BLOCK_NAME.fullmatch(name)
-    if match is None:
-        raise InvalidArgument(
-            f"{field}: {shown} is not a block name (omni-<mesh>-<pid>-<n>)", field=field
-        )
-    if match["mesh"] != mesh_id:
-        raise FailedPrecondition(
-            f"{field}: {shown} is not a block of this mesh ({mesh_id})", field=field
-        )
-
-
-def sweep(mesh_id: str, root: Path = SHM_ROOT) -> list[str]:
-    """Unlink blocks of ``mesh_id`` whose producer is dead; return their names.
-
-    Consumers that still map a removed block keep reading it: unlinking only
-    drops the name, the memory goes when the last mapping does.
-    """
-    check_mesh_id(mesh_id)
-    removed: list[str] = []
-    with os.scandir(root) as entries:
-        for entry in entries:
-            match = BLOCK_NAME.fullmatch(entry.name)
-            if match is None or match["mesh"] != mesh_id or _alive(int(match["pid"]), entry.name):
-                continue
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                continue
-            removed.append(entry.name)
-    if removed:
-        logger.info("shm: swept %s block(s) of dead producers in mesh %s", len(removed), mesh_id)
-    return removed
-
-
-def _alive(pid: int, name: str) -> bool:
-    if pid == os.getpid():
-        # Our pid, not our block: a previous process (e.g. a restarted container)
-        # had the same number.
-        return name in _HELD
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, owned by another user
-    return True

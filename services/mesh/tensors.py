@@ -7,12 +7,11 @@ headers, so any language can read them from dtype + shape.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.wire import MAX_RANK, concat_raw, nbytes_of
 
 DTYPES: dict[str, torch.dtype] = {
     name: dtype
@@ -37,7 +36,7 @@ DTYPES: dict[str, torch.dtype] = {
     }.items()
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
-MAX_RANK = 16
+__all__ = ["DTYPES", "MAX_RANK", "concat_raw", "from_proto", "nbytes_of", "to_proto"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -53,23 +52,6 @@ def to_proto(tensor: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return tensor_pb2.Tensor(name=name, dtype=wire, shape=list(tensor.shape), raw=raw)
-
-
-def nbytes_of(msg: tensor_pb2.Tensor, field: str) -> int:
-    """The byte size dtype and shape imply, after validating both."""
-    dtype = DTYPES.get(msg.dtype)
-    if dtype is None:
-        known = ", ".join(DTYPES)
-        raise InvalidArgument(
-            f"{field}.dtype: unknown dtype {msg.dtype!r} (expected one of {known})",
-            field=f"{field}.dtype",
-        )
-    if len(msg.shape) > MAX_RANK or any(d < 0 for d in msg.shape):
-        raise InvalidArgument(
-            f"{field}.shape: expected at most {MAX_RANK} non-negative dims, got {list(msg.shape)}",
-            field=f"{field}.shape",
-        )
-    return math.prod(msg.shape) * dtype.itemsize
 
 
 def from_proto(msg: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
@@ -92,27 +74,3 @@ def from_proto(msg: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:
     # bytearray gives torch a writable buffer it may own; protobuf's bytes are immutable.
     flat = torch.frombuffer(bytearray(msg.raw), dtype=torch.uint8)
     return flat.view(dtype).reshape(tuple(msg.shape))
-
-
-def concat_raw(pieces: list[tensor_pb2.Tensor], field: str) -> tensor_pb2.Tensor:
-    """Join inline tensors of one name along their first dim, bytes only (no decode)."""
-    first = pieces[0]
-    if len(pieces) == 1:
-        return first
-    for piece in pieces:
-        nbytes_of(piece, field)
-        if (
-            piece.dtype != first.dtype
-            or list(piece.shape[1:]) != list(first.shape[1:])
-            or not (piece.shape)
-        ):
-            raise InvalidArgument(
-                f"{field}: pieces disagree ({piece.dtype} {list(piece.shape)} after "
-                f"{first.dtype} {list(first.shape)}); they join along the first dim",
-                field=field,
-            )
-        if piece.WhichOneof("data") not in ("raw", None):
-            raise InvalidArgument(f"{field}: pieces must carry inline bytes", field=field)
-    shape = [sum(p.shape[0] for p in pieces), *first.shape[1:]]
-    raw = b"".join(p.raw for p in pieces)
-    return tensor_pb2.Tensor(name=first.name, dtype=first.dtype, shape=shape, raw=raw)

@@ -2,8 +2,10 @@
 
 Binds at once and prints ``listening HOST:PORT`` on stdout (launchers read it
 to learn a port picked with --port 0), then brings the engine up. SIGTERM or
-SIGINT drains in-flight requests within runtime.drain_grace_s and exits 0.
-A bad stage file exits 2 with a message naming the file and the key.
+SIGINT drains in-flight requests within runtime.drain_grace_s and exits 0
+(a download in progress is stopped, its partial file kept for the next start).
+A bad stage file exits 2 with a message naming the file and the key. A dead
+engine (the stage turned FAILED after READY) exits 3, so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -20,19 +22,26 @@ from services.stage.server import StageServer
 
 logger = logging.getLogger("services.stage")
 
+EXIT_ENGINE_DEAD = 3
+
 
 async def serve(config_path: str, host: str, port: int) -> int:
     config = load_stage_config(config_path)
     server = StageServer(config)
     stop = stop_on_signals()
     announce(host, await server.start(host, port))
-    await stop.wait()
+    waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if server.failed.is_set():
+        logger.error("stage %s: the engine died; exiting to be restarted", config.name)
     logger.info(
         "stage %s: stopping (draining up to %.1fs)", config.name, config.runtime.drain_grace_s
     )
     drained = await server.stop()
     logger.info("stage %s: stopped%s", config.name, "" if drained else " (some requests cut off)")
-    return 0
+    return EXIT_ENGINE_DEAD if server.failed.is_set() else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.engines.base import EngineSettings, SamplingParams
-from services.engines.registry import ENGINES
+from services.engines.registry import ENGINES, is_plugin
 from services.mesh import config_files
 
 
@@ -92,8 +92,9 @@ class StageConfig(_Frozen):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, engine: str) -> str:
-        if engine not in ENGINES:
-            raise ValueError(f"expected one of {', '.join(sorted(ENGINES))}")
+        if engine not in ENGINES and not is_plugin(engine):
+            known = ", ".join(sorted(ENGINES))
+            raise ValueError(f"expected one of {known}, or a plug-in as package.module:ClassName")
         return engine
 
     @model_validator(mode="after")

@@ -12,10 +12,10 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.engines.base import EngineRequest, SamplingParams
 from services.mesh import tensors as codec
-from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted
+from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted, wire_error
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.transport import TensorReceiver
 from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
+from services.stage.inputs import Inputs
 
 MAX_REQUEST_ID = 256
 _SCALAR_PARAMS = (
@@ -62,7 +62,9 @@ def _refuse_unknown_fields(msg: Message, field: str) -> None:
         raise InvalidArgument(f"{field}: unknown field number(s) {numbers}", field=field)
 
 
-def sampling_params(params: stage_pb2.GenerationParams, supported: frozenset[str], engine: str):
+def sampling_params(
+    params: stage_pb2.GenerationParams, supported: frozenset[str], engine: str
+) -> SamplingParams:
     """GenerationParams -> SamplingParams, refusing anything the engine does not honour."""
     _refuse_unknown_fields(params, "params")
     values: dict[str, object] = {}
@@ -84,57 +86,23 @@ def sampling_params(params: stage_pb2.GenerationParams, supported: frozenset[str
     return SamplingParams(**values, extra=extra)  # type: ignore[arg-type]
 
 
-def engine_request(
-    submit: stage_pb2.Submit, supported: frozenset[str], engine: str, receiver: TensorReceiver
-) -> EngineRequest:
+def refuse_unknown_fields(submit: stage_pb2.Submit) -> None:
     _refuse_unknown_fields(submit, "submit")
-    inputs = submit.inputs
-    pieces: dict[str, list[torch.Tensor]] = {}
-    for index, tensor in enumerate(inputs.tensors):
-        field = f"inputs.tensors[{index}]"
-        if not tensor.name:
-            raise InvalidArgument(f"{field}.name: must not be empty", field=f"{field}.name")
-        pieces.setdefault(tensor.name, []).append(receiver.decode(tensor, field))
-    tensors = {name: _join(name, parts) for name, parts in pieces.items()}
-    for index, message in enumerate(inputs.messages):
-        if not message.role:
-            field = f"inputs.messages[{index}].role"
-            raise InvalidArgument(f"{field}: must not be empty", field=field)
+
+
+def engine_request(request_id: str, inputs: Inputs, params: SamplingParams) -> EngineRequest:
     return EngineRequest(
-        request_id=submit.request_id,
+        request_id=request_id,
         text=inputs.text or None,
-        messages=tuple((m.role, m.content) for m in inputs.messages),
-        token_ids=tuple(inputs.token_ids),
-        tensors=tensors,
-        params=sampling_params(submit.params, supported, engine),
+        messages=inputs.messages,
+        token_ids=inputs.token_ids,
+        tensors=inputs.tensors,
+        params=params,
     )
-
-
-def _join(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """Tensors of one name arrive as ordered pieces (windows, shared blocks): one tensor."""
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.dim() for p in parts):
-        field = f"inputs.tensors.{name}"
-        shapes = ", ".join(f"{p.dtype} {list(p.shape)}" for p in parts)
-        raise InvalidArgument(
-            f"{field}: pieces of one tensor must share dtype and trailing dims ({shapes})",
-            field=field,
-        )
-    return torch.cat(parts)
 
 
 def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
-    return stage_pb2.StageOutput(
-        error=stage_pb2.Error(
-            request_id=request_id,
-            code=error.code.value[0],
-            code_name=error.code.name,
-            message=error.message,
-            field=error.field,
-        )
-    )
+    return stage_pb2.StageOutput(error=wire_error(request_id, error))
 
 
 Encode = Callable[[torch.Tensor, str], tensor_pb2.Tensor]

@@ -70,15 +70,24 @@ class InitBus:
         self._changed = asyncio.Event()
 
     async def follow(self) -> AsyncIterator[stage_pb2.InitEvent]:
-        """Every event since start, then live ones; ends after READY or FAILED."""
+        """Every event since start, then live ones; ends after READY or FAILED.
+
+        A stage whose engine died after READY publishes FAILED: a follower
+        that comes later gets READY and then that FAILED, its state now."""
         sent = 0
         while True:
             waiter = self._changed
             with self._lock:
-                pending = self._events[sent:]
-            for event in pending:
+                history = list(self._events)
+            for index in range(sent, len(history)):
+                event = history[index]
                 yield event
+                if event.phase == stage_pb2.READY:
+                    later = [e for e in history[index + 1 :] if e.phase == stage_pb2.FAILED]
+                    if later:
+                        yield later[0]
+                    return
                 if event.phase in TERMINAL:
                     return
-            sent += len(pending)
+            sent = len(history)
             await waiter.wait()

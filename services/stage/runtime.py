@@ -1,17 +1,18 @@
-"""The stage's serving core, transport-agnostic: admits requests, drives the
+"""The stage's serving core, transport-agnostic: starts requests, drives the
 engine, segments its output and reports one final event per request.
 
 Every request ends in exactly one CompletedOut or ErrorOut; an error ends that
-request only, never the stage.
+request only, never the stage. The one exception is ``EngineDead``: the engine
+is gone, so every request in flight ends UNAVAILABLE, new ones are refused, and
+``died`` is set for the server to fail the stage (FAILED, NOT_SERVING, exit).
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from services.engines.base import (
@@ -23,22 +24,14 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
-from services.mesh.errors import Cancelled, InvalidArgument, OmniError, Unavailable
+from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
+from services.stage.admission import Admission
 from services.stage.config import StageConfig
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
-from services.stage.intake import Intake
+from services.stage.requests import InFlight, InFlightRequests, Sink
 from services.stage.segmenter import Segmenter
 
 logger = logging.getLogger(__name__)
-
-Sink = Callable[[StageEvent], Awaitable[None]]
-
-
-@dataclass
-class _Running:
-    task: asyncio.Task[None]
-    cancel_reason: str = ""
-    cancel_error: OmniError | None = None
 
 
 class StageRuntime:
@@ -47,23 +40,24 @@ class StageRuntime:
     ) -> None:
         self.config = config
         self.engine = engine
+        self.requests = InFlightRequests()
         self._clock = clock
         # The engine batches: it decides which requests share a step (max_batch_size
-        # of them, within its KV plan) and queues the rest itself. The intake only
+        # of them, within its KV plan) and queues the rest itself. Admission only
         # bounds what the stage holds at once, so that enough requests reach the
         # engine to form batches.
         runtime = config.runtime
-        self._intake = Intake(runtime.max_batch_size + runtime.max_queue_size, 0)
-        self._requests: dict[str, _Running] = {}
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._admission = Admission(runtime.max_batch_size + runtime.max_queue_size, 0)
         self.ready = False
         self.draining = False
         self.not_ready_reason = "stage is starting"
+        self.death: EngineDead | None = None
+        self.died = asyncio.Event()
 
     @property
     def in_flight(self) -> int:
-        return len(self._requests)
+        """Requests running or queued for a run slot (not those still sending windows)."""
+        return len(self.requests)
 
     def prepare(self, request: EngineRequest) -> EngineRequest:
         """Stage defaults filled in and the engine's own checks passed."""
@@ -71,110 +65,146 @@ class StageRuntime:
         self.engine.check(prepared)
         return prepared
 
-    def admit(
+    def check_open(self) -> None:
+        """Refuse new work while the stage cannot serve it."""
+        name = self.config.name
+        if self.death is not None:
+            raise Unavailable(f"stage {name}: the engine died ({self.death.message})")
+        if self.draining:
+            raise Unavailable(f"stage {name} is draining")
+        if not self.ready:
+            raise Unavailable(f"stage {name} is not ready: {self.not_ready_reason}")
+
+    def start(
         self,
+        record: InFlight,
         request: EngineRequest,
-        sink: Sink,
         more: AsyncIterator[EngineRequest] | None = None,
     ) -> None:
-        """Start ``request``; raises OmniError (nothing started) when it is refused.
+        """Run ``record``'s request; raises OmniError (nothing started) when it is refused.
 
         ``more`` streams further input windows of the same request (prepared),
         each run through the engine as it arrives, their output continuing the
         request's segment sequence (``runtime.streaming_input``).
         """
-        name = self.config.name
-        if self.draining:
-            raise Unavailable(f"stage {name} is draining")
-        if not self.ready:
-            raise Unavailable(f"stage {name} is not ready: {self.not_ready_reason}")
-        if request.request_id in self._requests:
-            raise InvalidArgument(
-                f"submit.request_id: {request.request_id!r} is already in flight on stage {name}",
-                field="submit.request_id",
-            )
+        self.check_open()
         first = self.prepare(request)
-        task = asyncio.create_task(self._run(first, more, sink), name=f"request-{first.request_id}")
-        self._requests[first.request_id] = _Running(task)
-        self._idle.clear()
-        task.add_done_callback(functools.partial(self._forget, first.request_id))
+        task = asyncio.create_task(
+            self._run(record, first, more), name=f"request-{record.request_id}"
+        )
+        self.requests.started(record, task)
 
-    def cancel(
-        self,
-        request_id: str,
-        reason: str = "cancelled by the client",
-        error: OmniError | None = None,
-    ) -> bool:
-        """Stop a request at its next step; it reports CANCELLED, or ``error``."""
-        running = self._requests.get(request_id)
-        if running is None:
+    async def end(self, record: InFlight, error: OmniError) -> None:
+        """End ``record`` with ``error`` as its one final event, stopping its work."""
+        if record.final:
+            return  # it has its final event already
+        if record.task is None:  # still receiving windows: nothing runs yet
+            record.final = True
+            self.requests.remove(record)
+            await record.sink(ErrorOut(record.request_id, error))
+            return
+        record.cancel_reason = error.message
+        record.cancel_error = error
+        record.task.cancel()
+
+    async def cancel(self, request_id: str, reason: str) -> bool:
+        """Cancel ``request_id`` whichever stream it came on (the Abort RPC)."""
+        record = self.requests.live(request_id)
+        if record is None:
             return False
-        running.cancel_reason = reason
-        running.cancel_error = error
-        running.task.cancel()
+        await self.end(record, Cancelled(f"request {request_id}: {reason}"))
         return True
 
-    def _forget(self, request_id: str, _task: asyncio.Task[None] | None = None) -> None:
-        self._requests.pop(request_id, None)
-        if not self._requests:
-            self._idle.set()
+    def drop_stream(self, stream: object) -> None:
+        """The stream is gone: its requests stop with nobody left to tell."""
+        for record in self.requests.of_stream(stream):
+            if record.task is not None:
+                record.task.cancel()
+            else:
+                self.requests.remove(record)
 
     async def drain(self, grace_s: float) -> bool:
-        """Refuse new work and wait up to ``grace_s`` for in-flight requests;
-        cancel what is left. True when everything finished in time."""
+        """Refuse new work and wait up to ``grace_s`` for running requests; end
+        what is left UNAVAILABLE. True when everything finished in time."""
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), grace_s)
+            await asyncio.wait_for(self.requests.wait_idle(), grace_s)
             return True
         except TimeoutError:
-            for request_id in list(self._requests):
-                self.cancel(request_id, "stage shut down before the request finished")
-            await self._idle.wait()
+            left = Unavailable(f"stage {self.config.name} shut down before the request finished")
+            for record in self.requests:
+                await self.end(record, left)
+            await self.requests.wait_idle()
             return False
 
     async def _run(
-        self, first: EngineRequest, more: AsyncIterator[EngineRequest] | None, sink: Sink
+        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
     ) -> None:
-        rid = first.request_id
+        try:
+            final = await self._outcome(record, first, more)
+            record.final = True
+            await record.sink(final)
+        finally:
+            if record.feed is not None:
+                record.feed.abandon()
+            self.requests.remove(record)
+
+    async def _outcome(
+        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
+    ) -> StageEvent:
+        """The request run to its end; its final event (CancelledError: nobody to tell)."""
+        rid = record.request_id
+        stage = self.config.name
         submitted = self._clock()
         cfg = self.config.segmenting
         segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
         done = _Done(submitted)
         try:
-            async with self._intake.slot(rid):
+            async with self._admission.slot(rid):
                 started = self._clock()
-                await self._generate(first, sink, segmenter, done)
+                await self._generate(first, record.sink, segmenter, done)
                 if more is not None:
                     async for window in more:
-                        await self._generate(window, sink, segmenter, done)
-                await self._flush(rid, segmenter, sink, done, is_last=True)
-            now = self._clock()
-            await sink(
-                CompletedOut(
-                    rid,
-                    done.reason,
-                    done.prompt_tokens,
-                    done.completion_tokens,
-                    queue_ms=(started - submitted) * 1e3 + done.queue_ms,
-                    time_to_first_ms=(done.first_at - submitted) * 1e3,
-                    total_ms=(now - submitted) * 1e3,
-                )
+                        await self._generate(window, record.sink, segmenter, done)
+                await self._flush(rid, segmenter, record.sink, done, is_last=True)
+            return CompletedOut(
+                rid,
+                done.reason,
+                done.prompt_tokens,
+                done.completion_tokens,
+                queue_ms=(started - submitted) * 1e3 + done.queue_ms,
+                time_to_first_ms=(done.first_at - submitted) * 1e3,
+                total_ms=(self._clock() - submitted) * 1e3,
             )
         except asyncio.CancelledError:
-            running = self._requests.get(rid)
-            if running is None or not running.cancel_reason:
+            if record.cancel_error is None:
                 raise  # the stream itself went away: nobody to tell
-            logger.info("stage %s request %s: %s", self.config.name, rid, running.cancel_reason)
-            error = running.cancel_error or Cancelled(f"request {rid}: {running.cancel_reason}")
-            await sink(ErrorOut(rid, error))
+            logger.info("stage %s request %s: %s", stage, rid, record.cancel_reason)
+            return ErrorOut(rid, record.cancel_error)
+        except EngineDead as exc:
+            await self._engine_died(record, exc)
+            return ErrorOut(rid, exc)
         except OmniError as exc:
-            logger.info("stage %s request %s failed: %s", self.config.name, rid, exc.message)
-            await sink(ErrorOut(rid, exc))
+            logger.info("stage %s request %s failed: %s", stage, rid, exc.message)
+            return ErrorOut(rid, exc)
         except Exception as exc:
-            logger.exception("stage %s request %s: engine error", self.config.name, rid)
+            logger.exception("stage %s request %s: engine error", stage, rid)
             error = OmniError(f"request {rid}: internal error in the {self.config.engine} engine")
             error.__cause__ = exc
-            await sink(ErrorOut(rid, error))
+            return ErrorOut(rid, error)
+
+    async def _engine_died(self, record: InFlight, exc: EngineDead) -> None:
+        if self.death is not None:
+            return
+        logger.error("stage %s: the engine died: %s", self.config.name, exc.message)
+        self.death = exc
+        self.ready = False
+        self.not_ready_reason = f"the engine died ({exc.message})"
+        gone = EngineDead(f"stage {self.config.name}: the engine died; the stage restarts")
+        for other in self.requests:
+            if other is not record:
+                await self.end(other, gone)
+        self.died.set()
 
     async def _flush(
         self, rid: str, segmenter: Segmenter, sink: Sink, done: _Done, is_last: bool = False

@@ -3,6 +3,9 @@ health (readiness on omni.v1.Stage, liveness on "liveness") and reflection.
 
 ``StageServer`` owns everything a running stage holds: the gRPC server, the
 engine, the init bus and the start-up task; ``start()``, ``wait()``, ``stop()``.
+When the engine dies the stage turns FAILED (an InitStatus event with the
+reason; readiness and liveness NOT_SERVING) and ``failed`` is set, on which
+the process exits non-zero so that ``omni up`` or Kubernetes restarts it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.engines.registry import engine_class
+from services.mesh.errors import OmniError, abort_rpc
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 from services.mesh.process import bind
@@ -24,8 +28,9 @@ from services.stage.config import StageConfig
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
 from services.stage.startup import start_up
-from services.stage.stream import GenerateStream
+from services.stage.stream import GenerateStream, read_input
 from services.stage.tensor_io import StageTensors
+from services.stage.transforms import TRANSFORMS
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +53,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.StageOutput]:
         stream = GenerateStream(self._runtime, self._tensors)
-        async for output in stream.run(request_iterator):
-            yield output
+        try:
+            async for output in stream.run(request_iterator):
+                yield output
+        except OmniError as exc:  # the RPC itself fails (an undecodable frame)
+            await abort_rpc(context, exc)
 
     async def InitStatus(
         self, request: stage_pb2.InitStatusRequest, context: grpc.aio.ServicerContext
@@ -73,6 +81,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             output_tensors=list(engine.output_tensors),
             node=node_identity(),
             load_format=config.load_format,
+            transforms=[t.info() for t in TRANSFORMS.values()],
         )
 
     async def ReleaseTensors(
@@ -87,11 +96,48 @@ class StageServicer(stage_pb2_grpc.StageServicer):
     ) -> stage_pb2.AbortResponse:
         response = stage_pb2.AbortResponse()
         for request_id in request.request_ids:
-            if self._runtime.cancel(request_id, "aborted"):
+            if await self._runtime.cancel(request_id, "aborted"):
                 response.aborted.append(request_id)
             else:
                 response.not_found.append(request_id)
         return response
+
+
+def add_stage_servicer(servicer: StageServicer, server: grpc.aio.Server) -> None:
+    """As the generated ``add_StageServicer_to_server``, with one change: Generate
+    reads frames with ``read_input``, so a frame that does not decode ends the
+    RPC with INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+    handlers = {
+        "Generate": grpc.stream_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=read_input,
+            response_serializer=stage_pb2.StageOutput.SerializeToString,
+        ),
+        "InitStatus": grpc.unary_stream_rpc_method_handler(
+            servicer.InitStatus,
+            request_deserializer=stage_pb2.InitStatusRequest.FromString,
+            response_serializer=stage_pb2.InitEvent.SerializeToString,
+        ),
+        "Describe": grpc.unary_unary_rpc_method_handler(
+            servicer.Describe,
+            request_deserializer=stage_pb2.DescribeRequest.FromString,
+            response_serializer=stage_pb2.StageDescription.SerializeToString,
+        ),
+        "Abort": grpc.unary_unary_rpc_method_handler(
+            servicer.Abort,
+            request_deserializer=stage_pb2.AbortRequest.FromString,
+            response_serializer=stage_pb2.AbortResponse.SerializeToString,
+        ),
+        "ReleaseTensors": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseTensors,
+            request_deserializer=stage_pb2.ReleaseTensorsRequest.FromString,
+            response_serializer=stage_pb2.ReleaseTensorsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(STAGE_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(STAGE_SERVICE, handlers)
 
 
 class StageServer:
@@ -106,6 +152,8 @@ class StageServer:
         self._server: grpc.aio.Server | None = None
         self._bus: InitBus | None = None
         self._startup: asyncio.Task[bool] | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self.failed = asyncio.Event()  # the engine died: the process should exit non-zero
         self.port = 0
 
     @property
@@ -129,7 +177,7 @@ class StageServer:
             ]
         )
         servicer = StageServicer(self.runtime, self._bus, self.tensors)
-        stage_pb2_grpc.add_StageServicer_to_server(servicer, server)
+        add_stage_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
         self.port = bind(server, host, port)
@@ -146,10 +194,19 @@ class StageServer:
         if ok:
             self.runtime.ready = True
             await self._set_health(ready=True, alive=True)
+            self._watch = asyncio.create_task(self._watch_engine(), name="engine-watch")
         else:
             self.runtime.not_ready_reason = "start-up failed (see InitStatus)"
             await self._set_health(ready=False, alive=False)
         return ok
+
+    async def _watch_engine(self) -> None:
+        await self.runtime.died.wait()
+        death = self.runtime.death
+        reason = death.message if death is not None else "the engine died"
+        self.bus.publish(stage_pb2.FAILED, reason=f"the engine died: {reason}")
+        await self._set_health(ready=False, alive=False)
+        self.failed.set()
 
     async def _set_health(self, *, ready: bool, alive: bool) -> None:
         await self._health.set("", SERVING if ready else NOT_SERVING)
@@ -171,7 +228,11 @@ class StageServer:
         if self._startup is not None and not self._startup.done():
             self._startup.cancel()
             await asyncio.gather(self._startup, return_exceptions=True)
-        await self._set_health(ready=False, alive=True)
+        if self._watch is not None:
+            self._watch.cancel()
+            await asyncio.gather(self._watch, return_exceptions=True)
+        self.runtime.draining = True  # before readiness turns: a probe then sees it refused
+        await self._set_health(ready=False, alive=not self.failed.is_set())
         drained = await self.runtime.drain(grace)
         if self._server is not None:
             await self._server.stop(1.0)

@@ -10,16 +10,18 @@ init budget on someone else's download.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine
+from services.engines.base import Engine, PlansKvCache
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
 from services.stage.device_lock import DeviceLock
-from services.stage.fetch import FetchResult, fetch_model
+from services.stage.fetch import FetchCancel, FetchResult, fetch_model
 from services.stage.init_bus import InitBus
 from services.stage.memory import free_device_memory, plan_memory
 
@@ -65,6 +67,28 @@ def _failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:1000]
 
 
+async def _fetch(config: StageConfig, bus: InitBus) -> FetchResult:
+    """The model on local disk; cancelling this stops the fetching thread too
+    (it keeps a partial download for the next start)."""
+    cancel = FetchCancel()
+    fetch = functools.partial(
+        fetch_model,
+        config.model or "",
+        config.resolved_cache_dir,
+        BusDownloadHook(bus),
+        stall_timeout_s=config.runtime.download_stall_timeout_s,
+        cancel=cancel,
+    )
+    thread = asyncio.get_running_loop().run_in_executor(None, fetch)
+    try:
+        return await asyncio.shield(thread)
+    except asyncio.CancelledError:
+        cancel.cancel()
+        with contextlib.suppress(Exception):
+            await thread  # stops at its next read: the partial file is whole when we go
+        raise
+
+
 async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     """Bring the engine up. True on READY; False after publishing FAILED."""
     began = time.monotonic()
@@ -77,14 +101,7 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     try:
         model_path: Path | None = None
         if config.model is not None:
-            fetched = await asyncio.to_thread(
-                fetch_model,
-                config.model,
-                config.resolved_cache_dir,
-                BusDownloadHook(bus),
-                stall_timeout_s=runtime.download_stall_timeout_s,
-            )
-            model_path = fetched.path
+            model_path = (await _fetch(config, bus)).path
         if runtime.uses_device_lock:
             lock = DeviceLock(runtime.device, owner=config.name, lock_dir=runtime.lock_dir)
 
@@ -98,7 +115,10 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
 
             waited = await lock.acquire(runtime.stage_init_timeout_s, on_wait=on_wait)
             bus.publish(
-                stage_pb2.DEVICE_LOCK_ACQUIRED, device=runtime.device, duration_ms=waited * 1e3
+                stage_pb2.DEVICE_LOCK_ACQUIRED,
+                device=runtime.device,
+                duration_ms=waited * 1e3,
+                message=f"acquired device {runtime.device} after {waited:.1f}s",
             )
         what = model_path.name if model_path else f"a dummy {config.engine} model"
         bus.publish(stage_pb2.LOAD_START, message=f"loading {what}")
@@ -124,16 +144,18 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             ),
             message=f"model {plan.model_bytes} bytes, {plan.cache_pages} KV pages",
         )
-        if info.kv is not None:
+        if info.kv is not None and isinstance(engine, PlansKvCache):
             # The engine admits requests only while their KV fits these pages.
             engine.plan_kv_cache(plan.cache_pages, plan.page_size)
         t0 = time.monotonic()
         bus.publish(stage_pb2.WARMUP, message="first forward")
         await asyncio.to_thread(engine.warmup)
+        warmup_ms = (time.monotonic() - t0) * 1e3
         bus.publish(
             stage_pb2.READY,
-            duration_ms=(time.monotonic() - began) * 1e3,
-            message=f"warm-up took {(time.monotonic() - t0) * 1e3:.0f} ms",
+            duration_ms=warmup_ms,  # the phase READY closes, as every *_DONE event
+            message=f"warm-up took {warmup_ms:.0f} ms, start-up "
+            f"{(time.monotonic() - began):.1f} s in all",
         )
         return True
     except asyncio.CancelledError:

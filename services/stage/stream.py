@@ -1,6 +1,15 @@
-"""One Generate stream: Submits and Cancels in, every request's events out.
+"""One Generate stream: Submits, chunks and Cancels in, every request's events out.
 
 Several requests share a stream; an error ends one request, never the stream.
+On a stream a request id names one request from its first Submit to its final
+event. A message that breaks that request's input (a second Submit with
+sequence 0, a window out of order, a window after ``is_last``, a bad window)
+ends the request with INVALID_ARGUMENT naming the field: that Error is its one
+final event. A Submit for an id in flight on another stream is refused on its
+own stream only. A Cancel of an id with nothing in flight on this stream is
+answered with Error NOT_FOUND. A frame that is not a StageInput at all ends the
+whole RPC with INVALID_ARGUMENT (``UndecodableInput``).
+
 The stream ends when the client has half-closed and every request it started
 has reported its final event. Outputs go through a bounded queue, so a client
 that stops reading holds its requests' producers (and HTTP/2 flow control
@@ -15,40 +24,55 @@ from collections.abc import AsyncIterator
 
 import torch
 
-from services.engines.base import EngineRequest
+from services.engines.base import EngineRequest, SamplingParams
 from services.mesh import chunks
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import Cancelled, InvalidArgument, OmniError
+from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.stage import convert
 from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
+from services.stage.inputs import Inputs, InputWindows, decode
+from services.stage.requests import InFlight, InputFeed
 from services.stage.runtime import StageRuntime
 from services.stage.tensor_io import StageTensors
-from services.stage.transforms import apply_transform
-from services.stage.windows import InputAssembler
+from services.stage.transforms import apply_transform, check_transform
 
 logger = logging.getLogger(__name__)
 
 _END = object()
 
 
+class UndecodableInput:
+    """What the request deserializer gives for a frame that is no StageInput."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def read_input(frame: bytes) -> stage_pb2.StageInput | UndecodableInput:
+    """Generate's request deserializer: a bad frame becomes a value the stream
+    answers with INVALID_ARGUMENT, not an exception gRPC reports as UNKNOWN."""
+    try:
+        return stage_pb2.StageInput.FromString(frame)
+    except Exception as exc:  # DecodeError, bad UTF-8 in a string field, …
+        return UndecodableInput(str(exc) or "malformed protobuf")
+
+
 class GenerateStream:
     def __init__(self, runtime: StageRuntime, tensors: StageTensors) -> None:
         self._runtime = runtime
+        self._requests = runtime.requests
         self._tensors = tensors
         self._chunks = ChunkAssembler(runtime.config.runtime.max_input_bytes)
-        # Where each request's output tensors will be opened (Submit.consumer).
-        self._consumers: dict[str, tensor_pb2.NodeIdentity | None] = {}
         self._out: asyncio.Queue[object] = asyncio.Queue(runtime.config.runtime.output_queue_size)
-        self._mine: set[str] = set()
-        self._assembler = InputAssembler()
         self._reading = True
-        self._feeds: dict[str, _Feed] = {}
         self._ended = False
+        self._fatal: OmniError | None = None
 
     async def run(
-        self, inputs: AsyncIterator[stage_pb2.StageInput]
+        self, inputs: AsyncIterator[stage_pb2.StageInput | UndecodableInput]
     ) -> AsyncIterator[stage_pb2.StageOutput]:
+        """The stream's outputs; raises OmniError when the RPC itself must fail."""
         reader = asyncio.create_task(self._read(inputs), name="generate-reader")
         try:
             while True:
@@ -57,116 +81,194 @@ class GenerateStream:
                     break
                 assert isinstance(item, stage_pb2.StageOutput)
                 yield item
-            await reader
+            if self._fatal is None:
+                await reader
         finally:
             # Client gone (or stream done): nothing it started may keep running.
             reader.cancel()
-            for request_id in list(self._mine):
-                self._runtime.cancel(request_id, "")
+            self._runtime.drop_stream(self)
             await asyncio.gather(reader, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
 
-    async def _read(self, inputs: AsyncIterator[stage_pb2.StageInput]) -> None:
+    async def _read(self, inputs: AsyncIterator[stage_pb2.StageInput | UndecodableInput]) -> None:
         try:
             async for message in inputs:
-                kind = message.WhichOneof("kind")
-                if kind == "submit":
-                    await self._submit(message.submit)
-                elif kind == "chunk":
-                    try:
-                        self._chunks.add(message.chunk)
-                    except OmniError as exc:
-                        await self._reject("", exc)
-                elif kind == "cancel":
-                    request_id = message.cancel.request_id
-                    if request_id in self._mine:
-                        self._runtime.cancel(request_id)
-                    elif self._assembler.discard(request_id):
-                        await self._emit(ErrorOut(request_id, _cancelled(request_id)))
+                if isinstance(message, UndecodableInput):
+                    self._fatal = InvalidArgument(
+                        f"input: a frame is not an omni.v1.StageInput ({message.reason})",
+                        field="input",
+                    )
+                    self._ended = True
+                    await self._out.put(_END)
+                    return
+                try:
+                    await self._handle(message)
+                except Exception:
+                    # A bug handling one message must not end the stream for the others.
+                    logger.exception("stage %s: input message failed", self._runtime.config.name)
+                    rid = message.submit.request_id if message.HasField("submit") else ""
+                    await self._refuse(rid, OmniError("internal error handling this input"))
+            # The client stopped sending: what came is all there is.
+            for record in self._requests.of_stream(self):
+                if record.final or record.input_done:
+                    continue
+                if record.feed is not None:
+                    record.input_done = True
+                    await record.feed.close()
                 else:
-                    await self._reject("", InvalidArgument("input: expected submit or cancel"))
+                    missing = InvalidArgument(
+                        f"submit.is_last: the stream ended before request {record.request_id!r}"
+                        " sent its last window",
+                        field="submit.is_last",
+                    )
+                    await self._runtime.end(record, missing)
         finally:
             self._reading = False
-            for feed in self._feeds.values():
-                await feed.close()  # the client stopped sending: what came is all there is
-            self._feeds.clear()
             await self._maybe_end()
 
-    async def _submit(self, submit: stage_pb2.Submit) -> None:
-        runtime = self._runtime
-        request_id = submit.request_id
-        try:
-            convert.check_request_id(request_id, "submit.request_id")
-            convert.check_size(submit, runtime.config.runtime.max_message_bytes)
-            self._chunks.resolve(submit.inputs.tensors, "inputs.tensors")
-            if request_id not in self._mine and request_id not in self._consumers:
-                has = submit.HasField("consumer")
-                self._consumers[request_id] = submit.consumer if has else None
-            if runtime.config.runtime.streaming_input and (
-                request_id in self._feeds or not submit.is_last
-            ):
-                await self._window(submit)
-                return
-            whole = self._assembler.add(submit, in_flight=request_id in self._mine)
-            if whole is None:
-                return  # more windows of this request's input are coming
-            runtime.admit(self._convert(whole), self._emit)
-            self._mine.add(request_id)
-        except OmniError as exc:
-            if request_id not in self._mine:
-                self._consumers.pop(request_id, None)
-            await self._reject(request_id, exc)
-
-    def _convert(self, submit: stage_pb2.Submit) -> EngineRequest:
-        apply_transform(submit)
-        runtime = self._runtime
-        return convert.engine_request(
-            submit, runtime.engine.supported_params, runtime.config.engine, self._tensors.receiver
-        )
-
-    async def _window(self, submit: stage_pb2.Submit) -> None:
-        """streaming_input: each window goes to the engine as it arrives."""
-        rid = submit.request_id
-        feed = self._feeds.get(rid)
-        if feed is None:
-            if rid in self._mine or submit.sequence != 0:
-                raise InvalidArgument(
-                    f"submit.sequence: request {rid!r} expected 0, got {submit.sequence}"
-                    if rid not in self._mine
-                    else f"submit.request_id: {rid!r} is already in flight",
-                    field="submit.request_id" if rid in self._mine else "submit.sequence",
-                )
-            feed = _Feed()
-            self._runtime.admit(self._convert(submit), self._emit, more=feed.windows())
-            self._mine.add(rid)
-            self._feeds[rid] = feed
-        else:
+    async def _handle(self, message: stage_pb2.StageInput) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "submit":
+            await self._submit(message.submit)
+        elif kind == "chunk":
             try:
-                if submit.sequence != feed.next_sequence:
-                    raise InvalidArgument(
-                        f"submit.sequence: request {rid!r} expected {feed.next_sequence}, "
-                        f"got {submit.sequence}",
-                        field="submit.sequence",
-                    )
-                if _has_input(submit.inputs):  # an empty last window only ends the input
-                    await feed.put(self._runtime.prepare(self._convert(submit)))
+                self._chunks.add(message.chunk)
             except OmniError as exc:
-                # A bad window ends its request with that error; the stream goes on.
-                del self._feeds[rid]
-                self._runtime.cancel(rid, exc.message, exc)
-                return
-        feed.next_sequence += 1
-        if submit.is_last:
-            await feed.close()
-            del self._feeds[rid]
+                await self._put_error("", exc)
+        elif kind == "cancel":
+            await self._cancel(message.cancel.request_id)
+        else:
+            await self._put_error(
+                "", InvalidArgument("input: expected submit, chunk or cancel", field="input")
+            )
 
-    async def _reject(self, request_id: str, error: OmniError) -> None:
+    async def _cancel(self, request_id: str) -> None:
+        record = self._on_this_stream(request_id)
+        if record is None:
+            error = NotFound(
+                f"cancel.request_id: no request {request_id!r} in flight on this stream",
+                field="cancel.request_id",
+            )
+            await self._put_error(request_id, error)
+            return
+        await self._runtime.end(record, Cancelled(f"request {request_id}: cancelled by the client"))
+
+    def _on_this_stream(self, request_id: str) -> InFlight | None:
+        record = self._requests.live(request_id)
+        return record if record is not None and record.stream is self else None
+
+    async def _submit(self, submit: stage_pb2.Submit) -> None:
+        rid = submit.request_id
+        try:
+            convert.check_request_id(rid, "submit.request_id")
+            record = self._on_this_stream(rid)
+            if record is None and self._requests.live(rid) is not None:
+                raise InvalidArgument(
+                    f"submit.request_id: {rid!r} is already in flight on stage "
+                    f"{self._runtime.config.name} (on another stream)",
+                    field="submit.request_id",
+                )
+            convert.check_size(submit, self._runtime.config.runtime.max_message_bytes)
+            convert.refuse_unknown_fields(submit)
+            if record is None:
+                await self._first(submit)
+            else:
+                await self._next(record, submit)
+        except OmniError as exc:
+            await self._refuse(rid, exc)
+
+    async def _refuse(self, request_id: str, error: OmniError) -> None:
+        """One final event for ``request_id``: ending it if it is in flight here."""
+        record = self._on_this_stream(request_id) if request_id else None
+        if record is not None:
+            await self._runtime.end(record, error)
+        else:
+            await self._put_error(request_id, error)
+
+    async def _first(self, submit: stage_pb2.Submit) -> None:
+        rid = submit.request_id
+        runtime = self._runtime
+        if submit.sequence != 0:
+            raise InvalidArgument(
+                f"submit.sequence: request {rid!r} expected 0, got {submit.sequence}",
+                field="submit.sequence",
+            )
+        check_transform(submit.transform)
+        supported, engine = runtime.engine.supported_params, runtime.config.engine
+        inputs = self._decode(submit)
+        record = InFlight(
+            request_id=rid,
+            stream=self,
+            sink=lambda event: self._emit(record, event),
+            consumer=submit.consumer if submit.HasField("consumer") else None,
+            transform=submit.transform,
+            params=convert.sampling_params(submit.params, supported, engine),
+            windows=InputWindows(rid),
+        )
+        streaming = not submit.is_last and runtime.config.runtime.streaming_input
+        # Kept only while the request waits for the rest of its input.
+        record.windows.add(None if submit.is_last or streaming else inputs)
+        if submit.is_last:
+            record.input_done = True
+            self._requests.add(record)
+            runtime.start(record, self._request(record, inputs))
+        elif streaming:
+            record.feed = InputFeed()
+            self._requests.add(record)
+            runtime.start(record, self._request(record, inputs), more=record.feed.windows())
+        else:
+            self._requests.add(record)
+
+    async def _next(self, record: InFlight, submit: stage_pb2.Submit) -> None:
+        """A later window of a request in flight on this stream."""
+        rid = record.request_id
+        if submit.sequence == 0:
+            record.windows.expect(0)  # a second first Submit: refused as a duplicate
+        if record.input_done:
+            raise InvalidArgument(
+                f"submit.sequence: request {rid!r} already sent its last window (is_last)",
+                field="submit.sequence",
+            )
+        record.windows.expect(submit.sequence)
+        inputs = self._decode(submit)
+        if record.feed is not None:
+            if not inputs.empty:  # an empty last window only ends the input
+                runtime = self._runtime
+                supported, engine = runtime.engine.supported_params, runtime.config.engine
+                params = convert.sampling_params(submit.params, supported, engine)
+                window = self._request(record, inputs, params)
+                await record.feed.put(self._runtime.prepare(window))
+            record.windows.add(None)
+            if submit.is_last:
+                record.input_done = True
+                await record.feed.close()
+            return
+        record.windows.add(inputs)
+        if submit.is_last:
+            record.input_done = True
+            self._runtime.start(record, self._request(record, record.windows.whole()))
+
+    def _decode(self, submit: stage_pb2.Submit) -> Inputs:
+        self._chunks.resolve(submit.inputs.tensors, "inputs.tensors")
+        return decode(submit.inputs, self._tensors.receiver)
+
+    @staticmethod
+    def _request(
+        record: InFlight, inputs: Inputs, params: SamplingParams | None = None
+    ) -> EngineRequest:
+        """The engine's request: whole inputs, then the request's transform."""
+        whole = apply_transform(record.transform, inputs)
+        return convert.engine_request(record.request_id, whole, params or record.params)
+
+    async def _put_error(self, request_id: str, error: OmniError) -> None:
         stage = self._runtime.config.name
         logger.info("stage %s: refused request %r: %s", stage, request_id, error.message)
         await self._out.put(convert.error_output(request_id, error))
 
-    async def _emit(self, event: StageEvent) -> None:
-        rid = event.request_id
-        consumer = self._consumers.get(rid)
+    async def _emit(self, record: InFlight, event: StageEvent) -> None:
+        rid = record.request_id
+        consumer = record.consumer
 
         def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
             return self._tensors.encode(tensor, name, rid, consumer)
@@ -180,44 +282,19 @@ class GenerateStream:
         if output.WhichOneof("kind") == "segment":
             # Bytes too large for one message travel first, as chunks of the stream.
             threshold = self._runtime.config.runtime.chunk_bytes
-            for chunk in chunks.split(output.segment.tensors, threshold=threshold):
+            segment = output.segment
+            for chunk in chunks.split(segment.tensors, threshold=threshold):
+                await self._out.put(stage_pb2.StageOutput(chunk=chunk))
+            for chunk in chunks.split_blobs(segment.blobs, threshold=threshold):
                 await self._out.put(stage_pb2.StageOutput(chunk=chunk))
         await self._out.put(output)
         if isinstance(event, CompletedOut | ErrorOut):
-            self._consumers.pop(rid, None)
-            self._mine.discard(event.request_id)
-            self._feeds.pop(event.request_id, None)  # later windows of it are refused
             await self._maybe_end()
 
     async def _maybe_end(self) -> None:
-        if self._ended or self._reading or self._mine:
+        if self._ended or self._reading:
+            return
+        if any(not r.final for r in self._requests.of_stream(self)):
             return
         self._ended = True
         await self._out.put(_END)
-
-
-class _Feed:
-    """The input windows of one streaming request, bounded so a client that
-    sends faster than the engine consumes is held back by flow control."""
-
-    def __init__(self, depth: int = 4) -> None:
-        self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
-        self.next_sequence = 0
-
-    async def put(self, request: EngineRequest) -> None:
-        await self._queue.put(request)
-
-    async def close(self) -> None:
-        await self._queue.put(None)
-
-    async def windows(self) -> AsyncIterator[EngineRequest]:
-        while (request := await self._queue.get()) is not None:
-            yield request
-
-
-def _has_input(inputs: stage_pb2.StageInputs) -> bool:
-    return bool(inputs.text or inputs.messages or inputs.token_ids or inputs.tensors)
-
-
-def _cancelled(request_id: str) -> OmniError:
-    return Cancelled(f"request {request_id}: cancelled by the client")

@@ -25,7 +25,7 @@ from services.engines.base import (
 )
 from services.engines.diffusers import DiffusersEngine, build_dummy_pipeline
 from services.engines.diffusers.images import latent_preview
-from services.mesh.errors import Cancelled, InitFailed, InvalidArgument
+from services.mesh.errors import InitFailed, InvalidArgument
 
 EMBEDS = "inputs.tensors.prompt_embeds"
 NATIVE = 16  # the dummy pipeline's image side: latent 8, VAE factor 2
@@ -212,30 +212,6 @@ async def test_cancelling_the_consumer_task_stops_the_run(
         await task
     await assert_worker_idle(engine, unet_calls)
     assert len(unet_calls) < LONG_RUN // 2
-
-
-async def test_abort_stops_a_running_request(
-    engine: DiffusersEngine, unet_calls: list[int]
-) -> None:
-    stream = engine.generate(request("victim", num_inference_steps=LONG_RUN, preview_every=1))
-    first = await asyncio.wait_for(anext(stream), timeout=30)  # type: ignore[call-overload]
-    assert isinstance(first, ProgressOutput) and first.step == 1
-    await engine.abort("victim")
-    with pytest.raises(Cancelled):
-        await collect(stream)
-    await assert_worker_idle(engine, unet_calls)
-    assert len(unet_calls) < LONG_RUN // 2
-
-
-async def test_abort_of_a_queued_request_answers_at_once(engine: DiffusersEngine) -> None:
-    running = engine.generate(request("running", num_inference_steps=LONG_RUN, preview_every=1))
-    await asyncio.wait_for(anext(running), timeout=30)  # type: ignore[call-overload]
-    queued = asyncio.create_task(collect(engine.generate(request("queued"))))
-    await asyncio.sleep(0.05)  # let it submit behind the running one
-    await engine.abort("queued")
-    with pytest.raises(Cancelled):
-        await asyncio.wait_for(queued, timeout=5)
-    await running.aclose()  # type: ignore[attr-defined]
 
 
 async def test_concurrent_requests_take_turns_and_all_finish(engine: DiffusersEngine) -> None:

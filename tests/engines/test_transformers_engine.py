@@ -266,7 +266,7 @@ async def test_aclose_stops_one_request_while_the_other_completes(
     assert engine.active_requests == frozenset()
 
 
-async def test_task_cancel_and_abort_free_the_request(engine: TransformersEngine) -> None:
+async def test_task_cancel_frees_the_request(engine: TransformersEngine) -> None:
     params = SamplingParams(max_tokens=64)
     started = asyncio.Event()
 
@@ -281,16 +281,6 @@ async def test_task_cancel_and_abort_free_the_request(engine: TransformersEngine
     with pytest.raises(asyncio.CancelledError):
         await task
     assert engine.active_requests == frozenset()
-
-    events = engine.generate(req("d", text="Hi", params=params))
-    await anext(events)
-    await engine.abort("d")
-    rest = [event async for event in events]
-    finish = rest[-1]
-    assert isinstance(finish, FinishOutput) and finish.reason == "abort"
-    # The step loop may have run a few steps ahead of this consumer; it stopped at
-    # the step boundary after abort, long before max_tokens.
-    assert finish.completion_tokens == len(rest) < params.max_tokens  # type: ignore[operator]
 
 
 # -- intake validation -------------------------------------------------------------

@@ -327,19 +327,6 @@ async def test_every_prompt_kind_generates(
 
 @pytest.mark.gpu
 @gpu_only
-async def test_abort_ends_the_stream(served: VllmEngine) -> None:
-    stream = served.generate(request("victim", max_tokens=200))
-    first = await asyncio.wait_for(anext(stream), timeout=60)  # type: ignore[call-overload]
-    assert isinstance(first, TokenOutput)
-    await served.abort("victim")
-    rest = await collect(stream)
-    finish = rest[-1]
-    assert isinstance(finish, FinishOutput) and finish.reason == "abort"
-    assert finish.completion_tokens < 200
-
-
-@pytest.mark.gpu
-@gpu_only
 async def test_closing_the_stream_frees_the_request(served: VllmEngine) -> None:
     stream = served.generate(request("left", max_tokens=200))
     await asyncio.wait_for(anext(stream), timeout=60)  # type: ignore[call-overload]

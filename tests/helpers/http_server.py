@@ -57,6 +57,7 @@ class FileServer:
         self.requests: list[RequestRecord] = []
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self.hanging = threading.Event()  # set when a response stops at hang_after
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -156,6 +157,7 @@ def _handler_for(server: FileServer) -> type[BaseHTTPRequestHandler]:
                 if server.rate_bps:
                     time.sleep(len(chunk) / server.rate_bps)
             if server.hang_after is not None and sent < len(body):
+                server.hanging.set()
                 server._stopping.wait(timeout=60)
 
     return Handler

@@ -18,7 +18,8 @@ import torch
 from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import BLOCK_NAME, SHM_ROOT, ShmProducer, open_tensor, sweep
+from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
+from services.mesh.shm_refs import BLOCK_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ import pytest
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 from services.mesh.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
 
@@ -34,14 +34,16 @@ def renderer_config(cache_dir: Path, **runtime: Any) -> dict[str, Any]:
 class Stages:
     """Stage processes by name, started together and stopped on every path."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, env: dict[str, str] | None = None) -> None:
         self.folder = folder
+        self.env = env
         self.processes: dict[str, StageProcess] = {}
         self.addresses: dict[str, str] = {}
 
     async def start(self, configs: dict[str, dict[str, Any]]) -> None:
         for name, config in configs.items():
-            process = StageProcess(write_config(self.folder / f"{name}.yaml", config))
+            path = write_config(self.folder / f"{name}.yaml", config)
+            process = StageProcess(path, env=self.env)
             self.processes[name] = process
             self.addresses[name] = await process.start()
         for address in self.addresses.values():

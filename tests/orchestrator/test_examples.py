@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from orchestrator.client import AsyncClient
-from orchestrator.launcher import Launcher
 from orchestrator.pipeline import load_pipeline
+from orchestrator.stages.launcher import Launcher
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
 
@@ -39,7 +39,8 @@ async def test_talker_example_decodes_windows_as_they_arrive(
     assert result.ok, result.done
     assert "Paris" in result.stages["thinker"].text
     decoder = result.stages["decoder"]
-    # The talker says 32 tokens; the decoder takes them in windows of 8 as they
-    # arrive and decodes 4 tokens per window: 4 windows, 16 tokens, one request.
-    assert len(decoder.token_ids) == 16
+    # The talker says 32 tokens; the decoder takes them as they arrive, in a first
+    # window of 2 and then windows of 8 (2, 8, 8, 8, 6), and decodes 4 tokens per
+    # window: 5 windows, 20 tokens, one request.
+    assert len(decoder.token_ids) == 20
     assert decoder.completed is not None and decoder.completed.usage.prompt_tokens == 32

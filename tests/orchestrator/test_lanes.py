@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.lanes import Lane
 from orchestrator.pipeline import Edge
-from orchestrator.windows import Window
+from orchestrator.requests.lanes import Lane
+from orchestrator.requests.windows import Window
 
 
 def window(seq: int, tokens: int) -> Window:
@@ -18,6 +18,12 @@ class Clock:
         return self.now
 
 
+async def settle() -> None:
+    """Let every ready task run until it waits (no wall-clock time involved)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
 async def test_upstream_waits_above_high_until_downstream_takes_it_to_low() -> None:
     clock = Clock()
     lane = Lane(
@@ -29,11 +35,11 @@ async def test_upstream_waits_above_high_until_downstream_takes_it_to_low() -> N
     await lane.put([window(0, 2), window(1, 2)])  # 4 in flight: at the mark, no wait
     assert lane.in_flight == 4
     reader = asyncio.create_task(lane.put([window(2, 2)]))  # 6 > 4: the reader waits
-    await asyncio.sleep(0.01)
+    await settle()
     assert not reader.done()
     clock.now = 5.0
     lane.taken(await lane.take())  # 4 left: still above low
-    await asyncio.sleep(0.01)
+    await settle()
     assert not reader.done()
     lane.taken(await lane.take())
     lane.taken(await lane.take())  # 0 <= 1: the reader goes on

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.monitor import StageMonitor, StageTarget
-from orchestrator.stage_process import StageProcess
-from orchestrator.watchdog import InitTimeout, WatchdogSettings
+from orchestrator.stages.monitor import StageMonitor, StageTarget
+from orchestrator.stages.processes import StageProcess
+from orchestrator.stages.watchdog import InitTimeout, WatchdogSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from tests.helpers.http_server import FileServer
 from tests.helpers.lock_holder import lock_held
@@ -115,6 +115,30 @@ async def test_a_download_longer_than_the_budget_still_comes_up(
     assert max(s.bytes_done for s in downloading) > 0
     assert all(s.bytes_total == size for s in downloading if s.bytes_total)
     assert calls and calls[-1].state == READY
+
+
+async def test_a_stage_timed_out_by_the_watchdog_is_taken_back_when_it_gets_ready(
+    tmp_path: Path, archive: tuple[Path, int]
+) -> None:
+    archive_path, size = archive
+    with FileServer(archive_path.parent, rate_bps=size // 3) as server:  # about 4 s
+        config = stage_config("late", tmp_path / "cache", model=server.url(archive_path.name))
+        stage = StageProcess(write_config(tmp_path / "late.yaml", config))
+        address = await stage.start()
+        try:
+            # The download counts here, so the 1.5 s budget runs out while it goes on.
+            settings = WatchdogSettings(1.5, stall_timeout_s=30.0, paused_phases=frozenset())
+            async with monitoring("late", address, settings=settings) as monitor:
+                calls: list[Status] = []
+                monitor.on_change(calls.append)
+                seen = await until(monitor, lambda s: s.state == READY, timeout_s=90)
+        finally:
+            await stage.stop()
+    assert states(seen)[-2:] == [FAILED, READY]
+    failed = next(s for _, s in seen if s.state == FAILED)
+    assert "init timed out" in failed.message
+    assert "taken back" in seen[-1][1].message and monitor.ready
+    assert calls[-1].state == READY  # what drives the orchestrator's health
 
 
 async def test_a_stalled_download_fails_saying_so(

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from typing import Any
 
 import grpc
-import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.client import Client, Result
+from orchestrator.client import AsyncClient, Client, Result
 from services.mesh import tensors as codec
-from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from services.mesh.stage_client import StageClient
 from tests.orchestrator.conftest import RENDER_DIM, orchestrator, pipeline
 
@@ -144,27 +144,43 @@ async def test_pause_holds_new_requests_until_resume(stages) -> None:
         assert (await asyncio.wait_for(pending, 30)).ok
 
 
-async def test_bad_requests_are_refused_by_name(stages) -> None:
+async def test_bad_requests_are_refused_by_name_with_one_done(stages) -> None:
     config = pipeline(stages, ["thinker"], [])
     async with orchestrator(config) as (_server, client):
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.generate("Hi", stage_params={"nobody": {"max_tokens": 1}}).collect()
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "stage_params: unknown stage 'nobody'" in err.value.details()
+        unknown = await client.generate("Hi", stage_params={"nobody": {"max_tokens": 1}}).collect()
+        assert unknown.done.code_name == "INVALID_ARGUMENT"
+        assert unknown.done.field == "stage_params.nobody"
+        assert "stage_params.nobody: unknown stage" in unknown.done.message
         # A client may not hand the mesh a shared-memory ref: it names mesh memory.
         ref = stage_pb2.StageInputs(text="x")
         ref.tensors.add(name="prompt_embeds", dtype="float32", shape=[1]).shm.name = "omni-x-1-1"
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.generate(inputs=ref).collect()
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "inputs.tensors[0]: tensor refs are only accepted from inside the mesh" in (
-            err.value.details()
-        )
-        # A per-stage error ends the request with the stage's code, naming the stage.
+        refused = await client.generate(inputs=ref).collect()
+        assert refused.done.code_name == "INVALID_ARGUMENT"
+        assert refused.done.field == "inputs.tensors[0]"
+        assert "tensor refs are only accepted from inside the mesh" in refused.done.message
+        # A per-stage error ends the request with the stage's code, naming stage and field.
         result = await client.generate("Hi", params={"max_tokens": -3}).collect()
         assert result.done.code_name == "INVALID_ARGUMENT" and result.done.stage == "thinker"
+        assert result.done.field == "params.max_tokens"
         assert "params.max_tokens" in result.done.message
         assert (await client.generate("Hi", params={"max_tokens": 2}).collect()).ok
+
+
+async def test_a_request_id_already_in_flight_gets_one_done_and_the_first_goes_on(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (_server, client):
+        first = client.generate("Go on", params={"max_tokens": 12}, request_id="twice").__aiter__()
+        started = await first.__anext__()  # the first request is in flight now
+        events = [e async for e in client.generate("Hi", request_id="twice")]
+        assert [e.WhichOneof("kind") for e in events] == ["done"]
+        done = events[0].done
+        assert done.code_name == "INVALID_ARGUMENT" and done.field == "request_id"
+        assert "'twice' is already in flight" in done.message and "." not in done.code_name
+        rest = Result()
+        rest.add(started)
+        async for event in first:
+            rest.add(event)
+    assert rest.ok and len(rest.stages["thinker"].token_ids) == 12
 
 
 async def test_list_watch_health_and_the_sync_client(stages) -> None:
@@ -192,20 +208,98 @@ async def test_list_watch_health_and_the_sync_client(stages) -> None:
         assert result.ok and "image" in result.stages["renderer"].tensors
 
 
+async def stream(client: AsyncClient, messages: list[orchestrator_pb2.StreamInput]) -> Result:
+    call = client.stub.GenerateStream()
+    for message in messages:
+        await call.write(message)
+    await call.done_writing()
+    result = Result()
+    result.dones = []  # type: ignore[attr-defined]
+    while (event := await call.read()) is not grpc.aio.EOF:
+        if event.WhichOneof("kind") == "done":
+            result.dones.append(event.done)  # type: ignore[attr-defined]
+        result.add(event)
+    return result
+
+
+def window(
+    rid: str, seq: int, last: bool, text: str = "", **params: Any
+) -> orchestrator_pb2.StreamInput:
+    submit = stage_pb2.Submit(request_id=rid, sequence=seq, is_last=last)
+    submit.inputs.text = text
+    for key, value in params.items():
+        setattr(submit.params, key, value)
+    return orchestrator_pb2.StreamInput(submit=submit)
+
+
 async def test_generate_stream_takes_input_windows(stages) -> None:
     config = pipeline(stages, ["thinker"], [])
     async with orchestrator(config) as (_server, client):
-        call = client.stub.GenerateStream()
-        for seq, (text, last) in enumerate([("Hello ", False), ("there", True)]):
-            submit = stage_pb2.Submit(request_id="w", sequence=seq, is_last=last)
-            submit.inputs.text = text
-            submit.params.max_tokens = 3
-            await call.write(stage_pb2.StageInput(submit=submit))
-        await call.done_writing()
-        result = Result()
-        while (event := await call.read()) is not grpc.aio.EOF:
-            result.add(event)
+        result = await stream(
+            client, [window("w", 0, False, "Hello ", max_tokens=3), window("w", 1, True, "there")]
+        )
     assert result.ok and len(result.stages["thinker"].token_ids) == 3
+
+
+async def test_generate_stream_takes_tensor_chunks_and_stage_params(stages) -> None:
+    config = pipeline(
+        stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"]
+    )
+    rows = 5
+    embeds = torch.randn(rows, RENDER_DIM)
+    raw = embeds.numpy().tobytes()
+    half = len(raw) // 2
+    chunks = [
+        orchestrator_pb2.StreamInput(
+            chunk=tensor_pb2.TensorChunk(chunk_id="c1", offset=0, data=raw[:half], total=len(raw))
+        ),
+        orchestrator_pb2.StreamInput(
+            chunk=tensor_pb2.TensorChunk(
+                chunk_id="c1", offset=half, data=raw[half:], total=len(raw)
+            )
+        ),
+    ]
+    # The renderer alone, fed prompt embeddings in two chunks: the pipeline's entry
+    # is the thinker, so send the embeddings as the thinker's prompt instead.
+    submit = stage_pb2.Submit(request_id="chunked", is_last=True)
+    tensor = submit.inputs.tensors.add(
+        name="prompt_embeds", dtype="float32", shape=[rows, RENDER_DIM]
+    )
+    tensor.chunked.chunk_id, tensor.chunked.nbytes = "c1", len(raw)
+    submit.params.max_tokens = 4
+    message = orchestrator_pb2.StreamInput(submit=submit)
+    message.stage_params["renderer"].num_inference_steps = 2
+    message.stage_params["renderer"].preview_every = 1
+    async with orchestrator(config) as (_server, client):
+        result = await stream(client, [*chunks, message])
+    assert result.ok, result.done
+    assert result.stages["thinker"].completed.usage.prompt_tokens == rows
+    assert len(result.stages["thinker"].token_ids) == 4
+    renderer = result.stages["renderer"]
+    assert "image" in renderer.tensors
+    assert renderer.progress == 2  # stage_params reached it: a preview per step, 2 steps
+
+
+async def test_generate_stream_bad_messages_end_one_request_each_with_one_done(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (_server, client):
+        result = await stream(
+            client,
+            [
+                window("ok", 0, True, "Hi", max_tokens=3),
+                window("late", 0, True, "Hi", max_tokens=40),
+                window("late", 1, True, "more"),  # after its last window: ends it
+                orchestrator_pb2.StreamInput(cancel=stage_pb2.Cancel(request_id="ghost")),
+                window("", 0, True, "no id"),
+            ],
+        )
+    dones = {d.request_id: d for d in result.dones}  # type: ignore[attr-defined]
+    assert sorted(d.request_id for d in result.dones) == ["", "ghost", "late", "ok"]  # type: ignore[attr-defined]
+    assert dones["ok"].code_name == "OK"
+    assert dones["late"].code_name == "INVALID_ARGUMENT"
+    assert dones["late"].field == "submit.request_id" and "last window" in dones["late"].message
+    assert dones["ghost"].code_name == "NOT_FOUND"
+    assert dones[""].code_name == "INVALID_ARGUMENT" and dones[""].field == "submit.request_id"
 
 
 def dev_shm(prefix: str = "omni-default-") -> set[str]:
@@ -241,3 +335,22 @@ async def test_with_two_consumers_hidden_states_travel_as_bytes(stages) -> None:
         ).collect()
         assert result.ok, result.done
         assert server.router.recent_bytes["bytes"]["thinker"] > 12 * 1024
+
+
+async def test_the_stages_say_which_transforms_exist_and_what_they_need(stages) -> None:
+    config = pipeline(stages, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["renderer"])
+    async with orchestrator(config) as (server, client):
+        offered = {
+            t.name: list(t.needs_tensors) for t in server.descriptions["renderer"].transforms
+        }
+        assert offered["hidden_states_to_prompt_embeds"] == ["hidden_states"]
+        assert offered["tokens"] == [] and offered["text"] == []
+    edges = [{"from": "thinker", "to": "talker", "transform": "no_such_transform"}]
+    config = pipeline(stages, ["thinker", "talker"], edges)
+    async with orchestrator(config) as (_server, client):
+        result = await client.generate("Hi", params={"max_tokens": 2}).collect()
+    assert result.done.code_name == "FAILED_PRECONDITION" and result.done.stage == "talker"
+    assert "thinker -> talker: stage talker does not offer transform 'no_such_transform'" in (
+        result.done.message
+    )
+    assert "hidden_states_to_prompt_embeds" in result.done.message  # what it does offer

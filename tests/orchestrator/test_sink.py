@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.sink import EventSink
+from orchestrator.requests.sink import EventSink
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
 
@@ -31,19 +31,27 @@ async def test_events_come_out_in_order_and_end_after_close() -> None:
     assert got == [0, 1, 2]
 
 
+async def settle() -> None:
+    """Let every ready task run until it waits (no wall-clock time involved)."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
 async def test_above_high_producers_wait_until_below_low() -> None:
-    sink = EventSink(high=3, low=1)
+    now = [0.0]
+    sink = EventSink(high=3, low=1, clock=lambda: now[0])
     for i in range(3):
         await sink.put(segment(i))
     blocked = asyncio.create_task(sink.put(segment(3)))
-    await asyncio.sleep(0.05)
+    await settle()
     assert not blocked.done()
+    now[0] = 2.5
     await sink.get()  # 2 left: still above low
-    await asyncio.sleep(0.01)
+    await settle()
     assert not blocked.done()
     await sink.get()  # 1 left: at low, the producer goes on
     await asyncio.wait_for(blocked, 1)
-    assert sink.blocked_s > 0.04
+    assert sink.blocked_s == 2.5
     assert [(await sink.get()).segment.sequence for _ in range(2)] == [2, 3]
 
 

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import Result
 from orchestrator.pipeline import parse_pipeline
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator.watchdog import InitTimeout, Watchdog, WatchdogSettings
+from orchestrator.stages.watchdog import InitTimeout, Watchdog, WatchdogSettings
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
@@ -174,9 +174,38 @@ def test_stall_timer_runs_even_when_download_is_counted() -> None:
 def test_a_late_event_does_not_rescue_a_stage_whose_time_is_up() -> None:
     watchdog, _, stage = make(init=10)
     stage.event(P.STARTING)
-    stage.event(P.READY, 10.5)  # nobody called check() in time; the verdict is the same
+    stage.event(P.LOAD_START, 10.5)  # nobody called check() in time; the verdict is the same
     assert watchdog.state == orchestrator_pb2.STAGE_FAILED
     assert "init timed out in phase STARTING after 10.5s counted" in failure(watchdog)
+
+
+def test_a_timed_out_stage_that_reaches_ready_is_taken_back() -> None:
+    watchdog, clock, stage = make(init=10)
+    stage.event(P.STARTING)
+    clock.advance(11)
+    assert "init timed out" in failure(watchdog)
+    stage.event(P.READY, 30)
+    assert watchdog.state == orchestrator_pb2.STAGE_READY and watchdog.error is None
+    assert watchdog.message.startswith("ready 30.0s after its process started, late: taken back")
+    assert "init timed out in phase STARTING" in watchdog.message
+    watchdog.check()  # nothing to raise any more
+
+
+def test_a_late_ready_seen_at_the_deadline_is_taken_back_too() -> None:
+    watchdog, _, stage = make(init=10)
+    stage.event(P.STARTING)
+    stage.event(P.READY, 10.5)  # the deadline passed before READY arrived: late, not lost
+    assert watchdog.state == orchestrator_pb2.STAGE_READY
+    assert "taken back" in watchdog.message
+
+
+def test_a_stage_that_reported_failed_is_not_taken_back() -> None:
+    watchdog, _, stage = make(init=10)
+    stage.event(P.STARTING)
+    stage.event(P.FAILED, 1, reason="no such model")
+    stage.event(P.READY, 2)
+    assert watchdog.state == orchestrator_pb2.STAGE_FAILED
+    assert "no such model" in failure(watchdog)
 
 
 def test_stream_lost_mid_download_keeps_the_credit_and_runs_the_plain_deadline() -> None:

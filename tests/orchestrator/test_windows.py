@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.windows import Window, WindowState
+from orchestrator.requests.windows import Window, WindowState
 from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
@@ -197,3 +197,19 @@ def test_refs_are_not_joined_but_travel_as_ordered_pieces() -> None:
     (window,) = state.finish()
     assert [t.shm.name for t in window.tensors] == ["omni-default-1-1", "omni-default-1-2"]
     assert [t.name for t in window.tensors] == ["hidden_states", "hidden_states"]
+
+
+def test_a_first_window_smaller_than_the_rest() -> None:
+    state = WindowState(4, first_window=2)
+    out = [w for t in range(1, 12) for w in state.add(segment([t]))]
+    out += state.finish()
+    assert [w.token_ids for w in out] == [(1, 2), (3, 4, 5, 6), (7, 8, 9, 10), (11,)]
+    assert [w.sequence for w in out] == [0, 1, 2, 3] and out[-1].is_last
+    check_rows_follow_tokens(out)
+
+
+def test_a_first_window_needs_a_window_of_n() -> None:
+    with pytest.raises(ValueError, match="first_window"):
+        WindowState(-1, first_window=2)
+    with pytest.raises(ValueError, match="first_window"):
+        WindowState(4, first_window=0)

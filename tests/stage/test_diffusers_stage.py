@@ -69,6 +69,7 @@ async def test_prompt_embeds_condition_the_renderer(renderer: StageClient) -> No
     submit.inputs.tensors.append(codec.to_proto(torch.randn(5, 32), "prompt_embeds"))
     result = (await collect(renderer.generate(submit)))["emb"]
     assert result.completed is not None
+    assert result.completed.usage.prompt_tokens == 5  # the rows it conditioned on
     bad = render("bad")
     bad.inputs.text = ""
     bad.inputs.tensors.append(codec.to_proto(torch.randn(5, 31), "prompt_embeds"))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient
 from services.stage.device_lock import DeviceLock
@@ -61,8 +61,12 @@ async def test_sigterm_drains_in_flight_requests_and_exits_zero(tiny_stage) -> N
         await call.write(chat("drain", "Hello", max_tokens=300, temperature=1.0, seed=1))
         first = await call.read()
         assert first.WhichOneof("kind") == "segment"
+        readiness = health_pb2_grpc.HealthStub(client.channel).Watch(
+            health_pb2.HealthCheckRequest(service="omni.v1.Stage")
+        )
+        assert (await readiness.read()).status == SERVING
         stopping = asyncio.create_task(stage.stop(grace_s=30))
-        await asyncio.sleep(0.2)
+        assert (await readiness.read()).status == NOT_SERVING  # it drains from here on
         refused = client.open_stream()  # a new request while draining is refused
         await refused.write(chat("late", "Hello"))
         await refused.done_writing()

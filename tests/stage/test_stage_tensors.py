@@ -3,11 +3,15 @@ this node, refs validated on input, chunked tensors in and out."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
@@ -15,8 +19,9 @@ from orchestrator.server import OrchestratorServer
 from services.mesh import chunks
 from services.mesh import tensors as codec
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.node import node_identity
+from services.mesh.node import mesh_id, node_identity
 from services.mesh.pb.omni.v1 import stage_pb2
+from services.mesh.shm import ShmProducer
 from services.mesh.stage_client import StageClient
 from services.mesh.transport import TensorReceiver
 from services.stage.config import parse_stage_config
@@ -139,9 +144,62 @@ async def test_a_chunked_image_is_reassembled_for_an_orchestrator_client(big_ren
     try:
         async with AsyncClient(f"127.0.0.1:{port}") as client:
             await client.wait_ready(timeout_s=60)
-            result = await client.generate(inputs=stage_pb2.StageInputs(text="a")).collect()
+            request = client.generate(
+                inputs=stage_pb2.StageInputs(text="a"), params={"return_png": True, "seed": 2}
+            )
+            result = await request.collect()
     finally:
         await server.stop(1.0)
     assert result.ok, result.done
     (image,) = result.stages["renderer"].tensors["image"]
-    assert codec.from_proto(image).shape == (64, 64, 3)
+    pixels = codec.from_proto(image)
+    assert pixels.shape == (64, 64, 3)
+    (blob,) = result.stages["renderer"].blobs
+    assert blob.WhichOneof("payload") == "data" and len(blob.data) > 4096  # it came in chunks
+    assert torch.equal(torch.from_numpy(np.array(Image.open(io.BytesIO(blob.data)))), pixels)
+
+
+async def test_a_large_png_leaves_the_stage_in_chunks(big_renderer) -> None:
+    submit = stage_pb2.Submit(request_id="png", is_last=True)
+    submit.inputs.text = "a"
+    submit.params.return_png = True
+    call = big_renderer.open_stream()
+    await call.write(stage_pb2.StageInput(submit=submit))
+    await call.done_writing()
+    assembler = ChunkAssembler(64 << 20)
+    segment = None
+    while (output := await call.read()) is not grpc.aio.EOF:
+        if output.WhichOneof("kind") == "chunk":
+            assembler.add(output.chunk)
+        elif output.WhichOneof("kind") == "segment":
+            segment = output.segment
+    assert segment is not None and segment.blobs[0].WhichOneof("payload") == "chunked"
+    assert segment.ByteSize() < 4096  # no message carries the PNG whole
+    assembler.resolve_blobs(segment.blobs, "segment.blobs")
+    assembler.resolve(segment.tensors, "segment.tensors")
+    png = Image.open(io.BytesIO(segment.blobs[0].data))
+    assert png.size == (64, 64)
+    pixels = torch.from_numpy(np.array(png))
+    assert torch.equal(pixels, codec.from_proto(segment.tensors[0]))
+
+
+async def test_windows_of_shared_blocks_reach_a_stage_without_streaming_input(
+    big_renderer,
+) -> None:
+    """A windowed edge carrying refs into a stage that joins windows first."""
+    producer = ShmProducer(mesh_id(), ttl_s=60)
+    embeds = torch.randn(7, 32)
+    call = big_renderer.open_stream()
+    try:
+        for seq, (start, stop) in enumerate([(0, 3), (3, 4), (4, 7)]):
+            submit = stage_pb2.Submit(request_id="win", sequence=seq, is_last=stop == 7)
+            piece = producer.put(embeds[start:stop].contiguous(), "win")
+            piece.name = "prompt_embeds"
+            submit.inputs.tensors.append(piece)
+            await call.write(stage_pb2.StageInput(submit=submit))
+        await call.done_writing()
+        result = (await collect(call))["win"]
+    finally:
+        producer.close()
+    assert result.error is None, result.error
+    assert result.completed.usage.prompt_tokens == 7  # every window's rows, joined

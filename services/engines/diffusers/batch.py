@@ -100,18 +100,15 @@ def run_batch(pipe: DiffusionPipeline, members: list[Member]) -> None:
             continue
         job = member.job
         blobs = (Blob("image", "image/png", encode_png(image)),) if job.return_png else ()
-        finish = FinishOutput("done", prompt_tokens=prompt_rows(pipe, job))
+        finish = FinishOutput("done", prompt_tokens=prompt_rows(job))
         member.emit(Done(events=(TensorOutput({"image": image}, blobs), finish)))
 
 
-def prompt_rows(pipe: DiffusionPipeline, job: Job) -> int:
-    """The prompt-embedding rows the image was conditioned on."""
+def prompt_rows(job: Job) -> int:
+    """Usage.prompt_tokens: the prompt-embedding rows an upstream hand-off gave
+    (0 for a text prompt, which the pipeline encodes itself)."""
     embeds = job.call.get("prompt_embeds")
-    if embeds is not None:
-        return int(embeds.shape[-2])
-    # Text prompts are encoded padded to the tokenizer's length (CLIP: 77).
-    tokenizer = getattr(pipe, "tokenizer", None)
-    return int(getattr(tokenizer, "model_max_length", 0) or 0)
+    return 0 if embeds is None else int(embeds.shape[-2])
 
 
 def _denoise(pipe: DiffusionPipeline, members: list[Member]) -> list[torch.Tensor]:

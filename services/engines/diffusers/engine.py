@@ -80,9 +80,6 @@ class DiffusersEngine:
         logger.info("loaded %s on %s: %d bytes", description, self._settings.device, size)
         return ModelInfo(model_bytes=size, kv=None, description=description)
 
-    def plan_kv_cache(self, pages: int, page_size: int) -> None:
-        """No KV cache: a diffusion pipeline's memory is its batch, not a cache."""
-
     def warmup(self) -> None:
         request = EngineRequest("warmup", text="warmup", params=SamplingParams(seed=0))
         job = dataclasses.replace(self._job(request), steps=1)
@@ -138,15 +135,6 @@ class DiffusersEngine:
             self._unqueue(member)
             if self._members.get(request.request_id) is member:
                 del self._members[request.request_id]
-
-    async def abort(self, request_id: str) -> None:
-        member = self._members.get(request_id)
-        if member is None:
-            return
-        logger.info("diffusers request %s: abort", request_id)
-        member.cancel.set()
-        if self._unqueue(member):  # it never started, so no worker will report on it
-            member.emit(Done(interrupted=True))
 
     def close(self) -> None:
         for member in list(self._members.values()):

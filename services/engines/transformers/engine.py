@@ -141,14 +141,6 @@ class TransformersEngine:
     def check(self, request: EngineRequest) -> None:
         self._plan(request)
 
-    async def abort(self, request_id: str) -> None:
-        sequence = self._active.get(request_id)
-        if sequence is None:
-            logger.debug("abort of %s: not running", request_id)
-            return
-        sequence.aborted = True
-        self._step_loop().wake()
-
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         plan = self._plan(request)
         rid = request.request_id
@@ -163,7 +155,7 @@ class TransformersEngine:
 
         sequence = self._sequence(request, plan, deliver)
         if rid in self._active:
-            logger.warning("request %s: id already running; abort reaches the newest", rid)
+            logger.warning("request %s: id already running", rid)
         self._active[rid] = sequence
         step_loop = self._step_loop()
         logger.debug("request %s: %d prompt tokens", rid, plan.prompt_tokens)

@@ -37,7 +37,6 @@ class Sequence:
     last_token: int = -1
     # Set from the event loop; read by the model thread at step boundaries only.
     cancelled: bool = False
-    aborted: bool = False
     finished: bool = False
     _detok: IncrementalDetokenizer = field(init=False)
     _stops: StopStrings = field(init=False)

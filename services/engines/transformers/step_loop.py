@@ -2,7 +2,7 @@
 
 Each step (the nano-vllm / mini-sglang shape):
 
-1. retire what was cancelled or aborted since the last step;
+1. retire what was cancelled since the last step (its consumer stopped iterating);
 2. admit waiting requests in arrival order while the batch has room
    (``max_batch_size`` sequences) and the KV plan has pages for them; the head
    of the queue waits for pages rather than being overtaken; requests admitted
@@ -137,7 +137,7 @@ class StepLoop:
 
     def step(self) -> None:
         outbox: dict[Sequence, list[EngineEvent]] = {}
-        self._retire(outbox)
+        self._retire()
         self._admit()
         if self._prefilling:
             self._prefill(outbox)
@@ -146,10 +146,7 @@ class StepLoop:
         for sequence, events in outbox.items():
             sequence.deliver(events)
 
-    def _retire(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
-        for sequence in [*self._waiting, *self._prefilling, *self._running]:
-            if sequence.aborted and not sequence.finished and not sequence.cancelled:
-                outbox[sequence] = [sequence.finish("abort")]
+    def _retire(self) -> None:
         self._waiting = deque(s for s in self._waiting if not _gone(s))
         self._prefilling = _keep(self._prefilling, self._prefill_kv)
         self._running = _keep(self._running, self._running_kv)

@@ -25,14 +25,13 @@ from services.engines.base import (
 from services.engines.vllm import intake
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.sizing import kv_geometry, model_bytes
-from services.mesh.errors import FailedPrecondition, InitFailed, InvalidArgument, Unavailable
+from services.mesh.errors import EngineDead, FailedPrecondition, InitFailed, InvalidArgument
 
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = "the vllm engine needs the GPU image: pip install 'omni-mesh[gpu]'"
 
-# Queue markers from abort() and from the pump when vLLM's stream simply ends.
-_ABORTED = object()
+# The pump's marker for a vLLM stream that simply ends (an aborted one may).
 _ENDED = object()
 
 
@@ -50,7 +49,6 @@ class VllmEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
-        self._streams: dict[str, asyncio.Queue[Any]] = {}  # by request id, for abort
 
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:
@@ -97,10 +95,6 @@ class VllmEngine:
         logger.info("loaded %s", description)
         return ModelInfo(model_bytes=size, kv=kv_geometry(vllm_config), description=description)
 
-    def plan_kv_cache(self, pages: int, page_size: int) -> None:
-        # vLLM sized its own KV blocks while starting (gpu_memory_utilization).
-        logger.debug("vllm engine: the stage's plan of %d pages is informational", pages)
-
     def warmup(self) -> None:
         # AsyncLLM has already profiled memory and captured CUDA graphs while starting.
         logger.info("vllm engine: warm-up happened while starting")
@@ -117,15 +111,12 @@ class VllmEngine:
         rid = request.request_id
         sampling = SamplingParams(output_kind=RequestOutputKind.DELTA, **plan.sampling)
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        if rid in self._streams:
-            logger.warning("vllm request %s: id already running; abort reaches the newest", rid)
-        self._streams[rid] = queue
         pump = asyncio.create_task(_pump(llm.generate(plan.prompt, sampling, rid), queue))
         prompt_tokens, completion, finished = plan.prompt_tokens, 0, False
         try:
             while not finished:
                 item = await queue.get()
-                if item is _ABORTED or item is _ENDED:
+                if item is _ENDED:
                     # _ENDED: an older vLLM ends an aborted stream without a final output.
                     finished = True
                     yield FinishOutput("abort", prompt_tokens, completion)
@@ -142,20 +133,10 @@ class VllmEngine:
                     yield FinishOutput(reason, prompt_tokens, completion)
         finally:
             # Normal end, error, aclose() and task cancellation alike.
-            if self._streams.get(rid) is queue:
-                del self._streams[rid]
             if not pump.done():
                 # Cancelling the pump closes vLLM's generate(), which aborts the request.
                 pump.cancel()
                 await asyncio.gather(pump, return_exceptions=True)
-
-    async def abort(self, request_id: str) -> None:
-        queue = self._streams.get(request_id)
-        if queue is None or self._llm is None:
-            return
-        logger.info("vllm request %s: abort", request_id)
-        queue.put_nowait(_ABORTED)
-        await self._llm.abort(request_id)
 
     def close(self) -> None:
         if self._llm is not None:
@@ -172,7 +153,7 @@ class VllmEngine:
         request is the client's; anything else stays a bug (INTERNAL)."""
         if isinstance(exc, self._engine_dead):
             logger.error("vllm request %s: the vLLM engine died", rid)
-            return Unavailable("the vllm engine died; the stage must restart")
+            return EngineDead("the vllm engine died; the stage restarts")
         if isinstance(exc, ValueError):  # vLLM's input validation (VLLMValidationError)
             logger.info("vllm request %s refused by vLLM: %s", rid, exc)
             return InvalidArgument(f"vLLM refused the request: {exc}", field="inputs")
@@ -180,8 +161,8 @@ class VllmEngine:
 
 
 async def _pump(stream: AsyncIterator[Any], queue: asyncio.Queue[Any]) -> None:
-    """Moves vLLM's outputs into ``queue`` so that ``abort`` can put a marker in the
-    same line, whatever the vLLM version does with an aborted stream."""
+    """Moves vLLM's outputs into ``queue``, ending with a marker or the error,
+    whatever the vLLM version does with a stream aborted underneath it."""
     try:
         async for output in stream:
             queue.put_nowait(output)

@@ -21,11 +21,24 @@ from pathlib import Path
 
 from services.mesh.errors import InitFailed
 from services.stage.fetch.download import fetch_http
-from services.stage.fetch.hook import DownloadHook, FetchResult, path_size
+from services.stage.fetch.hook import (
+    DownloadHook,
+    FetchCancel,
+    FetchCancelled,
+    FetchResult,
+    path_size,
+)
 from services.stage.fetch.hub import fetch_hub
 from services.stage.fetch.local import resolve_local, resolve_package_file
 
-__all__ = ["ACCEPTED_FORMS", "DownloadHook", "FetchResult", "fetch_model"]
+__all__ = [
+    "ACCEPTED_FORMS",
+    "DownloadHook",
+    "FetchCancel",
+    "FetchCancelled",
+    "FetchResult",
+    "fetch_model",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +59,13 @@ def fetch_model(
     *,
     stall_timeout_s: float = 60.0,
     progress_interval_s: float = 0.2,
+    cancel: FetchCancel | None = None,
 ) -> FetchResult:
     """Make ``source`` available on local disk. Blocks: the stage calls it in a thread.
 
-    Raises ``InitFailed`` with a message fit for an operator on any failure.
+    Raises ``InitFailed`` with a message fit for an operator on any failure, and
+    ``FetchCancelled`` soon after ``cancel`` is set (an HTTP download keeps its
+    partial file; a hub download finishes the file it is on first).
     """
     if not source.strip():
         raise InitFailed("model source is empty; accepted: " + "; ".join(ACCEPTED_FORMS))
@@ -62,6 +78,7 @@ def fetch_model(
             hook,
             stall_timeout_s=stall_timeout_s,
             progress_interval_s=progress_interval_s,
+            cancel=cancel,
         )
     if scheme == "hf":
         return fetch_hub(source, hook, progress_interval_s=progress_interval_s)

@@ -16,6 +16,7 @@ import http.client
 import logging
 import os
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -27,6 +28,7 @@ from services.mesh.errors import InitFailed
 from services.stage.fetch.archive import archive_suffix, extract_archive
 from services.stage.fetch.hook import (
     DownloadHook,
+    FetchCancel,
     FetchResult,
     ProgressFeed,
     format_bytes,
@@ -55,7 +57,11 @@ def fetch_http(
     *,
     stall_timeout_s: float,
     progress_interval_s: float,
+    cancel: FetchCancel | None = None,
 ) -> FetchResult:
+    """Fetch ``source`` into the cache. ``cancel`` stops it between reads (or
+    wakes a blocked read), keeping the partial file for the next attempt."""
+    cancel = cancel or FetchCancel()
     url, _, fragment = source.partition("#")
     expected_sha = _parse_fragment(fragment, source)
     shown = redact(url)
@@ -72,7 +78,7 @@ def fetch_http(
         return _cache_hit(target, shown, hook, started)
     hook.start(shown, None)
     folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive(final.with_name(final.name + ".lock")):
+    with _exclusive(final.with_name(final.name + ".lock"), cancel, shown):
         if target.exists():  # another stage on this node finished it while we waited
             result = FetchResult(target, path_size(target), True, shown)
             hook.done(result, time.monotonic() - started)
@@ -80,14 +86,15 @@ def fetch_http(
         downloaded = not final.exists()  # an archive survives only if extraction was cut short
         if downloaded:
             feed = ProgressFeed(hook, progress_interval_s)
-            _download(url, shown, final, expected_sha, feed, stall_timeout_s)
+            _download(url, shown, final, expected_sha, feed, stall_timeout_s, cancel)
+        fetched = final.stat().st_size  # an archive's own bytes, before it is unpacked
         if suffix:
             try:
                 extract_archive(final, target)
             finally:
                 # Refused or not, the archive goes: a fixed one at this URL is then fetched anew.
                 final.unlink()
-    result = FetchResult(target, path_size(target), not downloaded, shown)
+    result = FetchResult(target, fetched, not downloaded, shown)
     duration = time.monotonic() - started
     logger.info("fetched %s: %s in %.1fs", shown, format_bytes(result.nbytes), duration)
     hook.done(result, duration)
@@ -114,10 +121,16 @@ def _parse_fragment(fragment: str, source: str) -> str | None:
 
 
 @contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def _exclusive(lock_path: Path, cancel: FetchCancel, shown: str) -> Iterator[None]:
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        while True:  # polled, so that a stopping stage does not wait for a neighbour's download
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # freed by the kernel if we die
+                break
+            except BlockingIOError:
+                if cancel.wait(0.2):
+                    cancel.check(f"waiting for another download of {shown}")
         yield
     finally:
         os.close(fd)
@@ -130,8 +143,10 @@ def _download(
     expected_sha: str | None,
     feed: ProgressFeed,
     stall_timeout_s: float,
+    cancel: FetchCancel,
 ) -> None:
     partial = final.with_name(final.name + ".partial")
+    cancel.check(f"download of {shown}")
     offset = partial.stat().st_size if partial.exists() else 0
     headers = {"User-Agent": _USER_AGENT}
     if offset:
@@ -142,7 +157,7 @@ def _download(
     except HTTPError as exc:
         if exc.code == 416 and offset:  # the partial is no prefix of this resource any more
             partial.unlink()
-            return _download(url, shown, final, expected_sha, feed, stall_timeout_s)
+            return _download(url, shown, final, expected_sha, feed, stall_timeout_s, cancel)
         raise InitFailed(f"download of {shown} failed: HTTP {exc.code} {exc.reason}") from exc
     except (URLError, TimeoutError) as exc:
         reason = exc.reason if isinstance(exc, URLError) else exc
@@ -150,7 +165,7 @@ def _download(
             raise _stalled(shown, stall_timeout_s, offset, None) from exc
         raise InitFailed(f"download of {shown} failed: {reason}") from exc
 
-    with response:
+    with response, cancel.on_cancel(lambda: _interrupt(response)):
         total: int | None = None
         length = response.headers.get("Content-Length")
         if response.status == 206 and offset:
@@ -180,12 +195,15 @@ def _download(
                 try:
                     chunk = response.read1(_CHUNK)
                 except TimeoutError as exc:
+                    cancel.check(f"download of {shown}")
                     raise _stalled(shown, stall_timeout_s, done, total) from exc
-                except (OSError, http.client.HTTPException) as exc:
+                except (OSError, http.client.HTTPException, ValueError) as exc:
+                    cancel.check(f"download of {shown}")
                     raise InitFailed(
                         f"download of {shown} broke off at {format_bytes(done)} of "
                         f"{format_bytes(total)} ({exc!r}); the next attempt resumes"
                     ) from exc
+                cancel.check(f"download of {shown}")  # what was read so far stays in the partial
                 if not chunk:
                     break
                 out.write(chunk)
@@ -207,6 +225,14 @@ def _download(
             f"got {digest.hexdigest()}); the file was deleted"
         )
     os.replace(partial, final)
+
+
+def _interrupt(response: http.client.HTTPResponse) -> None:
+    """Wake a read blocked on a silent server (from the cancelling thread)."""
+    raw = getattr(response.fp, "raw", None)
+    sock = getattr(raw, "_sock", None)
+    if isinstance(sock, socket.socket):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _stalled(shown: str, stall_timeout_s: float, done: int, total: int | None) -> InitFailed:

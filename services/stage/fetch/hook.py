@@ -1,14 +1,18 @@
-"""What a fetch reports: the result, the download hook, and a rate-limited progress feed."""
+"""What a fetch reports and obeys: the result, the download hook, a rate-limited
+progress feed, and the cancel switch a stopping stage flips."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+from services.mesh.errors import InitFailed
 
 
 @dataclass(frozen=True)
@@ -20,7 +24,7 @@ class FetchResult:
     """
 
     path: Path
-    nbytes: int
+    nbytes: int  # bytes fetched (an archive's own size, not what it unpacks to)
     cache_hit: bool
     source: str
 
@@ -33,6 +37,55 @@ class DownloadHook(Protocol):
     def progress(self, bytes_done: int, bytes_total: int | None) -> None: ...
 
     def done(self, result: FetchResult, duration_s: float) -> None: ...
+
+
+class FetchCancelled(InitFailed):
+    """The stage is stopping: the fetch stopped, its partial file kept for a resume."""
+
+
+class FetchCancel:
+    """Set from the event loop when the stage stops; a fetching thread stops at
+    its next read (``check``), and a read blocked on a silent server is woken
+    by the callbacks registered with ``on_cancel``."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._event.set()
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            with contextlib.suppress(OSError):
+                callback()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s``; True at once when cancelled."""
+        return self._event.wait(timeout_s)
+
+    def check(self, what: str) -> None:
+        if self._event.is_set():
+            raise FetchCancelled(f"{what} stopped: the stage is shutting down")
+
+    @contextlib.contextmanager
+    def on_cancel(self, callback: Callable[[], None]) -> Iterator[None]:
+        with self._lock:
+            self._callbacks.append(callback)
+            already = self._event.is_set()
+        if already:
+            with contextlib.suppress(OSError):
+                callback()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._callbacks.remove(callback)
 
 
 class ProgressFeed:

@@ -42,42 +42,61 @@ class GenerateRequest(_message.Message):
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
     def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
 
+class StreamInput(_message.Message):
+    __slots__ = ("submit", "cancel", "chunk", "stage_params")
+    class StageParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _stage_pb2.GenerationParams
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ...) -> None: ...
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    submit: _stage_pb2.Submit
+    cancel: _stage_pb2.Cancel
+    chunk: _tensor_pb2.TensorChunk
+    stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
+    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
+
 class Done(_message.Message):
-    __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms")
+    __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms", "field")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     CODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    FIELD_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     code_name: str
     message: str
     stage: str
     total_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    field: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., stage: _Optional[str] = ..., total_ms: _Optional[float] = ..., field: _Optional[str] = ...) -> None: ...
 
 class GenerateEvent(_message.Message):
-    __slots__ = ("stage", "segment", "progress", "completed", "error", "done", "chunk")
+    __slots__ = ("stage", "segment", "progress", "completed", "done", "chunk")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     stage: str
     segment: _stage_pb2.Segment
     progress: _stage_pb2.Progress
     completed: _stage_pb2.Completed
-    error: _stage_pb2.Error
     done: Done
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., error: _Optional[_Union[_stage_pb2.Error, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message")
+    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +109,7 @@ class StageStatus(_message.Message):
     BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: StageState
@@ -102,7 +122,8 @@ class StageStatus(_message.Message):
     bytes_done: int
     bytes_total: int
     message: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    source: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()

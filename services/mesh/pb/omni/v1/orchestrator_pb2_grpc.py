@@ -30,6 +30,16 @@ if _version_not_supported:
 class OrchestratorStub:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     def __init__(self, channel):
@@ -45,7 +55,7 @@ class OrchestratorStub:
                 _registered_method=True)
         self.GenerateStream = channel.stream_stream(
                 '/omni.v1.Orchestrator/GenerateStream',
-                request_serializer=omni_dot_v1_dot_stage__pb2.StageInput.SerializeToString,
+                request_serializer=omni_dot_v1_dot_orchestrator__pb2.StreamInput.SerializeToString,
                 response_deserializer=omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
@@ -78,6 +88,16 @@ class OrchestratorStub:
 class OrchestratorServicer:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     def Generate(self, request, context):
@@ -90,7 +110,8 @@ class OrchestratorServicer:
 
     def GenerateStream(self, request_iterator, context):
         """Streaming input: Submit windows of one or more requests (sequence/is_last
-        as in Stage.Generate) and Cancel them; events as for Generate.
+        as in Stage.Generate), TensorChunks before the Submit that refers to them,
+        and Cancel; events as for Generate, each request ending in exactly one Done.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -141,7 +162,7 @@ def add_OrchestratorServicer_to_server(servicer, server):
             ),
             'GenerateStream': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=omni_dot_v1_dot_stage__pb2.StageInput.FromString,
+                    request_deserializer=omni_dot_v1_dot_orchestrator__pb2.StreamInput.FromString,
                     response_serializer=omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -180,6 +201,16 @@ def add_OrchestratorServicer_to_server(servicer, server):
 class Orchestrator:
     """The front door of a mesh: routes each request through the pipeline's stages
     and streams the events of its output stages back, tagged with the stage.
+
+    Every request ends in exactly one Done, whatever happens: OK, a refusal by
+    the orchestrator's own checks (code, message and the offending field), or the
+    error of the stage that ended it (code, message, stage and field). gRPC
+    statuses on the RPC itself are kept for what is not a request's: an
+    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
+    "liveness" while the process is up; and server reflection.
     """
 
     @staticmethod
@@ -224,7 +255,7 @@ class Orchestrator:
             request_iterator,
             target,
             '/omni.v1.Orchestrator/GenerateStream',
-            omni_dot_v1_dot_stage__pb2.StageInput.SerializeToString,
+            omni_dot_v1_dot_orchestrator__pb2.StreamInput.SerializeToString,
             omni_dot_v1_dot_orchestrator__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,

@@ -28,15 +28,17 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from . import tensor_pb2 as omni_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13omni/v1/stage.proto\x12\x07omni.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14omni/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0bStageInputs\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.omni.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12 \n\x07tensors\x18\x04 \x03(\x0b\x32\x0f.omni.v1.Tensor\"\xac\x04\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12!\n\x14return_hidden_states\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x13\n\x06height\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x12\n\x05width\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x1a\n\rpreview_every\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x17\n\nreturn_png\x18\r \x01(\x08H\x0b\x88\x01\x01\x12&\n\x05\x65xtra\x18\x0e \x01(\x0b\x32\x17.google.protobuf.StructB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x17\n\x15_return_hidden_statesB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\t\n\x07_heightB\x08\n\x06_widthB\x10\n\x0e_preview_everyB\r\n\x0b_return_png\"\xcc\x01\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omni.v1.StageInputs\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.omni.v1.GenerationParams\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\ttransform\x18\x06 \x01(\t\x12\'\n\x08\x63onsumer\x18\x07 \x01(\x0b\x32\x15.omni.v1.NodeIdentity\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x81\x01\n\nStageInput\x12!\n\x06submit\x18\x01 \x01(\x0b\x32\x0f.omni.v1.SubmitH\x00\x12!\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x0f.omni.v1.CancelH\x00\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xa7\x01\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12 \n\x07tensors\x18\x06 \x03(\x0b\x32\x0f.omni.v1.Tensor\x12\x1c\n\x05\x62lobs\x18\x07 \x03(\x0b\x32\r.omni.v1.Blob\"c\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x05\x12 \n\x07preview\x18\x04 \x01(\x0b\x32\x0f.omni.v1.Tensor\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"G\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10time_to_first_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"x\n\tCompleted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.omni.v1.Usage\x12!\n\x07timings\x18\x04 \x01(\x0b\x32\x10.omni.v1.Timings\"\\\n\x05\x45rror\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x11\n\tcode_name\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"\xd2\x01\n\x0bStageOutput\x12#\n\x07segment\x18\x01 \x01(\x0b\x32\x10.omni.v1.SegmentH\x00\x12%\n\x08progress\x18\x02 \x01(\x0b\x32\x11.omni.v1.ProgressH\x00\x12\'\n\tcompleted\x18\x03 \x01(\x0b\x32\x12.omni.v1.CompletedH\x00\x12\x1f\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x0e.omni.v1.ErrorH\x00\x12%\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xae\x01\n\nMemoryPlan\x12\x19\n\x11\x66ree_before_bytes\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_ratio\x18\x02 \x01(\x01\x12\x13\n\x0bmodel_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x04 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_pages\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_budget_bytes\x18\x06 \x01(\x03\x12\x11\n\tpage_size\x18\x07 \x01(\x05\"\xc8\x02\n\tInitEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12!\n\x05phase\x18\x02 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12-\n\twall_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bmonotonic_s\x18\x04 \x01(\x01\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\x12\x12\n\nbytes_done\x18\x07 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x08 \x01(\x03\x12\x11\n\tcache_hit\x18\t \x01(\x08\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0e\n\x06holder\x18\r \x01(\t\x12#\n\x06memory\x18\x0e \x01(\x0b\x32\x13.omni.v1.MemoryPlan\"\x13\n\x11InitStatusRequest\"\x11\n\x0f\x44\x65scribeRequest\"\xfe\x01\n\x10StageDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x16\n\x0emax_queue_size\x18\x06 \x01(\x05\x12\x18\n\x10supported_params\x18\x07 \x03(\t\x12\x16\n\x0eoutput_tensors\x18\x08 \x03(\t\x12#\n\x04node\x18\t \x01(\x0b\x32\x15.omni.v1.NodeIdentity\x12\x13\n\x0bload_format\x18\n \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\":\n\x15ReleaseTensorsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"*\n\x16ReleaseTensorsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"3\n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t*\xf9\x01\n\tInitPhase\x12\x1a\n\x16INIT_PHASE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x14\n\x10\x44\x45VICE_LOCK_WAIT\x10\x02\x12\x18\n\x14\x44\x45VICE_LOCK_ACQUIRED\x10\x03\x12\x12\n\x0e\x44OWNLOAD_START\x10\x04\x12\x15\n\x11\x44OWNLOAD_PROGRESS\x10\x05\x12\x11\n\rDOWNLOAD_DONE\x10\x06\x12\x0e\n\nLOAD_START\x10\x07\x12\r\n\tLOAD_DONE\x10\x08\x12\x12\n\x0eMEMORY_PLANNED\x10\t\x12\n\n\x06WARMUP\x10\n\x12\t\n\x05READY\x10\x0b\x12\n\n\x06\x46\x41ILED\x10\x0c\x32\xce\x02\n\x05Stage\x12\x39\n\x08Generate\x12\x13.omni.v1.StageInput\x1a\x14.omni.v1.StageOutput(\x01\x30\x01\x12>\n\nInitStatus\x12\x1a.omni.v1.InitStatusRequest\x1a\x12.omni.v1.InitEvent0\x01\x12?\n\x08\x44\x65scribe\x12\x18.omni.v1.DescribeRequest\x1a\x19.omni.v1.StageDescription\x12\x36\n\x05\x41\x62ort\x12\x15.omni.v1.AbortRequest\x1a\x16.omni.v1.AbortResponse\x12Q\n\x0eReleaseTensors\x12\x1e.omni.v1.ReleaseTensorsRequest\x1a\x1f.omni.v1.ReleaseTensorsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13omni/v1/stage.proto\x12\x07omni.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x14omni/v1/tensor.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"x\n\x0bStageInputs\x12\x0c\n\x04text\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.omni.v1.ChatMessage\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12 \n\x07tensors\x18\x04 \x03(\x0b\x32\x0f.omni.v1.Tensor\"\xac\x04\n\x10GenerationParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12!\n\x14return_hidden_states\x18\x07 \x01(\x08H\x05\x88\x01\x01\x12 \n\x13num_inference_steps\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x1b\n\x0eguidance_scale\x18\t \x01(\x02H\x07\x88\x01\x01\x12\x13\n\x06height\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x12\n\x05width\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x1a\n\rpreview_every\x18\x0c \x01(\x05H\n\x88\x01\x01\x12\x17\n\nreturn_png\x18\r \x01(\x08H\x0b\x88\x01\x01\x12&\n\x05\x65xtra\x18\x0e \x01(\x0b\x32\x17.google.protobuf.StructB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x17\n\x15_return_hidden_statesB\x16\n\x14_num_inference_stepsB\x11\n\x0f_guidance_scaleB\t\n\x07_heightB\x08\n\x06_widthB\x10\n\x0e_preview_everyB\r\n\x0b_return_png\"\xbb\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omni.v1.StageInputs\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.omni.v1.GenerationParams\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x0f\n\x07is_last\x18\x05 \x01(\x08\x12\x11\n\ttransform\x18\x06 \x01(\t\x12\'\n\x08\x63onsumer\x18\x07 \x01(\x0b\x32\x15.omni.v1.NodeIdentity\x12\x38\n\rtrace_context\x18\x08 \x03(\x0b\x32!.omni.v1.Submit.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x81\x01\n\nStageInput\x12!\n\x06submit\x18\x01 \x01(\x0b\x32\x0f.omni.v1.SubmitH\x00\x12!\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x0f.omni.v1.CancelH\x00\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xa7\x01\n\x07Segment\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x0f\n\x07is_last\x18\x03 \x01(\x08\x12\x11\n\ttoken_ids\x18\x04 \x03(\x03\x12\x12\n\ntext_delta\x18\x05 \x01(\t\x12 \n\x07tensors\x18\x06 \x03(\x0b\x32\x0f.omni.v1.Tensor\x12\x1c\n\x05\x62lobs\x18\x07 \x03(\x0b\x32\r.omni.v1.Blob\"c\n\x08Progress\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x05\x12\x13\n\x0btotal_steps\x18\x03 \x01(\x05\x12 \n\x07preview\x18\x04 \x01(\x0b\x32\x0f.omni.v1.Tensor\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x03\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x03\"G\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x18\n\x10time_to_first_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"x\n\tCompleted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x1d\n\x05usage\x18\x03 \x01(\x0b\x32\x0e.omni.v1.Usage\x12!\n\x07timings\x18\x04 \x01(\x0b\x32\x10.omni.v1.Timings\"\\\n\x05\x45rror\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x11\n\tcode_name\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05\x66ield\x18\x05 \x01(\t\"\xd2\x01\n\x0bStageOutput\x12#\n\x07segment\x18\x01 \x01(\x0b\x32\x10.omni.v1.SegmentH\x00\x12%\n\x08progress\x18\x02 \x01(\x0b\x32\x11.omni.v1.ProgressH\x00\x12\'\n\tcompleted\x18\x03 \x01(\x0b\x32\x12.omni.v1.CompletedH\x00\x12\x1f\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x0e.omni.v1.ErrorH\x00\x12%\n\x05\x63hunk\x18\x05 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kind\"\xae\x01\n\nMemoryPlan\x12\x19\n\x11\x66ree_before_bytes\x18\x01 \x01(\x03\x12\x14\n\x0cmemory_ratio\x18\x02 \x01(\x01\x12\x13\n\x0bmodel_bytes\x18\x03 \x01(\x03\x12\x16\n\x0e\x62ytes_per_page\x18\x04 \x01(\x03\x12\x13\n\x0b\x63\x61\x63he_pages\x18\x05 \x01(\x03\x12\x1a\n\x12\x63\x61\x63he_budget_bytes\x18\x06 \x01(\x03\x12\x11\n\tpage_size\x18\x07 \x01(\x05\"\xc8\x02\n\tInitEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12!\n\x05phase\x18\x02 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12-\n\twall_time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x13\n\x0bmonotonic_s\x18\x04 \x01(\x01\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x13\n\x0b\x64uration_ms\x18\x06 \x01(\x01\x12\x12\n\nbytes_done\x18\x07 \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x08 \x01(\x03\x12\x11\n\tcache_hit\x18\t \x01(\x08\x12\x0e\n\x06reason\x18\n \x01(\t\x12\x0e\n\x06source\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x0e\n\x06holder\x18\r \x01(\t\x12#\n\x06memory\x18\x0e \x01(\x0b\x32\x13.omni.v1.MemoryPlan\"\x13\n\x11InitStatusRequest\"\x11\n\x0f\x44\x65scribeRequest\"\xaa\x02\n\x10StageDescription\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\x05\x12\x16\n\x0emax_queue_size\x18\x06 \x01(\x05\x12\x18\n\x10supported_params\x18\x07 \x03(\t\x12\x16\n\x0eoutput_tensors\x18\x08 \x03(\t\x12#\n\x04node\x18\t \x01(\x0b\x32\x15.omni.v1.NodeIdentity\x12\x13\n\x0bload_format\x18\n \x01(\t\x12*\n\ntransforms\x18\x0b \x03(\x0b\x32\x16.omni.v1.TransformInfo\"I\n\rTransformInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rneeds_tensors\x18\x02 \x03(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\":\n\x15ReleaseTensorsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05names\x18\x02 \x03(\t\"*\n\x16ReleaseTensorsResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\"3\n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x03(\t\x12\x11\n\tnot_found\x18\x02 \x03(\t*\xf9\x01\n\tInitPhase\x12\x1a\n\x16INIT_PHASE_UNSPECIFIED\x10\x00\x12\x0c\n\x08STARTING\x10\x01\x12\x14\n\x10\x44\x45VICE_LOCK_WAIT\x10\x02\x12\x18\n\x14\x44\x45VICE_LOCK_ACQUIRED\x10\x03\x12\x12\n\x0e\x44OWNLOAD_START\x10\x04\x12\x15\n\x11\x44OWNLOAD_PROGRESS\x10\x05\x12\x11\n\rDOWNLOAD_DONE\x10\x06\x12\x0e\n\nLOAD_START\x10\x07\x12\r\n\tLOAD_DONE\x10\x08\x12\x12\n\x0eMEMORY_PLANNED\x10\t\x12\n\n\x06WARMUP\x10\n\x12\t\n\x05READY\x10\x0b\x12\n\n\x06\x46\x41ILED\x10\x0c\x32\xce\x02\n\x05Stage\x12\x39\n\x08Generate\x12\x13.omni.v1.StageInput\x1a\x14.omni.v1.StageOutput(\x01\x30\x01\x12>\n\nInitStatus\x12\x1a.omni.v1.InitStatusRequest\x1a\x12.omni.v1.InitEvent0\x01\x12?\n\x08\x44\x65scribe\x12\x18.omni.v1.DescribeRequest\x1a\x19.omni.v1.StageDescription\x12\x36\n\x05\x41\x62ort\x12\x15.omni.v1.AbortRequest\x1a\x16.omni.v1.AbortResponse\x12Q\n\x0eReleaseTensors\x12\x1e.omni.v1.ReleaseTensorsRequest\x1a\x1f.omni.v1.ReleaseTensorsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'omni.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INITPHASE']._serialized_start=3045
-  _globals['_INITPHASE']._serialized_end=3294
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
+  _globals['_INITPHASE']._serialized_start=3275
+  _globals['_INITPHASE']._serialized_end=3524
   _globals['_CHATMESSAGE']._serialized_start=117
   _globals['_CHATMESSAGE']._serialized_end=161
   _globals['_STAGEINPUTS']._serialized_start=163
@@ -44,43 +46,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATIONPARAMS']._serialized_start=286
   _globals['_GENERATIONPARAMS']._serialized_end=842
   _globals['_SUBMIT']._serialized_start=845
-  _globals['_SUBMIT']._serialized_end=1049
-  _globals['_CANCEL']._serialized_start=1051
-  _globals['_CANCEL']._serialized_end=1079
-  _globals['_STAGEINPUT']._serialized_start=1082
-  _globals['_STAGEINPUT']._serialized_end=1211
-  _globals['_SEGMENT']._serialized_start=1214
-  _globals['_SEGMENT']._serialized_end=1381
-  _globals['_PROGRESS']._serialized_start=1383
-  _globals['_PROGRESS']._serialized_end=1482
-  _globals['_USAGE']._serialized_start=1484
-  _globals['_USAGE']._serialized_end=1541
-  _globals['_TIMINGS']._serialized_start=1543
-  _globals['_TIMINGS']._serialized_end=1614
-  _globals['_COMPLETED']._serialized_start=1616
-  _globals['_COMPLETED']._serialized_end=1736
-  _globals['_ERROR']._serialized_start=1738
-  _globals['_ERROR']._serialized_end=1830
-  _globals['_STAGEOUTPUT']._serialized_start=1833
-  _globals['_STAGEOUTPUT']._serialized_end=2043
-  _globals['_MEMORYPLAN']._serialized_start=2046
-  _globals['_MEMORYPLAN']._serialized_end=2220
-  _globals['_INITEVENT']._serialized_start=2223
-  _globals['_INITEVENT']._serialized_end=2551
-  _globals['_INITSTATUSREQUEST']._serialized_start=2553
-  _globals['_INITSTATUSREQUEST']._serialized_end=2572
-  _globals['_DESCRIBEREQUEST']._serialized_start=2574
-  _globals['_DESCRIBEREQUEST']._serialized_end=2591
-  _globals['_STAGEDESCRIPTION']._serialized_start=2594
-  _globals['_STAGEDESCRIPTION']._serialized_end=2848
-  _globals['_ABORTREQUEST']._serialized_start=2850
-  _globals['_ABORTREQUEST']._serialized_end=2885
-  _globals['_RELEASETENSORSREQUEST']._serialized_start=2887
-  _globals['_RELEASETENSORSREQUEST']._serialized_end=2945
-  _globals['_RELEASETENSORSRESPONSE']._serialized_start=2947
-  _globals['_RELEASETENSORSRESPONSE']._serialized_end=2989
-  _globals['_ABORTRESPONSE']._serialized_start=2991
-  _globals['_ABORTRESPONSE']._serialized_end=3042
-  _globals['_STAGE']._serialized_start=3297
-  _globals['_STAGE']._serialized_end=3631
+  _globals['_SUBMIT']._serialized_end=1160
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_start=1109
+  _globals['_SUBMIT_TRACECONTEXTENTRY']._serialized_end=1160
+  _globals['_CANCEL']._serialized_start=1162
+  _globals['_CANCEL']._serialized_end=1190
+  _globals['_STAGEINPUT']._serialized_start=1193
+  _globals['_STAGEINPUT']._serialized_end=1322
+  _globals['_SEGMENT']._serialized_start=1325
+  _globals['_SEGMENT']._serialized_end=1492
+  _globals['_PROGRESS']._serialized_start=1494
+  _globals['_PROGRESS']._serialized_end=1593
+  _globals['_USAGE']._serialized_start=1595
+  _globals['_USAGE']._serialized_end=1652
+  _globals['_TIMINGS']._serialized_start=1654
+  _globals['_TIMINGS']._serialized_end=1725
+  _globals['_COMPLETED']._serialized_start=1727
+  _globals['_COMPLETED']._serialized_end=1847
+  _globals['_ERROR']._serialized_start=1849
+  _globals['_ERROR']._serialized_end=1941
+  _globals['_STAGEOUTPUT']._serialized_start=1944
+  _globals['_STAGEOUTPUT']._serialized_end=2154
+  _globals['_MEMORYPLAN']._serialized_start=2157
+  _globals['_MEMORYPLAN']._serialized_end=2331
+  _globals['_INITEVENT']._serialized_start=2334
+  _globals['_INITEVENT']._serialized_end=2662
+  _globals['_INITSTATUSREQUEST']._serialized_start=2664
+  _globals['_INITSTATUSREQUEST']._serialized_end=2683
+  _globals['_DESCRIBEREQUEST']._serialized_start=2685
+  _globals['_DESCRIBEREQUEST']._serialized_end=2702
+  _globals['_STAGEDESCRIPTION']._serialized_start=2705
+  _globals['_STAGEDESCRIPTION']._serialized_end=3003
+  _globals['_TRANSFORMINFO']._serialized_start=3005
+  _globals['_TRANSFORMINFO']._serialized_end=3078
+  _globals['_ABORTREQUEST']._serialized_start=3080
+  _globals['_ABORTREQUEST']._serialized_end=3115
+  _globals['_RELEASETENSORSREQUEST']._serialized_start=3117
+  _globals['_RELEASETENSORSREQUEST']._serialized_end=3175
+  _globals['_RELEASETENSORSRESPONSE']._serialized_start=3177
+  _globals['_RELEASETENSORSRESPONSE']._serialized_end=3219
+  _globals['_ABORTRESPONSE']._serialized_start=3221
+  _globals['_ABORTRESPONSE']._serialized_end=3272
+  _globals['_STAGE']._serialized_start=3527
+  _globals['_STAGE']._serialized_end=3861
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,14 @@ class GenerationParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., return_hidden_states: _Optional[bool] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., preview_every: _Optional[int] = ..., return_png: _Optional[bool] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer")
+    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +110,7 @@ class Submit(_message.Message):
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: StageInputs
     params: GenerationParams
@@ -110,7 +118,8 @@ class Submit(_message.Message):
     is_last: bool
     transform: str
     consumer: _tensor_pb2.NodeIdentity
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
@@ -275,7 +284,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format")
+    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -286,6 +295,7 @@ class StageDescription(_message.Message):
     OUTPUT_TENSORS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     name: str
     engine: str
     model: str
@@ -296,7 +306,18 @@ class StageDescription(_message.Message):
     output_tensors: _containers.RepeatedScalarFieldContainer[str]
     node: _tensor_pb2.NodeIdentity
     load_format: str
-    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ...) -> None: ...
+    transforms: _containers.RepeatedCompositeFieldContainer[TransformInfo]
+    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ...) -> None: ...
+
+class TransformInfo(_message.Message):
+    __slots__ = ("name", "needs_tensors", "description")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    needs_tensors: _containers.RepeatedScalarFieldContainer[str]
+    description: str
+    def __init__(self, name: _Optional[str] = ..., needs_tensors: _Optional[_Iterable[str]] = ..., description: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_ids",)

@@ -28,6 +28,11 @@ if _version_not_supported:
 
 class StageStub:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     def __init__(self, channel):
@@ -65,12 +70,35 @@ class StageStub:
 
 class StageServicer:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     def Generate(self, request_iterator, context):
-        """Bidirectional: Submit and Cancel in; Segment, Progress, Completed and Error
-        out. Several requests may share one stream; an Error ends one request,
-        never the stream.
+        """Bidirectional: Submit, TensorChunk and Cancel in; Segment, Progress,
+        TensorChunk, Completed and Error out. Several requests may share one
+        stream; an Error ends one request, never the stream.
+
+        Final events: on one stream a request_id names one request from its first
+        Submit (sequence 0) to its final event, exactly one Completed or Error.
+        - A bad Submit for an id not in flight is answered by an Error for that
+        id (INVALID_ARGUMENT naming the field, RESOURCE_EXHAUSTED, UNAVAILABLE).
+        - A message that breaks the input of a request in flight on this stream
+        (a second Submit with sequence 0, a window out of order, a window after
+        is_last, a window that does not decode) ends that request: its final
+        event is that INVALID_ARGUMENT Error and its work stops.
+        - A Submit for an id in flight on another stream is refused on its own
+        stream (INVALID_ARGUMENT, field submit.request_id); the other is untouched.
+        - A message for an id after its final event starts anew (it must be a
+        Submit with sequence 0): stop sending for an id once it has ended.
+        - If the stream ends (half-close) before a request's last window, the
+        request ends INVALID_ARGUMENT (field submit.is_last), except with
+        runtime.streaming_input, where what came is all there is.
+        A frame that is not a StageInput at all (bad protobuf, bad UTF-8 in a
+        string) ends the whole RPC with status INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -78,7 +106,9 @@ class StageServicer:
 
     def InitStatus(self, request, context):
         """Replays every init event since the process started, then follows live
-        ones; the stream ends after READY or FAILED.
+        ones; the stream ends after READY or FAILED. A stage whose engine dies
+        after READY publishes FAILED (health NOT_SERVING) and exits to be
+        restarted: a later InitStatus replays READY, then that FAILED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,6 +173,11 @@ def add_StageServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class Stage:
     """Every stage of a mesh implements this service.
+
+    The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
+    health.proto): "omni.v1.Stage" is readiness (SERVING after the READY init
+    event), "liveness" is SERVING while the process is alive and not FAILED (a
+    stage downloading its model is alive but not ready); and server reflection.
     """
 
     @staticmethod

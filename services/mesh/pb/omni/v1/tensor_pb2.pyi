@@ -100,11 +100,13 @@ class Tensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRef, _Mapping]] = ..., chunked: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
 
 class Blob(_message.Message):
-    __slots__ = ("name", "media_type", "data")
+    __slots__ = ("name", "media_type", "data", "chunked")
     NAME_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
     name: str
     media_type: str
     data: bytes
-    def __init__(self, name: _Optional[str] = ..., media_type: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    chunked: ChunkRef
+    def __init__(self, name: _Optional[str] = ..., media_type: _Optional[str] = ..., data: _Optional[bytes] = ..., chunked: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.watchdog import Watchdog, WatchdogSettings
+from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
+from services.mesh import metrics, telemetry
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
-from services.mesh.pb.omni.v1 import orchestrator_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ class StageMonitor:
         self._last_published = 0.0
         self._unreachable_logged = False
         self._stopped = False
+        self._recorded_mono = -1.0  # the last init event recorded as a metric
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -253,6 +255,8 @@ class StageMonitor:
                 )
                 self._down = None
                 self._watchdog.restart()
+                self._recorded_mono = -1.0
+            self._record_phase(event)
             before = self._key()
             self._watchdog.observe(event)
             if self._key() != before:  # replays change nothing and publish nothing
@@ -260,6 +264,16 @@ class StageMonitor:
         if self._watchdog.state == STARTING:  # the stream ended before READY or FAILED
             self._watchdog.stream_lost("InitStatus ended early: plain deadline")
             self._publish()
+
+    def _record_phase(self, event: stage_pb2.InitEvent) -> None:
+        """Init phase durations as metrics, each event once (InitStatus replays them)."""
+        if not telemetry.ENABLED or event.monotonic_s <= self._recorded_mono:
+            return
+        self._recorded_mono = event.monotonic_s
+        if event.duration_ms:
+            phase = stage_pb2.InitPhase.Name(event.phase)
+            attributes = {"omni.stage": self.target.name, "omni.init.phase": phase}
+            metrics.INIT_PHASE_DURATION.record(event.duration_ms / 1e3, attributes)
 
     def _key(self) -> tuple[object, ...]:
         w = self._watchdog

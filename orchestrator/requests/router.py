@@ -13,16 +13,22 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-import grpc
-
-from orchestrator.flow import Identity, RequestFlow
 from orchestrator.pipeline import PipelineConfig, Topology
-from orchestrator.sink import EventSink
+from orchestrator.requests import observe
+from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
+from orchestrator.requests.sink import EventSink
+from services.mesh import errors
 from services.mesh.chunks import CHUNK_BYTES
-from services.mesh.errors import InvalidArgument, OmniError
+from services.mesh.errors import (
+    Cancelled,
+    FailedPrecondition,
+    InvalidArgument,
+    OmniError,
+    Unavailable,
+)
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +37,12 @@ Readiness = Callable[[str], str | None]
 
 
 @dataclass
-class _Running:
+class _InFlight:
     flow: RequestFlow
     task: asyncio.Task[None]
-    cancel_code: grpc.StatusCode = grpc.StatusCode.CANCELLED
-    cancel_message: str = ""
-    cancel_stage: str = ""
+    # Why the request was stopped from outside (abort, stage loss, a bad input), if it was.
+    stopped_by: OmniError | None = None
+    stopped_at: str = ""  # the stage to name in the Done
 
 
 class Router:
@@ -47,21 +53,21 @@ class Router:
         readiness: Readiness,
         clock: Callable[[], float] = time.monotonic,
         *,
-        identity: Identity = lambda _stage: None,
-        receiver: TensorReceiver | None = None,
+        describe: Describe = lambda _stage: None,
+        refs: RefReader | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self._topology = Topology.of(pipeline)
         self._clients = clients
         self._readiness = readiness
         self._clock = clock
-        self._identity = identity
-        self._receiver = receiver
+        self._describe = describe
+        self._refs = refs
         self._chunk_bytes = chunk_bytes
         self._background: set[asyncio.Task[None]] = set()
         # What recent requests moved: wire bytes read from each stage, by request id.
         self.recent_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
-        self._running: dict[str, _Running] = {}
+        self._running: dict[str, _InFlight] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.completed = 0
@@ -102,14 +108,18 @@ class Router:
             entry_inputs,
             stage_params,
             self._clock,
-            identity=self._identity,
-            receiver=self._receiver,
+            describe=self._describe,
+            refs=self._refs,
             chunk_bytes=self._chunk_bytes,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
-        self._running[request_id] = _Running(flow, task)
+        self._running[request_id] = _InFlight(flow, task)
 
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
+        with observe.request_span(flow.request_id):
+            await self._drive(flow, sink)
+
+    async def _drive(self, flow: RequestFlow, sink: EventSink) -> None:
         rid = flow.request_id
         began = self._clock()
         client_blocked = sink.blocked_s
@@ -118,24 +128,27 @@ class Router:
             for stage in self._topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
-                    raise _Refused(stage, f"stage {stage} is not ready: {reason}")
+                    raise _Refused(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
+            self._check_transforms()
             done = await flow.run()
             for edge, seconds in flow.blocked_s.items():
                 self.blocked_s[edge] = self.blocked_s.get(edge, 0.0) + seconds
             waited = sink.blocked_s - client_blocked  # a slow client held the stages back
             self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
+            flow.blocked_s["client"] = waited
         except _Refused as refused:
-            done = _done(rid, grpc.StatusCode.UNAVAILABLE, refused.message, refused.stage)
+            done = errors.done(rid, refused.error, refused.stage)
         except asyncio.CancelledError:
             running = self._running.get(rid)
-            if running is None or not running.cancel_message:
+            if running is None or running.stopped_by is None:
                 raise  # the client went away: nobody to tell
-            done = _done(rid, running.cancel_code, running.cancel_message, running.cancel_stage)
+            done = errors.done(rid, running.stopped_by, running.stopped_at)
         finally:
             self._running.pop(rid, None)
             self._after(flow)
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
+        observe.finished(done, flow.blocked_s)
         level = logging.DEBUG if done.code == 0 else logging.WARNING
         logger.log(
             level,
@@ -146,6 +159,22 @@ class Router:
             done.message,
         )
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
+
+    def _check_transforms(self) -> None:
+        """Every edge's transform must be one its consuming stage offers."""
+        for stage in self._topology.order:
+            for edge in self._topology.children[stage]:
+                description = self._describe(edge.to)
+                if transform_needs(description, edge.transform) is not None:
+                    continue
+                offered = sorted(t.name for t in description.transforms) if description else []
+                raise _Refused(
+                    edge.to,
+                    FailedPrecondition(
+                        f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer "
+                        f"transform {edge.transform!r} (it offers: {', '.join(offered) or 'none'})"
+                    ),
+                )
 
     def _after(self, flow: RequestFlow) -> None:
         self.recent_bytes[flow.request_id] = dict(flow.bytes_in)
@@ -159,7 +188,7 @@ class Router:
     def abort(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
         aborted, not_found = [], []
         for rid in request_ids:
-            if self._cancel(rid, grpc.StatusCode.CANCELLED, f"request {rid} was aborted"):
+            if self.fail(rid, Cancelled(f"request {rid} was aborted")):
                 aborted.append(rid)
             else:
                 not_found.append(rid)
@@ -175,16 +204,21 @@ class Router:
         """Fail at once every request a lost stage holds; returns how many."""
         lost = [rid for rid, r in self._running.items() if stage in r.flow.active_stages]
         for rid in lost:
-            self._cancel(rid, grpc.StatusCode.UNAVAILABLE, message, stage)
+            self.fail(rid, Unavailable(message), stage)
         return len(lost)
 
-    def _cancel(self, rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> bool:
+    def fail(self, rid: str, error: OmniError, stage: str = "") -> bool:
+        """End a running request with ``error`` (its one Done says so); False if unknown."""
         running = self._running.get(rid)
         if running is None:
             return False
-        running.cancel_code, running.cancel_message, running.cancel_stage = code, message, stage
+        if running.stopped_by is None:  # the first reason is the one reported
+            running.stopped_by, running.stopped_at = error, stage
         running.task.cancel()
         return True
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._running
 
     async def stop(self) -> None:
         tasks = [r.task for r in self._running.values()]
@@ -194,13 +228,10 @@ class Router:
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
-class _Refused(OmniError):
-    def __init__(self, stage: str, message: str) -> None:
-        super().__init__(message)
+class _Refused(Exception):
+    """The request cannot start: ``error`` says why, naming ``stage``."""
+
+    def __init__(self, stage: str, error: OmniError) -> None:
+        super().__init__(error.message)
         self.stage = stage
-
-
-def _done(rid: str, code: grpc.StatusCode, message: str, stage: str = "") -> orchestrator_pb2.Done:
-    return orchestrator_pb2.Done(
-        request_id=rid, code=code.value[0], code_name=code.name, message=message, stage=stage
-    )
+        self.error = error

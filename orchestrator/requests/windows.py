@@ -10,6 +10,8 @@ segment with no tokens but with tensors or blobs (a rendered image) is one item.
 ``window=-1`` is the full trigger: nothing until ``finish()``, then one window.
 ``window=N`` emits N-item windows as soon as they are complete; ``finish()``
 emits the rest, always as a window with is_last, so downstream sees an end.
+``first_window=M`` makes the first window M items (then N each): the consumer's
+first output waits for the producer's prefill and M items, not N.
 Tensors of one name within a window are joined along their first dim.
 """
 
@@ -18,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from services.mesh import tensors as codec
+from services.mesh import wire as codec
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 
@@ -137,10 +139,15 @@ def _rows(tensor: tensor_pb2.Tensor, row_bytes: int, start: int, count: int) -> 
 
 
 class WindowState:
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, first_window: int | None = None) -> None:
         if window != FULL and window < 1:
             raise ValueError(f"window: expected -1 or at least 1, got {window}")
+        if first_window is not None and (window == FULL or first_window < 1):
+            raise ValueError(
+                f"first_window: expected at least 1 with a window N, got {first_window}"
+            )
         self._window = window
+        self._first = first_window
         self._pending: deque[_Chunk] = deque()
         self._buffered = 0
         self._emitted = 0
@@ -163,9 +170,12 @@ class WindowState:
         self._pending.append(chunk)
         self._buffered += chunk.items
         out: list[Window] = []
-        while self._window != FULL and self._buffered >= self._window:
-            out.append(self._take(self._window, is_last=False))
+        while self._window != FULL and self._buffered >= (size := self._next_size()):
+            out.append(self._take(size, is_last=False))
         return out
+
+    def _next_size(self) -> int:
+        return self._first if self._first is not None and not self._emitted else self._window
 
     def finish(self) -> list[Window]:
         """At upstream end: the rest as one last window (empty if nothing is left)."""

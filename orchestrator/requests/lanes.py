@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from orchestrator.pipeline import Edge
-from orchestrator.windows import Window, WindowState
+from orchestrator.requests.windows import Window, WindowState
 
 
 def items(window: Window) -> int:
@@ -25,7 +25,7 @@ def items(window: Window) -> int:
 class Lane:
     def __init__(self, edge: Edge, clock: Callable[[], float] = time.monotonic) -> None:
         self.edge = edge
-        self.windows = WindowState(edge.window)
+        self.windows = WindowState(edge.window, edge.first_window)
         self._outbox: asyncio.Queue[Window | None] = asyncio.Queue()
         self._clock = clock
         self._below_low = asyncio.Event()

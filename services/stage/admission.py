@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from services.mesh.errors import ResourceExhausted
 
 
-class Intake:
+class Admission:
     def __init__(self, max_active: int, max_queued: int) -> None:
         self.max_active = max_active
         self.max_queued = max_queued

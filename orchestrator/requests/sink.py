@@ -11,12 +11,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 
 class EventSink:
-    def __init__(self, high: int = 256, low: int = 64) -> None:
+    def __init__(
+        self, high: int = 256, low: int = 64, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._clock = clock
         if not 0 <= low < high:
             raise ValueError(f"need 0 <= low < high, got low={low} high={high}")
         self._high = high
@@ -35,9 +39,9 @@ class EventSink:
             if len(self._events) >= self._high:
                 if event.WhichOneof("kind") == "progress" and self._replace_preview(event):
                     return
-                began = time.monotonic()
+                began = self._clock()
                 await self._changed.wait_for(lambda: len(self._events) <= self._low or self._closed)
-                self.blocked_s += time.monotonic() - began
+                self.blocked_s += self._clock() - began
             self._events.append(event)
             self._changed.notify_all()
 

@@ -18,29 +18,48 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
-from orchestrator.lanes import Lane
 from orchestrator.pipeline import Edge, Topology
-from orchestrator.sink import EventSink
-from services.mesh import chunks
-from services.mesh import tensors as codec
+from orchestrator.requests import observe
+from orchestrator.requests.lanes import Lane
+from orchestrator.requests.sink import EventSink
+from services.mesh import chunks, errors, telemetry
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
-from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
-# Where each stage runs, once known (its Describe): None = unknown, send bytes.
-Identity = Callable[[str], tensor_pb2.NodeIdentity | None]
+# What each stage said of itself (its Describe), once it is up; None = not yet.
+Describe = Callable[[str], stage_pb2.StageDescription | None]
+# What a producer is asked for when its consumer's transform needs it.
+_ASK_FOR = {"hidden_states": "return_hidden_states"}
+
+
+def transform_needs(
+    description: stage_pb2.StageDescription | None, transform: str
+) -> frozenset[str] | None:
+    """The tensors ``transform`` needs from the producer, as the consuming stage
+    advertises them; None when that stage does not offer it (or is not described)."""
+    if not transform:
+        return frozenset()
+    if description is None:
+        return None
+    for offered in description.transforms:
+        if offered.name == transform:
+            return frozenset(offered.needs_tensors)
+    return None
+
+
 MAX_CHUNKED_BYTES = 4 << 30  # a chunked tensor larger than this from a stage is refused
 
 
 class StageFailed(OmniError):
     """A stage ended the request with an error, or the stage itself went away."""
 
-    def __init__(self, stage: str, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+        super().__init__(message, field=field)
         self.code = code
         self.stage = stage
 
@@ -56,8 +75,8 @@ class RequestFlow:
         stage_params: Mapping[str, stage_pb2.GenerationParams],
         clock: Callable[[], float] = time.monotonic,
         *,
-        identity: Identity = lambda _stage: None,
-        receiver: TensorReceiver | None = None,
+        describe: Describe = lambda _stage: None,
+        refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
     ) -> None:
         self.request_id = request_id
@@ -69,9 +88,9 @@ class RequestFlow:
         self._clock = clock
         self._outputs = topology.outputs
         self._lanes: dict[str, Lane] = {}  # by downstream stage
-        self._identity = identity
+        self._describe = describe
         self._chunk_bytes = chunk_bytes
-        self._receiver = receiver
+        self._refs = refs
         self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
         self.shared_from: set[str] = set()  # stages that may have handed over shared blocks
         self.active_stages: set[str] = set()
@@ -81,7 +100,7 @@ class RequestFlow:
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
         began = self._clock()
-        done = orchestrator_pb2.Done(request_id=self.request_id, code_name="OK")
+        done = errors.done(self.request_id)
         try:
             async with asyncio.TaskGroup() as tasks:
                 for stage in self._topology.order:
@@ -89,8 +108,7 @@ class RequestFlow:
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
-            done.code, done.code_name = first.code.value[0], first.code.name
-            done.message, done.stage = first.message, first.stage
+            done = errors.done(self.request_id, first, first.stage)
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
@@ -103,15 +121,21 @@ class RequestFlow:
         return lane
 
     async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
-        # A stage whose consumers condition on its hidden states must emit them.
+        # What the consumers' transforms need, the producer is asked to emit.
         children = self._topology.children[stage]
-        hidden = any(e.transform == "hidden_states_to_prompt_embeds" for e in children)
+        asks = {
+            _ASK_FOR[name]
+            for e in children
+            for name in transform_needs(self._describe(e.to), e.transform) or ()
+            if name in _ASK_FOR
+        }
         # One consumer on this node that can open shared blocks: tensors go by ref.
-        consumer = self._identity(children[0].to) if len(children) == 1 else None
+        described = self._describe(children[0].to) if len(children) == 1 else None
+        consumer = described.node if described is not None else None
         async for submit in self._submits(stage):
             self._client_hidden.setdefault(stage, submit.params.return_hidden_states)
-            if hidden:
-                submit.params.return_hidden_states = True
+            for param in asks:
+                setattr(submit.params, param, True)
             if consumer is not None:
                 submit.consumer.CopyFrom(consumer)
                 self.shared_from.add(stage)
@@ -126,6 +150,7 @@ class RequestFlow:
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
+        name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
             submit = stage_pb2.Submit(
                 request_id=self.request_id,
@@ -138,10 +163,15 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
-            yield submit
+            with observe.window_span(name, submit):
+                yield submit
             lane.taken(window)
 
     async def _stage(self, stage: str) -> None:
+        with observe.stage_span(self.request_id, stage):
+            await self._run_stage(stage)
+
+    async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
         call = client.open_stream()
         self.active_stages.add(stage)
@@ -149,6 +179,10 @@ class RequestFlow:
         try:
             await self._read(stage, call)
             await writer
+        except StageFailed:
+            raise
+        except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
+            raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         except grpc.aio.AioRpcError as exc:
             raise StageFailed(
                 stage,
@@ -165,6 +199,7 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
+            telemetry.inject_into(submit.trace_context)
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
                 await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))
@@ -176,16 +211,19 @@ class RequestFlow:
         assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
         while (output := await call.read()) is not grpc.aio.EOF:
             self.bytes_in[stage] = self.bytes_in.get(stage, 0) + output.ByteSize()
+            observe.outputs(stage, output)
             kind = output.WhichOneof("kind")
             if kind == "chunk":
                 assembler.add(output.chunk)
                 continue
             if kind == "error":
                 error = output.error
-                code = _status(error.code)
-                raise StageFailed(stage, code, f"stage {stage}: {error.code_name}: {error.message}")
+                code = errors.status_code(error.code)
+                message = f"stage {stage}: {error.code_name}: {error.message}"
+                raise StageFailed(stage, code, message, error.field)
             if kind == "segment":
                 assembler.resolve(output.segment.tensors, "segment.tensors")
+                assembler.resolve_blobs(output.segment.blobs, "segment.blobs")
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
@@ -210,11 +248,14 @@ class RequestFlow:
                 del tensors[:]
                 tensors.extend(kept)
             for index, tensor in enumerate(tensors):
-                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._receiver:
+                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
-                    opened = self._receiver.decode(tensor, f"segment.tensors[{index}]")
-                    tensors[index].CopyFrom(codec.to_proto(opened, tensor.name))
-            for chunk in chunks.split(tensors, threshold=self._chunk_bytes):
+                    tensors[index].CopyFrom(self._refs.read(tensor, f"segment.tensors[{index}]"))
+            blobs = event.segment.blobs
+            for chunk in [
+                *chunks.split(tensors, threshold=self._chunk_bytes),
+                *chunks.split_blobs(blobs, threshold=self._chunk_bytes),
+            ]:
                 await self._sink.put(orchestrator_pb2.GenerateEvent(stage=stage, chunk=chunk))
         await self._sink.put(event)
 
@@ -234,13 +275,6 @@ class RequestFlow:
                 )
 
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
 
 
 def _event(stage: str, output: stage_pb2.StageOutput) -> orchestrator_pb2.GenerateEvent:

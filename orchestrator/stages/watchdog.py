@@ -22,8 +22,11 @@ Stream semantics, decided here so that the monitor stays a thin driver:
 - A restarted stage process replays from a new ``STARTING`` whose ``wall_time`` differs
   from the first one seen (``is_new_process``); its events look old and are ignored
   until the owner calls ``restart()``, which begins a fresh attempt with a full budget.
-- READY and FAILED end an attempt: later events (a READY after a timeout included)
-  change nothing until ``restart()``; the watchdog's verdict stands.
+- READY and FAILED end an attempt: later events change nothing until ``restart()``,
+  with one exception: a stage the watchdog timed out (deadline or stall) that then
+  reports READY itself is taken back (READY, the message says it was late). The
+  timeout was the orchestrator's verdict, not the stage's; a stage that reported
+  FAILED stays FAILED until a new process appears.
 - A check that comes late does not rescue the stage: ``observe`` first applies any
   deadline or stall that has already passed, so the verdict does not depend on when
   the caller happened to look.
@@ -120,6 +123,7 @@ class Watchdog:
         self._stall_since: float | None = None  # None: no download seen live right now
         self._bytes_done = 0
         self._bytes_total = 0
+        self._source = ""
         self._last_mono: float | None = None
         self._origin: tuple[int, int] | None = None  # wall_time of the STARTING seen
 
@@ -140,13 +144,20 @@ class Watchdog:
         return (event.wall_time.seconds, event.wall_time.nanos) != self._origin
 
     def observe(self, event: stage_pb2.InitEvent) -> None:
-        if self._state != STARTING or self.is_new_process(event):
-            return  # an attempt is over, or the owner has yet to restart() for a new process
+        if self.is_new_process(event):
+            return  # the owner has yet to restart() for a new process
+        if self._state == FAILED and event.phase == stage_pb2.READY:
+            self._take_back(event)
+            return
+        if self._state != STARTING:
+            return  # the attempt is over
         if self._last_mono is not None and event.monotonic_s <= self._last_mono:
             return  # a replay of something already applied
         self._last_mono = event.monotonic_s
         now = self._clock()
         if self._expire(now):
+            if event.phase == stage_pb2.READY:
+                self._take_back(event)
             return
         phase = event.phase
         if phase == stage_pb2.STARTING and self._origin is None:
@@ -170,6 +181,8 @@ class Watchdog:
             self._finish(now, FAILED, InitFailed(f"stage {self.stage}: init failed: {reason}"))
 
     def _on_download(self, event: stage_pb2.InitEvent, now: float) -> None:
+        if event.source:
+            self._source = event.source
         if event.phase == stage_pb2.DOWNLOAD_DONE:
             self._stall_since = None
             self._bytes_done, self._bytes_total = event.bytes_done, event.bytes_total
@@ -181,6 +194,16 @@ class Watchdog:
         self._bytes_done = max(self._bytes_done, event.bytes_done)
         if event.bytes_total:
             self._bytes_total = event.bytes_total
+
+    def _take_back(self, event: stage_pb2.InitEvent) -> None:
+        """The stage reached READY after the watchdog timed it out: usable after all."""
+        if not isinstance(self._error, InitTimeout):
+            return  # the stage itself reported FAILED: only a new process can recover
+        self._message = (
+            f"ready {event.monotonic_s:.1f}s after its process started, late: taken back "
+            f"after the watchdog failed it ({self._error.message})"
+        )
+        self._state, self._error, self._phase = READY, None, stage_pb2.READY
 
     def mark_ready(self, message: str) -> None:
         """Readiness learnt elsewhere (grpc health) while InitStatus is unavailable."""
@@ -348,4 +371,5 @@ class Watchdog:
             bytes_done=self._bytes_done,
             bytes_total=self._bytes_total,
             message=self._message,
+            source=self._source,
         )

@@ -17,7 +17,7 @@ from typing import IO
 
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.server import OrchestratorServer
-from orchestrator.stage_process import StageProcess
+from orchestrator.stages.processes import StageProcess
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class Launcher:
 def _sweep(mesh_id: str) -> None:
     """Remove shared-memory blocks left by dead processes of this mesh."""
     try:
-        from services.mesh.shm import sweep
+        from services.mesh.shm_refs import sweep
     except ImportError:  # the data plane is optional for a mesh that moves bytes only
         return
     removed = sweep(mesh_id)

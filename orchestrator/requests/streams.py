@@ -1,0 +1,172 @@
+"""Adapters from what a client sends to the router's per-request inputs, with the
+orchestrator's own request checks. A request that fails them gets its one Done
+here (it never reaches the router); every other request gets it from the router."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Collection, Mapping
+
+from orchestrator.requests.router import Router
+from orchestrator.requests.sink import EventSink
+from services.mesh import errors
+from services.mesh.chunks import ChunkAssembler
+from services.mesh.errors import InvalidArgument, NotFound, OmniError
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.request_ids import check_request_id
+
+Params = Mapping[str, stage_pb2.GenerationParams]
+
+
+def refuse_refs(inputs: stage_pb2.StageInputs, field: str = "inputs") -> None:
+    """Clients send bytes: a shared-memory or CUDA IPC ref names memory of a mesh
+    process, and only the mesh's own stages may hand those to each other."""
+    for index, tensor in enumerate(inputs.tensors):
+        if tensor.WhichOneof("data") in ("shm", "cuda_ipc"):
+            name = f"{field}.tensors[{index}]"
+            raise InvalidArgument(
+                f"{name}: tensor refs are only accepted from inside the mesh; send bytes",
+                field=name,
+            )
+
+
+def check_stage_params(params: Params, stages: Collection[str], field: str) -> None:
+    for name in params:
+        if name not in stages:
+            raise InvalidArgument(
+                f"{field}.{name}: unknown stage (stages: {', '.join(stages)})",
+                field=f"{field}.{name}",
+            )
+
+
+def refusal(request_id: str, error: OmniError) -> orchestrator_pb2.GenerateEvent:
+    return orchestrator_pb2.GenerateEvent(done=errors.done(request_id, error))
+
+
+async def single(submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.Submit]:
+    yield submit
+
+
+async def _drain(queue: asyncio.Queue[stage_pb2.Submit | None]) -> AsyncIterator[stage_pb2.Submit]:
+    while (submit := await queue.get()) is not None:
+        yield submit
+
+
+class _StreamReader:
+    """Reads one GenerateStream: chunks are assembled, a request starts at its first
+    Submit, and its later Submits (windows) are fed to the entry stage as they come.
+
+    A message that breaks a request already running (a window after its last one,
+    a bad tensor in a later window) ends that request with INVALID_ARGUMENT: its
+    Done is the only final event it gets, and the stream's other requests go on.
+    """
+
+    def __init__(self, router: Router, sink: EventSink, stages: Collection[str], max_bytes: int):
+        self._router = router
+        self._sink = sink
+        self._stages = stages
+        self._chunks = ChunkAssembler(max_bytes)
+        self.feeds: dict[str, asyncio.Queue[stage_pb2.Submit | None]] = {}  # input still open
+        self.open: set[str] = set()  # started here, Done not yet seen
+
+    async def read(self, message: orchestrator_pb2.StreamInput) -> None:
+        kind = message.WhichOneof("kind")
+        if kind == "submit":
+            await self._submit(message.submit, message.stage_params)
+        elif kind == "chunk":
+            try:
+                self._chunks.add(message.chunk)
+            except OmniError as exc:
+                await self._sink.put(refusal("", exc))
+        elif kind == "cancel":
+            rid = message.cancel.request_id
+            if not self._router.abort([rid])[0]:
+                await self._sink.put(
+                    refusal(rid, NotFound(f"cancel.request_id: no request {rid!r} in flight"))
+                )
+        else:
+            error = InvalidArgument("input: expected submit, chunk or cancel", field="input")
+            await self._sink.put(refusal("", error))
+
+    async def _submit(self, submit: stage_pb2.Submit, params: Params) -> None:
+        rid = submit.request_id
+        started = rid in self.open
+        try:
+            check_request_id(rid, "submit.request_id")
+            if started and rid not in self.feeds:
+                raise InvalidArgument(
+                    f"submit.request_id: request {rid!r} already had its last window "
+                    "(is_last); it ends here",
+                    field="submit.request_id",
+                )
+            refuse_refs(submit.inputs, "submit.inputs")
+            self._chunks.resolve(submit.inputs.tensors, "submit.inputs.tensors")
+            if not started:
+                check_stage_params(params, self._stages, "stage_params")
+                feed: asyncio.Queue[stage_pb2.Submit | None] = asyncio.Queue()
+                self._router.start(rid, _drain(feed), dict(params), self._sink)
+                self.feeds[rid] = feed
+                self.open.add(rid)
+        except OmniError as exc:
+            if started:  # the request is running: it ends with this error, once
+                self._close_feed(rid)
+                self._router.fail(rid, exc)
+            else:
+                await self._sink.put(refusal(rid, exc))
+            return
+        self.feeds[rid].put_nowait(submit)
+        if submit.is_last:
+            self._close_feed(rid)
+
+    def _close_feed(self, rid: str) -> None:
+        feed = self.feeds.pop(rid, None)
+        if feed is not None:
+            feed.put_nowait(None)
+
+    def close(self) -> None:
+        """The client stopped sending: what came is all there is."""
+        for rid in list(self.feeds):
+            self._close_feed(rid)
+
+
+async def stream_requests(
+    router: Router,
+    inputs: AsyncIterator[orchestrator_pb2.StreamInput],
+    stages: Collection[str],
+    watermarks: tuple[int, int] = (256, 64),
+    max_input_bytes: int = 1 << 30,
+) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+    """GenerateStream: windows of several requests in, every request's events out.
+
+    The stream ends when the client has half-closed and every request it started
+    has had its Done.
+    """
+    sink = EventSink(*watermarks)
+    reader = _StreamReader(router, sink, stages, max_input_bytes)
+    reading = True
+
+    async def read() -> None:
+        nonlocal reading
+        try:
+            async for message in inputs:
+                await reader.read(message)
+        finally:
+            reading = False
+            reader.close()
+            if not reader.open:
+                await sink.close()
+
+    task = asyncio.create_task(read())
+    try:
+        while (event := await sink.get()) is not None:
+            yield event
+            if event.WhichOneof("kind") == "done":
+                reader.open.discard(event.done.request_id)
+                if not reading and not reader.open:
+                    break
+        await task  # an undecodable frame ends the RPC with its status
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for rid in list(reader.open):
+            router.cancel_silently(rid)

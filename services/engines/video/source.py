@@ -1,0 +1,133 @@
+"""``FrameSourceEngine``: a deterministic test-pattern video, the frame source
+of an example pipeline in front of the upscaler.
+
+Each request yields ``frames`` frames (uint8 [F, 3, H, W]) of a moving pattern
+whose colours come from the request's seed, one segment per ``window_frames``
+frames, so a windowed edge (``window: N``) hands the next stage N such chunks.
+The prompt, if any, is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+
+from services.engines.base import (
+    EngineEvent,
+    EngineRequest,
+    EngineSettings,
+    FinishOutput,
+    ModelInfo,
+    ProgressOutput,
+    TensorOutput,
+)
+from services.mesh.errors import InitFailed, InvalidArgument
+
+logger = logging.getLogger(__name__)
+
+MAX_FRAMES = 4096
+
+
+@dataclass(frozen=True)
+class SourceArgs:
+    frames: int = 16  # per request, unless it sets extra.frames
+    window_frames: int = 4  # frames per segment
+    height: int = 32
+    width: int = 32
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Mapping[str, Any]) -> SourceArgs:
+        known = {f.name for f in fields(cls)}
+        for key, value in engine_args.items():
+            where = f"engine_args.{key}"
+            if key not in known:
+                names = ", ".join(sorted(known))
+                raise InitFailed(
+                    f"unknown video_frames engine_args key {key!r} (known: {names})", field=where
+                )
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 1 <= value <= MAX_FRAMES
+            ):
+                raise InitFailed(f"{where} must be an integer in 1..{MAX_FRAMES}", field=where)
+        return cls(**engine_args)
+
+
+def pattern_frames(frames: int, height: int, width: int, seed: int, start: int = 0) -> torch.Tensor:
+    """uint8 [frames, 3, height, width]: a gradient scrolling one pixel per frame
+    and a square crossing it, in colours picked by ``seed``."""
+    colours = torch.rand(2, 3, generator=torch.Generator().manual_seed(seed))
+    t = torch.arange(start, start + frames, dtype=torch.float32)[:, None, None]
+    ys = torch.arange(height, dtype=torch.float32)[None, :, None]
+    xs = torch.arange(width, dtype=torch.float32)[None, None, :]
+    ramp = ((xs + ys + t) % (height + width)) / (height + width)  # [F, H, W]
+    side = max(height, width) // 4
+    left = (t * 2) % max(width - side, 1)
+    square = (xs >= left) & (xs < left + side) & (ys >= height // 3) & (ys < height // 3 + side)
+    image = ramp[:, None] * colours[0][None, :, None, None]
+    image = torch.where(square[:, None], colours[1][None, :, None, None], image)
+    return (image * 255).round().to(torch.uint8)
+
+
+class FrameSourceEngine:
+    name: ClassVar[str] = "video_frames"
+    supported_params: ClassVar[frozenset[str]] = frozenset(
+        {"seed", "height", "width", "extra.frames"}
+    )
+    output_tensors: ClassVar[tuple[str, ...]] = ("frames",)
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self.args = SourceArgs.from_engine_args(settings.engine_args)
+
+    def load(self, model_path: Path | None) -> ModelInfo:
+        return ModelInfo(model_bytes=0, description="test-pattern frame source")
+
+    def warmup(self) -> None:
+        pattern_frames(1, 8, 8, 0)
+
+    def check(self, request: EngineRequest) -> None:
+        if request.tensors:
+            raise InvalidArgument("the frame source takes no input tensors", field="inputs.tensors")
+        params = request.params
+        for name in ("height", "width"):
+            side = getattr(params, name)
+            if side is not None and not 8 <= side <= 1024:
+                raise InvalidArgument(
+                    f"{name} must be in 8..1024, got {side}", field=f"params.{name}"
+                )
+        frames = params.extra.get("frames")
+        if frames is not None and (
+            isinstance(frames, bool)
+            or not isinstance(frames, int | float)
+            or frames != int(frames)
+            or not 1 <= frames <= MAX_FRAMES
+        ):
+            raise InvalidArgument(
+                f"extra.frames must be an integer in 1..{MAX_FRAMES}, got {frames!r}",
+                field="params.extra.frames",
+            )
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
+        self.check(request)
+        params, args = request.params, self.args
+        total = int(params.extra.get("frames", args.frames))
+        height, width = params.height or args.height, params.width or args.width
+        windows = -(-total // args.window_frames)
+        for index, start in enumerate(range(0, total, args.window_frames)):
+            count = min(args.window_frames, total - start)
+            frames = pattern_frames(count, height, width, params.seed or 0, start)
+            yield TensorOutput({"frames": frames})
+            yield ProgressOutput(step=index + 1, total_steps=windows)  # one segment per window
+        yield FinishOutput("done", completion_tokens=total)
+
+    async def abort(self, request_id: str) -> None:
+        """Nothing to do: a request stops at its next window when its consumer stops."""
+
+    def close(self) -> None:
+        pass

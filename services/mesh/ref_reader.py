@@ -1,0 +1,30 @@
+"""Tensor refs as bytes, for a process that hands them on to a client (the
+orchestrator): shm refs are read without torch; a CUDA IPC ref needs torch and
+a GPU, so only then is the tensor data plane (and torch) imported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.mesh.node import check_mesh_id
+from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.shm_refs import SHM_ROOT, read_bytes
+
+
+class RefReader:
+    def __init__(self, mesh_id: str, root: Path = SHM_ROOT) -> None:
+        self.mesh_id = check_mesh_id(mesh_id)
+        self.root = root
+
+    def read(self, msg: tensor_pb2.Tensor, field: str) -> tensor_pb2.Tensor:
+        """``msg`` with its ref replaced by the bytes it names (validated as a stage would)."""
+        kind = msg.WhichOneof("data")
+        if kind == "shm":
+            return read_bytes(msg, mesh_id=self.mesh_id, field=field, root=self.root)
+        if kind == "cuda_ipc":
+            from services.mesh import tensors
+            from services.mesh.transport import TensorReceiver
+
+            receiver = TensorReceiver(self.mesh_id, allow_refs=True, root=self.root)
+            return tensors.to_proto(receiver.decode(msg, field), msg.name)
+        return msg

@@ -1,0 +1,142 @@
+"""A request's input in domain form: decoded, and whole before anything reads it.
+
+This is the one place where pieces of a tensor become one tensor. Pieces come
+from every path the data plane has: several ``Tensor`` messages of one name in
+one Submit (shared blocks or CUDA IPC views travel as ordered pieces; chunked
+bytes are resolved before they get here) and the windows of a windowed edge
+(Submits with sequence 0, 1, 2 … and ``is_last`` on the last). Each piece is
+decoded by the data plane (inline, shm, CUDA IPC) and pieces of one name are
+concatenated along their first dim, so transforms and engines only ever see
+whole tensors.
+
+Windows of one request are merged in order: text concatenated, chat messages
+and token ids appended, tensors of one name joined as above.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from services.mesh.errors import InvalidArgument
+from services.mesh.pb.omni.v1 import stage_pb2
+from services.mesh.transport import TensorReceiver
+
+_MAX_ROWS = (1 << 63) - 1  # a first dim must fit the int64 of a wire shape
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What a request (or one window of it) gives the stage, tensors decoded and whole."""
+
+    text: str = ""
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    token_ids: tuple[int, ...] = ()
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.text or self.messages or self.token_ids or self.tensors)
+
+
+def decode(inputs: stage_pb2.StageInputs, receiver: TensorReceiver) -> Inputs:
+    """``inputs`` decoded by whatever transport each tensor came, pieces of one name joined."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for index, tensor in enumerate(inputs.tensors):
+        where = f"inputs.tensors[{index}]"
+        if not tensor.name:
+            raise InvalidArgument(f"{where}.name: must not be empty", field=f"{where}.name")
+        try:
+            decoded = receiver.decode(tensor, where)
+        except (RuntimeError, ValueError, OverflowError) as exc:
+            # torch refuses shapes whose storage size overflows: the input's fault.
+            raise InvalidArgument(
+                f"{where}.shape: {list(tensor.shape)} cannot be decoded ({exc})",
+                field=f"{where}.shape",
+            ) from None
+        pieces.setdefault(tensor.name, []).append(decoded)
+    for index, message in enumerate(inputs.messages):
+        if not message.role:
+            where = f"inputs.messages[{index}].role"
+            raise InvalidArgument(f"{where}: must not be empty", field=where)
+    return Inputs(
+        text=inputs.text,
+        messages=tuple((m.role, m.content) for m in inputs.messages),
+        token_ids=tuple(inputs.token_ids),
+        tensors={name: join(name, parts) for name, parts in pieces.items()},
+    )
+
+
+def merge(windows: Sequence[Inputs]) -> Inputs:
+    """The windows of one request, in order, as one input."""
+    if len(windows) == 1:
+        return windows[0]
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for window in windows:
+        for name, tensor in window.tensors.items():
+            pieces.setdefault(name, []).append(tensor)
+    return Inputs(
+        text="".join(w.text for w in windows),
+        messages=tuple(m for w in windows for m in w.messages),
+        token_ids=tuple(t for w in windows for t in w.token_ids),
+        tensors={name: join(name, parts) for name, parts in pieces.items()},
+    )
+
+
+def join(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Ordered pieces of one tensor as one tensor, along the first dim."""
+    if len(parts) == 1:
+        return parts[0]
+    where = f"inputs.tensors.{name}"
+    first = parts[0]
+    if any(p.dtype != first.dtype or p.shape[1:] != first.shape[1:] or not p.dim() for p in parts):
+        shapes = ", ".join(f"{p.dtype} {list(p.shape)}" for p in parts)
+        raise InvalidArgument(
+            f"{where}: pieces of one tensor must share dtype and trailing dims and have a "
+            f"first dim to join along ({shapes})",
+            field=where,
+        )
+    rows = sum(p.shape[0] for p in parts)
+    if rows > _MAX_ROWS:
+        raise InvalidArgument(
+            f"{where}: the pieces' first dims add up to {rows}, more than an int64 holds",
+            field=where,
+        )
+    return torch.cat(list(parts))
+
+
+class InputWindows:
+    """The windows of one request that have come so far, until the last one."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.next_sequence = 0
+        self._windows: list[Inputs] = []
+
+    def expect(self, sequence: int) -> None:
+        """Refuse a window out of order (the caller ends the request on it)."""
+        if sequence == self.next_sequence:
+            return
+        rid = self.request_id
+        if sequence == 0:
+            raise InvalidArgument(
+                f"submit.request_id: {rid!r} is already in flight (a second Submit with "
+                "sequence 0)",
+                field="submit.request_id",
+            )
+        raise InvalidArgument(
+            f"submit.sequence: request {rid!r} expected {self.next_sequence}, got {sequence}",
+            field="submit.sequence",
+        )
+
+    def add(self, window: Inputs | None) -> None:
+        """Count the window, keeping it unless None (streaming input: it went to the engine)."""
+        if window is not None:
+            self._windows.append(window)
+        self.next_sequence += 1
+
+    def whole(self) -> Inputs:
+        """Every window so far joined (call after the last one)."""
+        return merge(self._windows) if self._windows else Inputs()

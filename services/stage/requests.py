@@ -1,0 +1,108 @@
+"""The one registry of requests in flight in this stage process.
+
+A request is in flight from its first Submit to its final event (Completed or
+Error). Its record holds everything any part of the stage knows about it: the
+stream it came on and where its events go, the consumer its output tensors are
+for, its transform and parameters, the input windows that have come so far,
+the feed of a streaming-input request, and the task that runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+from services.engines.base import EngineRequest, SamplingParams
+from services.mesh.errors import OmniError
+from services.mesh.pb.omni.v1 import tensor_pb2
+from services.stage.events import StageEvent
+from services.stage.inputs import InputWindows
+
+Sink = Callable[[StageEvent], Awaitable[None]]
+
+
+class InputFeed:
+    """The input windows of one streaming-input request, bounded so a client that
+    sends faster than the engine consumes is held back by flow control."""
+
+    def __init__(self, depth: int = 4) -> None:
+        self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
+        self._abandoned = False
+
+    async def put(self, request: EngineRequest | None) -> None:
+        if not self._abandoned:
+            await self._queue.put(request)
+
+    async def close(self) -> None:
+        """No more windows: the request ends after those already queued."""
+        await self.put(None)
+
+    def abandon(self) -> None:
+        """The request has ended: nobody reads on, so a blocked ``put`` must not wait."""
+        self._abandoned = True
+        while not self._queue.empty():
+            self._queue.get_nowait()
+
+    async def windows(self) -> AsyncIterator[EngineRequest]:
+        while (request := await self._queue.get()) is not None:
+            yield request
+
+
+@dataclass(eq=False)
+class InFlight:
+    """One request in this stage, from its first Submit to its final event."""
+
+    request_id: str
+    stream: object  # the Generate stream it came on (its owner)
+    sink: Sink  # where its events go
+    consumer: tensor_pb2.NodeIdentity | None  # where its output tensors will be opened
+    transform: str
+    params: SamplingParams
+    windows: InputWindows
+    feed: InputFeed | None = None  # streaming input: later windows go here
+    task: asyncio.Task[None] | None = None  # None until its input is admitted
+    input_done: bool = False  # its last window (is_last) has come
+    # Set by cancel(): why, and the error its final event carries.
+    cancel_reason: str = ""
+    cancel_error: OmniError | None = None
+    final: bool = False  # its final event is on its way: nothing may end it again
+
+
+class InFlightRequests:
+    def __init__(self) -> None:
+        self._records: dict[str, InFlight] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def __len__(self) -> int:
+        return sum(1 for r in self._records.values() if r.task is not None)
+
+    def __iter__(self) -> Iterator[InFlight]:
+        return iter(list(self._records.values()))
+
+    def live(self, request_id: str) -> InFlight | None:
+        """The request ``request_id`` unless it has ended (or is sending its final event)."""
+        record = self._records.get(request_id)
+        return None if record is None or record.final else record
+
+    def add(self, record: InFlight) -> None:
+        assert self.live(record.request_id) is None, f"{record.request_id} is in flight"
+        self._records[record.request_id] = record
+
+    def started(self, record: InFlight, task: asyncio.Task[None]) -> None:
+        record.task = task
+        self._idle.clear()
+
+    def remove(self, record: InFlight) -> None:
+        if self._records.get(record.request_id) is record:
+            del self._records[record.request_id]
+        if not any(r.task is not None for r in self._records.values()):
+            self._idle.set()
+
+    def of_stream(self, stream: object) -> list[InFlight]:
+        return [r for r in self._records.values() if r.stream is stream]
+
+    async def wait_idle(self) -> None:
+        """Until no request is running."""
+        await self._idle.wait()

@@ -1,0 +1,72 @@
+"""A plug-in engine for tests, loaded by a stage through the documented hook
+(``engine: "tests.helpers.engines:ScriptedEngine"``): no model, and behaviour a
+test can ask for by prompt.
+
+    token ids   echoed back, one per step: what the stage received, in order
+    "die"       one token, then the engine dies (``EngineDead``)
+    "hold"      one token, then nothing until the request is cancelled
+    other text  ``max_tokens`` tokens (ids 0, 1, …), one per step
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import ClassVar
+
+from services.engines.base import (
+    EngineEvent,
+    EngineRequest,
+    EngineSettings,
+    FinishOutput,
+    ModelInfo,
+    TokenOutput,
+)
+from services.mesh.errors import EngineDead
+
+
+class ScriptedEngine:
+    name: ClassVar[str] = "scripted"
+    supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "seed"})
+    output_tensors: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self._settings = settings
+        self.dead = False
+
+    def load(self, model_path: Path | None) -> ModelInfo:
+        return ModelInfo(model_bytes=0, description="scripted test engine")
+
+    def warmup(self) -> None:
+        pass
+
+    def check(self, request: EngineRequest) -> None:
+        pass
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
+        prompt = request.text or "".join(content for _role, content in request.messages)
+        prompt_tokens = len(request.token_ids) or len(prompt.split())
+        if self.dead:
+            raise EngineDead("the scripted engine is dead")
+        if request.token_ids:
+            for token in request.token_ids:
+                await asyncio.sleep(0)
+                yield TokenOutput(token_ids=(token,), text=f"{token} ")
+            count = len(request.token_ids)
+            yield FinishOutput("done", prompt_tokens=count, completion_tokens=count)
+            return
+        yield TokenOutput(token_ids=(0,), text="0 ")
+        if prompt == "die":
+            self.dead = True
+            raise EngineDead("the scripted engine died on request")
+        if prompt == "hold":
+            await asyncio.Event().wait()  # until cancelled
+        count = request.params.max_tokens or 4
+        for token in range(1, count):
+            await asyncio.sleep(0)  # a step boundary, as a real engine has
+            yield TokenOutput(token_ids=(token,), text=f"{token} ")
+        yield FinishOutput("length", prompt_tokens=prompt_tokens, completion_tokens=count)
+
+    def close(self) -> None:
+        pass
