@@ -4,6 +4,10 @@ omni stage serve --config STAGE.yaml [--port N]        run one stage service
 omni stage run --config STAGE.yaml "PROMPT"            start a stage, ask it, stop it
 omni orchestrator serve --pipeline PIPE.yaml [--port]  run the orchestrator
 omni generate "PROMPT" [--address A] [--out DIR]       ask a running mesh
+
+TLS and tokens (off unless given): `omni orchestrator serve --tls-cert ...`,
+`omni up --tls` (a throwaway mesh CA), `omni generate --cacert CA --token T`.
+Every flag has an OMNI_* environment variable (see services/mesh/security.py).
 """
 
 from __future__ import annotations
@@ -15,6 +19,30 @@ import sys
 from pathlib import Path
 
 from orchestrator.client import DEFAULT_ADDRESS
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 (pick a free one) to 65535: argparse exits 2 naming the flag."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
+    return port
+
+
+def _security_flags(parser: argparse.ArgumentParser) -> None:
+    """The orchestrator's TLS and token files (each overrides its OMNI_* variable)."""
+    group = parser.add_argument_group("TLS and tokens (default: off, or OMNI_* env)")
+    group.add_argument("--tls-cert", type=Path, help="this server's certificate (PEM)")
+    group.add_argument("--tls-key", type=Path, help="its private key (PEM)")
+    group.add_argument("--tls-ca", type=Path, help="the mesh CA: verifies the stages")
+    group.add_argument("--client-cert", type=Path, help="presented to the stages (mTLS)")
+    group.add_argument("--client-key", type=Path, help="its private key")
+    group.add_argument("--mesh-token-file", type=Path, help="the mesh token, sent to stages")
+    group.add_argument("--tokens-file", type=Path, help="client bearer tokens (YAML)")
+    group.add_argument("--max-pause-s", type=float, help="longest PauseGeneration holds requests")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,13 +62,22 @@ def _parser() -> argparse.ArgumentParser:
     serve = orch.add_parser("serve", help="route requests through a pipeline's stages")
     serve.add_argument("--pipeline", required=True, type=Path, help="the pipeline file (YAML)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=50050, help="0 picks a free port")
+    serve.add_argument("--port", type=port_number, default=50050, help="0 picks a free port")
+    _security_flags(serve)
     up = commands.add_parser("up", help="start every stage and the orchestrator on this machine")
     up.add_argument(
         "pipeline", nargs="?", type=Path, help="default: examples/pipelines/default.yaml"
     )
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50050, help="the orchestrator's; 0 picks one")
+    up.add_argument(
+        "--port", type=port_number, default=50050, help="the orchestrator's; 0 picks one"
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="make a throwaway mesh CA: mTLS and a mesh token between orchestrator and "
+        "stages, TLS and an admin bearer token at the front door (files in RUN_DIR/pki)",
+    )
     up.add_argument("--run-dir", type=Path, help="where stage logs go (default: a temp dir)")
     up.add_argument("--prompt", help="answer this prompt once ready, then stop everything")
     up.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
@@ -52,6 +89,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
     gen.add_argument("--seed", type=int, help="for every stage")
     gen.add_argument("--request-id", default="")
+    gen.add_argument("--timeout", type=float, help="seconds; the deadline reaches the stages")
+    gen.add_argument(
+        "--token",
+        default=os.environ.get("OMNI_TOKEN"),
+        help="bearer token (default: $OMNI_TOKEN, or the file $OMNI_TOKEN_FILE)",
+    )
+    gen.add_argument(
+        "--cacert",
+        type=Path,
+        default=os.environ.get("OMNI_CACERT") or None,
+        help="speak TLS, verifying the orchestrator with this CA (default: $OMNI_CACERT)",
+    )
+    gen.add_argument("--tls", action="store_true", help="speak TLS, verified by system roots")
     return parser
 
 
@@ -68,7 +118,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "orchestrator":
         from orchestrator.commands import serve_orchestrator
 
-        return serve_orchestrator(args.pipeline, args.host, args.port)
+        flags = {
+            key: getattr(args, key)
+            for key in (
+                "tls_cert",
+                "tls_key",
+                "tls_ca",
+                "client_cert",
+                "client_key",
+                "mesh_token_file",
+                "tokens_file",
+                "max_pause_s",
+            )
+        }
+        return serve_orchestrator(args.pipeline, args.host, args.port, flags)
     if args.command == "up":
         from orchestrator.commands import default_pipeline, up
 
@@ -81,9 +144,16 @@ def main(argv: list[str] | None = None) -> int:
                 prompt=args.prompt,
                 out=args.out,
                 max_tokens=args.max_tokens,
+                tls=args.tls,
             )
         )
     from orchestrator.commands import generate
+    from services.mesh.security import client_dialing, read_secret
+
+    token = args.token
+    if not token and os.environ.get("OMNI_TOKEN_FILE"):
+        token = read_secret(Path(os.environ["OMNI_TOKEN_FILE"]))
+    dialing = client_dialing(token=token, ca=args.cacert, tls=args.tls)
 
     return asyncio.run(
         generate(
@@ -93,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             request_id=args.request_id,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            dialing=dialing,
+            timeout_s=args.timeout,
         )
     )
 

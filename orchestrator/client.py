@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.security import PLAINTEXT, Dialing
 from services.mesh.stage_client import CHANNEL_OPTIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
@@ -123,10 +124,15 @@ class Events:
 
 
 class AsyncClient:
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+    """``dialing``: TLS and the bearer token (``security.client_dialing``); every
+    call carries the token. ``generate(..., timeout_s=T)`` sets a deadline that
+    the orchestrator passes on to the stages."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = dialing.channel(address, CHANNEL_OPTIONS)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.metadata = dialing.metadata
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -137,18 +143,24 @@ class AsyncClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> Events:
-        return Events(self.stub.Generate(make_request(prompt, **kwargs)))
+    def generate(
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> Events:
+        request = make_request(prompt, **kwargs)
+        return Events(self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata))
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
-        return await self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+        request = stage_pb2.AbortRequest(request_ids=request_ids)
+        return await self.stub.Abort(request, metadata=self.metadata)
 
     async def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
-        reply = await self.stub.ListStages(orchestrator_pb2.ListStagesRequest())
+        request = orchestrator_pb2.ListStagesRequest()
+        reply = await self.stub.ListStages(request, metadata=self.metadata)
         return list(reply.stages)
 
     def watch_stages(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
-        return self.stub.WatchStages(orchestrator_pb2.WatchStagesRequest())
+        request = orchestrator_pb2.WatchStagesRequest()
+        return self.stub.WatchStages(request, metadata=self.metadata)
 
     async def serving(self) -> bool:
         """The orchestrator's readiness (grpc health of omni.v1.Orchestrator)."""
@@ -157,10 +169,12 @@ class AsyncClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def pause(self) -> None:
-        await self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest())
+        request = orchestrator_pb2.PauseGenerationRequest()
+        await self.stub.PauseGeneration(request, metadata=self.metadata)
 
     async def resume(self) -> None:
-        await self.stub.ResumeGeneration(orchestrator_pb2.ResumeGenerationRequest())
+        request = orchestrator_pb2.ResumeGenerationRequest()
+        await self.stub.ResumeGeneration(request, metadata=self.metadata)
 
     async def wait_ready(self, timeout_s: float = 600.0) -> list[orchestrator_pb2.StageStatus]:
         """Until every stage is READY and the orchestrator serves; raises RuntimeError
@@ -187,10 +201,11 @@ class AsyncClient:
 class Client:
     """The blocking twin of AsyncClient."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+    def __init__(self, address: str = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = dialing.sync_channel(address, CHANNEL_OPTIONS)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+        self.metadata = dialing.metadata
 
     def __enter__(self) -> Client:
         return self
@@ -204,7 +219,7 @@ class Client:
     def generate(
         self, prompt: str | None = None, **kwargs: Any
     ) -> Iterator[orchestrator_pb2.GenerateEvent]:
-        return iter(self.stub.Generate(make_request(prompt, **kwargs)))
+        return iter(self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata))
 
     def collect(self, prompt: str | None = None, **kwargs: Any) -> Result:
         result = Result()
@@ -213,13 +228,16 @@ class Client:
         return result
 
     def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
-        return self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+        request = stage_pb2.AbortRequest(request_ids=request_ids)
+        return self.stub.Abort(request, metadata=self.metadata)
 
     def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
-        return list(self.stub.ListStages(orchestrator_pb2.ListStagesRequest()).stages)
+        request = orchestrator_pb2.ListStagesRequest()
+        return list(self.stub.ListStages(request, metadata=self.metadata).stages)
 
     def pause(self) -> None:
-        self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest())
+        self.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest(), metadata=self.metadata)
 
     def resume(self) -> None:
-        self.stub.ResumeGeneration(orchestrator_pb2.ResumeGenerationRequest())
+        request = orchestrator_pb2.ResumeGenerationRequest()
+        self.stub.ResumeGeneration(request, metadata=self.metadata)

@@ -10,7 +10,9 @@ import sys
 import tempfile
 import time
 import uuid
+from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -21,6 +23,13 @@ from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
+from services.mesh.security import (
+    PLAINTEXT,
+    Dialing,
+    SecuritySettings,
+    client_dialing,
+    mesh_dialing,
+)
 from services.mesh.stage_client import StageClient, chat_submit
 
 logger = logging.getLogger("orchestrator")
@@ -43,7 +52,9 @@ async def run_stage(config: Path, prompt: str, max_tokens: int) -> int:
         stage = StageProcess(config, log=log)
         try:
             address = await stage.start()
-            async with StageClient(address) as client:
+            # A stage made secure by OMNI_* env (which it inherits) is dialled the same way.
+            dialing = mesh_dialing(SecuritySettings().with_env())
+            async with StageClient(address, dialing) as client:
                 async for event in client.init_events():
                     print(_phase_line(event), file=sys.stderr, flush=True)
                     if event.phase == stage_pb2.FAILED:
@@ -65,21 +76,29 @@ async def run_stage(config: Path, prompt: str, max_tokens: int) -> int:
                 os.unlink(log.name)
 
 
-def serve_orchestrator(pipeline_path: Path, host: str, port: int) -> int:
-    """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT."""
+def serve_orchestrator(
+    pipeline_path: Path, host: str, port: int, flags: dict[str, object] | None = None
+) -> int:
+    """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT.
+    Security: the pipeline file's section, then OMNI_* env, then ``flags``."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.server import OrchestratorServer
 
     configure_logging()
     try:
         pipeline = load_pipeline(pipeline_path)
+        security = pipeline.security.with_env().overridden(flags or {}, "command line")
         telemetry.setup(f"omni-orchestrator-{pipeline.name}")
     except (ConfigError, ValueError) as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 2
 
     async def serve() -> int:
-        server = OrchestratorServer(pipeline)
+        try:
+            server = OrchestratorServer(pipeline, security=security)
+        except (ConfigError, ValueError) as exc:  # token files, certificates, OMNI_MESH_ID
+            print(f"omni orchestrator: {exc}", file=sys.stderr)
+            return 2
         stop = stop_on_signals()
         announce(host, await server.start(host, port))
         await stop.wait()
@@ -104,6 +123,8 @@ async def generate(
     request_id: str = "",
     max_tokens: int | None = None,
     seed: int | None = None,
+    dialing: Dialing = PLAINTEXT,
+    timeout_s: float | None = None,
 ) -> int:
     """omni generate: stream the output stages' text; save tensors and images."""
     request_id = request_id or uuid.uuid4().hex[:12]
@@ -114,7 +135,7 @@ async def generate(
         params["seed"] = seed
     result = Result()
     try:
-        await _stream(address, prompt, params, request_id, result)
+        await _stream(address, prompt, params, request_id, result, dialing, timeout_s)
     except grpc.aio.AioRpcError as exc:
         print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -130,12 +151,19 @@ async def generate(
 
 
 async def _stream(
-    address: str, prompt: str, params: dict[str, object], request_id: str, result: Result
+    address: str,
+    prompt: str,
+    params: dict[str, object],
+    request_id: str,
+    result: Result,
+    dialing: Dialing,
+    timeout_s: float | None,
 ) -> None:
     """Print the output stages' text as it streams (status lines to stderr)."""
-    async with AsyncClient(address) as client:
+    async with AsyncClient(address, dialing) as client:
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
-        async for event in client.generate(prompt, params=params, request_id=request_id):
+        events = client.generate(prompt, params=params, request_id=request_id, timeout_s=timeout_s)
+        async for event in events:
             result.add(event)
             kind = event.WhichOneof("kind")
             if kind == "segment" and event.segment.text_delta:
@@ -150,16 +178,27 @@ async def _stream(
                     print(flush=True)
                 p = event.progress
                 step = f"[{event.stage}] step {p.step}/{p.total_steps}"
-                print(f"\r{step}", end="", file=sys.stderr, flush=True)
-                line = "progress"
+                if sys.stderr.isatty():  # one line, redrawn
+                    print(f"\r{step}", end="", file=sys.stderr, flush=True)
+                    line = "progress"
+                else:  # logs: a line each
+                    print(step, file=sys.stderr, flush=True)
+                    line = ""
 
 
 def default_pipeline() -> Path:
-    """examples/pipelines/default.yaml of the working directory, else of this checkout."""
+    """examples/pipelines/default.yaml of the working directory, else the one shipped
+    inside the package (a checkout and an installed wheel alike)."""
     relative = Path("examples/pipelines/default.yaml")
     if relative.is_file():
         return relative
-    return Path(__file__).resolve().parents[1] / relative
+    return bundled_examples() / "pipelines" / "default.yaml"
+
+
+def bundled_examples() -> Path:
+    """The example pipelines and stage files, installed as package data."""
+    # Located through the package, not this file, so the module may move.
+    return Path(str(resources.files("orchestrator") / "examples"))
 
 
 async def up(
@@ -171,9 +210,11 @@ async def up(
     prompt: str | None,
     out: Path,
     max_tokens: int | None,
+    tls: bool = False,
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
-    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT."""
+    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. ``tls``: a
+    throwaway mesh CA, mTLS and a mesh token inside, TLS and an admin token outside."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.stages.launcher import Launcher, default_mesh_id
     from orchestrator.stages.progress import ProgressView
@@ -185,7 +226,24 @@ async def up(
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
-    launcher = Launcher(pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port)
+    dialing = PLAINTEXT
+    secured: dict[str, Any] = {}
+    if tls:
+        from orchestrator.stages.mesh_pki import make_mesh_pki
+
+        launched = [s.name for s in pipeline.stages if s.launch is not None]
+        pki = make_mesh_pki(run_dir, launched, host)
+        secured = {"security": pki.orchestrator, "stage_env": pki.stage_env}
+        token = pki.admin_token_file.read_text().strip()
+        dialing = client_dialing(token=token, ca=pki.ca)
+        print(
+            f"omni up: TLS on: CA {pki.ca}, admin token in {pki.admin_token_file}",
+            file=sys.stderr,
+            flush=True,
+        )
+    launcher = Launcher(
+        pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port, **secured
+    )
     stop = stop_on_signals()
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
@@ -223,7 +281,9 @@ async def up(
         elapsed = time.monotonic() - began
         print(f"ready in {elapsed:.1f}s: orchestrator at {launcher.address}", flush=True)
         if prompt is not None:
-            return await generate(launcher.address, prompt, out, max_tokens=max_tokens)
+            return await generate(
+                launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing
+            )
         await stop.wait()
         return 0
     finally:

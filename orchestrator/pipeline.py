@@ -21,6 +21,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from services.mesh import config_files
 from services.mesh.config_files import ConfigError
+from services.mesh.security import SecuritySettings
 
 # An edge's transform is a name the consuming stage offers (its Describe lists
 # them and what each needs); "" passes inputs through unchanged.
@@ -147,6 +148,9 @@ class PipelineConfig(_Frozen):
     # Named apart from the `outputs` property, which resolves the default (leaves).
     output_stages: tuple[str, ...] | None = Field(None, alias="outputs", min_length=1)
     watchdog: Watchdog = Watchdog()
+    # TLS, tokens and the pause limit (services.mesh.security); OMNI_* env and
+    # flags of `omni orchestrator serve` override it.
+    security: SecuritySettings = SecuritySettings()
 
     @model_validator(mode="after")
     def _graph(self) -> PipelineConfig:

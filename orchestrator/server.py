@@ -33,9 +33,19 @@ from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
-from services.mesh.process import bind
+from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
 from services.mesh.ref_reader import RefReader
 from services.mesh.request_ids import check_request_id
+from services.mesh.security import (
+    AuthInterceptor,
+    Principal,
+    SecuritySettings,
+    admin_only,
+    anyone,
+    mesh_dialing,
+    orchestrator_authenticator,
+    server_credentials,
+)
 from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
@@ -43,6 +53,14 @@ logger = logging.getLogger(__name__)
 ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 LIVENESS_SERVICE = "liveness"
 SERVICE_NAMES = (ORCHESTRATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+# With client tokens on, every Orchestrator method needs one; pausing needs an
+# admin's. Health and reflection stay open for probes.
+RULES = {
+    f"/{ORCHESTRATOR_SERVICE}/{method.name}": (
+        admin_only if method.name in ("PauseGeneration", "ResumeGeneration") else anyone
+    )
+    for method in orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].methods
+}
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -51,6 +69,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def __init__(self, server: OrchestratorServer) -> None:
         self._server = server
         self._router = server.router
+        self._auth = server.authenticator
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
+        principal = self._auth.principal(context)
+        assert principal is not None, "the AuthInterceptor lets only known callers in"
+        return principal
 
     async def Generate(
         self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -64,7 +88,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             submit = stage_pb2.Submit(
                 request_id=rid, inputs=request.inputs, params=request.params, is_last=True
             )
-            self._router.start(rid, single(submit), dict(request.stage_params), sink)
+            self._router.start(
+                rid,
+                single(submit),
+                dict(request.stage_params),
+                sink,
+                owner=self._caller(context),
+                timeout_s=context.time_remaining(),
+            )
         except OmniError as exc:
             logger.info("request %s refused: %s", rid, exc.message)
             yield refusal(rid, exc)
@@ -87,14 +118,21 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
         server = self._server
         async for event in stream_requests(
-            self._router, request_iterator, list(server.monitors), server.client_watermarks
+            self._router,
+            request_iterator,
+            list(server.monitors),
+            server.client_watermarks,
+            server.max_input_bytes,
+            owner=self._caller(context),
+            timeout_s=context.time_remaining(),
         ):
             yield event
 
     async def Abort(
         self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.AbortResponse:
-        aborted, not_found = self._router.abort(list(request.request_ids))
+        # Another client's request is reported not found, as if it did not exist.
+        aborted, not_found = self._router.abort(list(request.request_ids), self._caller(context))
         return stage_pb2.AbortResponse(aborted=aborted, not_found=not_found)
 
     async def ListStages(
@@ -144,6 +182,9 @@ class OrchestratorServer:
         client_low_watermark: int = 64,
         mesh: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        security: SecuritySettings | None = None,
+        max_message_bytes: int = 64 << 20,
+        max_input_bytes: int = 256 << 20,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -153,8 +194,16 @@ class OrchestratorServer:
         self.pipeline = pipeline
         # Events buffered per client stream before the stages are held back.
         self.client_watermarks = (client_high_watermark, client_low_watermark)
+        # The front door: no client message beyond this (gRPC answers RESOURCE_EXHAUSTED
+        # before it is read), nor more chunked input held at once on one stream.
+        self.max_message_bytes = max_message_bytes
+        self.max_input_bytes = max_input_bytes
+        # The pipeline file's security section, then OMNI_* env (a mounted secret).
+        self.security = security or pipeline.security.with_env()
+        self.authenticator = orchestrator_authenticator(self.security)
+        dialing = mesh_dialing(self.security)
         addresses = {s.name: s.address or "" for s in pipeline.stages}
-        self.clients = {name: StageClient(address) for name, address in addresses.items()}
+        self.clients = {name: StageClient(address, dialing) for name, address in addresses.items()}
         settings = WatchdogSettings  # one per stage: budgets differ
         self.monitors = {
             s.name: StageMonitor(
@@ -166,7 +215,8 @@ class OrchestratorServer:
                         stall_timeout_s=s.download_stall_timeout_s,
                         paused_phases=frozenset(pipeline.watchdog.paused_phases),
                     ),
-                )
+                ),
+                dialing=dialing,
             )
             for s in pipeline.stages
         }
@@ -181,6 +231,7 @@ class OrchestratorServer:
             describe=self.descriptions.get,
             refs=refs,
             chunk_bytes=chunk_bytes,
+            max_pause_s=self.security.max_pause_s,
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -246,15 +297,18 @@ class OrchestratorServer:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
         server = grpc.aio.server(
             options=[
-                ("grpc.max_receive_message_length", -1),
+                ("grpc.max_receive_message_length", self.max_message_bytes),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
-            ]
+                *SERVER_KEEPALIVE_OPTIONS,
+            ],
+            interceptors=[AuthInterceptor(self.authenticator, RULES)],
         )
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
-        self.port = bind(server, host, port)
+        credentials = server_credentials(self.security, require_client_cert=False)
+        self.port = bind(server, host, port, credentials)
         await self._update_health()
         await self._health.set(LIVENESS_SERVICE, SERVING)
         await server.start()

@@ -78,8 +78,10 @@ class RequestFlow:
         describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
+        deadline: float | None = None,
     ) -> None:
         self.request_id = request_id
+        self.deadline = deadline  # time.monotonic() by which the client wants its answer
         self._topology = topology
         self._clients = clients
         self._sink = sink
@@ -142,8 +144,10 @@ class RequestFlow:
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
+        # The stage's spans of this request hang under this stage's span (not a window's).
         if stage == self._topology.entry:
             async for submit in self._entry_inputs:
+                telemetry.inject_into(submit.trace_context)
                 yield submit
             return
         edge = self._topology.incoming[stage]
@@ -163,6 +167,7 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
+            telemetry.inject_into(submit.trace_context)
             with observe.window_span(name, submit):
                 yield submit
             lane.taken(window)
@@ -173,7 +178,9 @@ class RequestFlow:
 
     async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
-        call = client.open_stream()
+        # The client's deadline, if it set one, bounds the stage calls too.
+        timeout = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
+        call = client.open_stream(timeout)
         self.active_stages.add(stage)
         writer = asyncio.create_task(self._write(stage, call))
         try:
@@ -199,7 +206,6 @@ class RequestFlow:
 
     async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
         async for submit in self._inputs(stage):
-            telemetry.inject_into(submit.trace_context)
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
                 await call.write(stage_pb2.StageInput(chunk=chunk))
             await call.write(stage_pb2.StageInput(submit=submit))
@@ -265,7 +271,7 @@ class RequestFlow:
 
         async def release(stage: str) -> None:
             try:
-                await self._clients[stage].stub.ReleaseTensors(request, timeout=5.0)
+                await self._clients[stage].release_tensors(request, timeout_s=5.0)
             except grpc.aio.AioRpcError as exc:  # its TTL frees them
                 logger.info(
                     "request %s: release on stage %s failed: %s",

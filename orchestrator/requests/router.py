@@ -24,10 +24,12 @@ from services.mesh.errors import (
     FailedPrecondition,
     InvalidArgument,
     OmniError,
+    PermissionDenied,
     Unavailable,
 )
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.ref_reader import RefReader
+from services.mesh.security import ANONYMOUS, Principal
 from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ Readiness = Callable[[str], str | None]
 class _InFlight:
     flow: RequestFlow
     task: asyncio.Task[None]
+    owner: Principal  # who started it: only it (or an admin) may abort it
     # Why the request was stopped from outside (abort, stage loss, a bad input), if it was.
     stopped_by: OmniError | None = None
     stopped_at: str = ""  # the stage to name in the Done
@@ -56,8 +59,11 @@ class Router:
         describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        max_pause_s: float = 300.0,
     ) -> None:
         self._topology = Topology.of(pipeline)
+        self._max_pause_s = max_pause_s
+        self._paused_at: float | None = None
         self._clients = clients
         self._readiness = readiness
         self._clock = clock
@@ -83,10 +89,30 @@ class Router:
         return not self._resumed.is_set()
 
     def pause(self) -> None:
+        if self._paused_at is None:
+            self._paused_at = self._clock()
         self._resumed.clear()
 
     def resume(self) -> None:
+        self._paused_at = None
         self._resumed.set()
+
+    async def _wait_resumed(self) -> None:
+        """Wait while paused, but never past max_pause_s from the pause: a mesh
+        paused and forgotten answers UNAVAILABLE rather than holding requests forever."""
+        while self._paused_at is not None:
+            left = self._paused_at + self._max_pause_s - self._clock()
+            if left <= 0:
+                raise _Refused(
+                    "",
+                    Unavailable(
+                        f"generation is paused (for over max_pause_s={self._max_pause_s:g}s)"
+                    ),
+                )
+            try:
+                await asyncio.wait_for(self._resumed.wait(), left)
+            except TimeoutError:
+                continue
 
     def start(
         self,
@@ -94,8 +120,12 @@ class Router:
         entry_inputs: AsyncIterator[stage_pb2.Submit],
         stage_params: Mapping[str, stage_pb2.GenerationParams],
         sink: EventSink,
+        *,
+        owner: Principal = ANONYMOUS,
+        timeout_s: float | None = None,
     ) -> None:
-        """Start a request; its events and then its Done go to ``sink``."""
+        """Start a request for ``owner``; its events and then its Done go to ``sink``.
+        ``timeout_s``: the client's deadline, passed on to the stage calls."""
         if request_id in self._running:
             raise InvalidArgument(
                 f"request_id: {request_id!r} is already in flight", field="request_id"
@@ -111,9 +141,10 @@ class Router:
             describe=self._describe,
             refs=self._refs,
             chunk_bytes=self._chunk_bytes,
+            deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
-        self._running[request_id] = _InFlight(flow, task)
+        self._running[request_id] = _InFlight(flow, task, owner)
 
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
         with observe.request_span(flow.request_id):
@@ -124,7 +155,7 @@ class Router:
         began = self._clock()
         client_blocked = sink.blocked_s
         try:
-            await self._resumed.wait()
+            await self._wait_resumed()
             for stage in self._topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
@@ -185,14 +216,31 @@ class Router:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def abort(self, request_ids: list[str]) -> tuple[list[str], list[str]]:
+    def abort(
+        self, request_ids: list[str], caller: Principal = ANONYMOUS
+    ) -> tuple[list[str], list[str]]:
+        """Abort the requests ``caller`` may abort (its own; any, for an admin).
+        Another caller's request is reported not found: its id tells nothing."""
         aborted, not_found = [], []
         for rid in request_ids:
-            if self.fail(rid, Cancelled(f"request {rid} was aborted")):
+            if self.may_abort(rid, caller) and self.fail(
+                rid, Cancelled(f"request {rid} was aborted")
+            ):
                 aborted.append(rid)
             else:
                 not_found.append(rid)
         return aborted, not_found
+
+    def may_abort(self, request_id: str, caller: Principal) -> bool:
+        running = self._running.get(request_id)
+        return running is not None and (caller.admin or running.owner.name == caller.name)
+
+    def check_owner(self, request_id: str, caller: Principal) -> None:
+        """Raise PermissionDenied unless ``caller`` may abort ``request_id``."""
+        if request_id in self._running and not self.may_abort(request_id, caller):
+            raise PermissionDenied(
+                f"request_id: {request_id!r} belongs to another client", field="request_id"
+            )
 
     def cancel_silently(self, request_id: str) -> None:
         """The client is gone: stop everything the request holds, report nothing."""

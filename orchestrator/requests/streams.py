@@ -14,6 +14,7 @@ from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.request_ids import check_request_id
+from services.mesh.security import ANONYMOUS, Principal
 
 Params = Mapping[str, stage_pb2.GenerationParams]
 
@@ -61,8 +62,18 @@ class _StreamReader:
     Done is the only final event it gets, and the stream's other requests go on.
     """
 
-    def __init__(self, router: Router, sink: EventSink, stages: Collection[str], max_bytes: int):
+    def __init__(
+        self,
+        router: Router,
+        sink: EventSink,
+        stages: Collection[str],
+        max_bytes: int,
+        owner: Principal = ANONYMOUS,
+        timeout_s: float | None = None,
+    ):
         self._router = router
+        self._owner = owner
+        self._timeout_s = timeout_s
         self._sink = sink
         self._stages = stages
         self._chunks = ChunkAssembler(max_bytes)
@@ -80,7 +91,7 @@ class _StreamReader:
                 await self._sink.put(refusal("", exc))
         elif kind == "cancel":
             rid = message.cancel.request_id
-            if not self._router.abort([rid])[0]:
+            if not self._router.abort([rid], self._owner)[0]:
                 await self._sink.put(
                     refusal(rid, NotFound(f"cancel.request_id: no request {rid!r} in flight"))
                 )
@@ -104,7 +115,14 @@ class _StreamReader:
             if not started:
                 check_stage_params(params, self._stages, "stage_params")
                 feed: asyncio.Queue[stage_pb2.Submit | None] = asyncio.Queue()
-                self._router.start(rid, _drain(feed), dict(params), self._sink)
+                self._router.start(
+                    rid,
+                    _drain(feed),
+                    dict(params),
+                    self._sink,
+                    owner=self._owner,
+                    timeout_s=self._timeout_s,
+                )
                 self.feeds[rid] = feed
                 self.open.add(rid)
         except OmniError as exc:
@@ -135,6 +153,9 @@ async def stream_requests(
     stages: Collection[str],
     watermarks: tuple[int, int] = (256, 64),
     max_input_bytes: int = 1 << 30,
+    *,
+    owner: Principal = ANONYMOUS,
+    timeout_s: float | None = None,
 ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
     """GenerateStream: windows of several requests in, every request's events out.
 
@@ -142,7 +163,7 @@ async def stream_requests(
     has had its Done.
     """
     sink = EventSink(*watermarks)
-    reader = _StreamReader(router, sink, stages, max_input_bytes)
+    reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s)
     reading = True
 
     async def read() -> None:

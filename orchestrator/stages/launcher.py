@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -18,6 +20,7 @@ from typing import IO
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
+from services.mesh.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +31,7 @@ class _Launched:
     process: StageProcess
     log: IO[bytes]
     restarts: int = 0
+    delays: list[float] = field(default_factory=list)  # waited before each restart
     supervisor: asyncio.Task[None] | None = field(default=None, repr=False)
 
 
@@ -42,6 +46,10 @@ class Launcher:
         port: int = 50050,
         restart_initial_s: float = 1.0,
         restart_max_s: float = 30.0,
+        healthy_after_s: float = 60.0,
+        security: SecuritySettings | None = None,
+        stage_env: Mapping[str, Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pipeline = pipeline
         self.run_dir = run_dir
@@ -50,6 +58,12 @@ class Launcher:
         self.port = port
         self._restart_initial_s = restart_initial_s
         self._restart_max_s = restart_max_s
+        # A stage that ran this long before exiting was healthy: its next
+        # restart waits restart_initial_s again, not the backoff so far.
+        self._healthy_after_s = healthy_after_s
+        self._clock = clock
+        self._security = security
+        self._stage_env = {name: dict(env) for name, env in (stage_env or {}).items()}
         self._stages: dict[str, _Launched] = {}
         self._stopping = False
         self.server: OrchestratorServer | None = None
@@ -66,9 +80,7 @@ class Launcher:
             if stage.launch is None:
                 continue
             log = self._open_log(stage.name)
-            process = StageProcess(
-                stage.launch, host=self.host, log=log, env={"OMNI_MESH_ID": self.mesh_id}
-            )
+            process = StageProcess(stage.launch, host=self.host, log=log, env=self._env(stage.name))
             self._stages[stage.name] = _Launched(stage.name, process, log)
         # Concurrently: each process spends seconds importing torch before it binds.
         bound = await asyncio.gather(*(s.process.start() for s in self._stages.values()))
@@ -76,11 +88,14 @@ class Launcher:
         for name, launched in self._stages.items():
             logger.info("stage %s: pid %d on %s", name, launched.process.pid, addresses[name])
         pipeline = self.pipeline.with_addresses(addresses)
-        self.server = OrchestratorServer(pipeline, mesh=self.mesh_id)
+        self.server = OrchestratorServer(pipeline, mesh=self.mesh_id, security=self._security)
         self.port = await self.server.start(self.host, self.port)
         for launched in self._stages.values():
             launched.supervisor = asyncio.create_task(self._supervise(launched))
         return self.server
+
+    def _env(self, stage: str) -> dict[str, str]:
+        return {"OMNI_MESH_ID": self.mesh_id, **self._stage_env.get(stage, {})}
 
     def _open_log(self, name: str) -> IO[bytes]:
         # Closed by stop(); appending keeps the output of earlier runs and restarts.
@@ -93,10 +108,14 @@ class Launcher:
     async def _supervise(self, launched: _Launched) -> None:
         delay = self._restart_initial_s
         while True:
+            began = self._clock()
             code = await launched.process.wait()
             if self._stopping:
                 return
+            if self._clock() - began >= self._healthy_after_s:
+                delay = self._restart_initial_s
             launched.restarts += 1
+            launched.delays.append(delay)
             logger.warning(
                 "stage %s exited with code %s; restarting in %.1fs (restart %d)",
                 launched.name,
@@ -112,7 +131,7 @@ class Launcher:
                 host=self.host,
                 port=old.port,
                 log=launched.log,
-                env={"OMNI_MESH_ID": self.mesh_id},
+                env=self._env(launched.name),
             )
             try:
                 await launched.process.start()

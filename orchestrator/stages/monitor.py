@@ -30,6 +30,7 @@ from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
 from services.mesh import metrics, telemetry
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.security import PLAINTEXT, Dialing
 from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ class StageMonitor:
         reconnect_max_s: float = 5.0,
         health_poll_s: float = 1.0,
         health_timeout_s: float = 5.0,
+        dialing: Dialing = PLAINTEXT,
     ) -> None:
+        self._dialing = dialing
         self.target = target
         self._clock = clock
         self._reconnect = (reconnect_initial_s, reconnect_max_s)
@@ -222,7 +225,7 @@ class StageMonitor:
             await self._client.close()
         # A fresh channel per attempt: our backoff, not the channel's own (up to 2
         # minutes), decides when a stage that was down is tried again.
-        self._client = client = StageClient(self.target.address)
+        self._client = client = StageClient(self.target.address, self._dialing)
         health = health_pb2_grpc.HealthStub(client.channel)
         try:
             await self._follow_init(client)

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from services.mesh.process import PARENT_PID_ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,11 +52,18 @@ class ServiceProcess(abc.ABC):
     async def start(self, timeout_s: float = 60.0) -> str:
         """Spawn the server and return its address once it has bound its port."""
         cmd = [*self.command(), "--host", self.host, "--port", str(self.port)]
+        log_from = self._log.seek(0, os.SEEK_END) if self._log is not None else 0
         self._proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdout=asyncio.subprocess.PIPE,
             stderr=self._log if self._log is not None else None,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **self._env},
+            # The child stops when we die, even by SIGKILL (services.mesh.process).
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                PARENT_PID_ENV: str(os.getpid()),
+                **self._env,
+            },
         )
         assert self._proc.stdout is not None
         try:
@@ -67,10 +76,28 @@ class ServiceProcess(abc.ABC):
         text = line.decode().strip()
         if not text.startswith("listening "):
             code = await self._proc.wait()
-            raise RuntimeError(f"{self.config}: the server exited with {code} before binding")
+            said = self._said_since(log_from)
+            raise RuntimeError(
+                f"{self.config}: the server exited with {code} before binding"
+                + (f": {said}" if said else "")
+            )
         self.address = text.removeprefix("listening ")
         self.port = int(self.address.rsplit(":", 1)[1])
         return self.address
+
+    def _said_since(self, offset: int, lines: int = 5) -> str:
+        """The last lines the child wrote to its log (its own error message)."""
+        name = getattr(self._log, "name", None)
+        if not isinstance(name, str):
+            return ""
+        try:
+            with open(name, "rb") as log:
+                log.seek(offset)
+                text = log.read(64 << 10).decode(errors="replace")
+        except OSError:
+            return ""
+        kept = [line for line in text.splitlines() if line.strip()][-lines:]
+        return "\n".join(kept)
 
     async def wait(self) -> int:
         assert self._proc is not None, "start() first"

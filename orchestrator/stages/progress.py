@@ -84,6 +84,7 @@ _PHASES = {
     stage_pb2.DOWNLOAD_START: "downloading",
     stage_pb2.DOWNLOAD_PROGRESS: "downloading",
     stage_pb2.DOWNLOAD_DONE: "downloaded",
+    stage_pb2.PREPARE: "preparing",
     stage_pb2.LOAD_START: "loading",
     stage_pb2.LOAD_DONE: "loaded",
     stage_pb2.MEMORY_PLANNED: "memory planned",

@@ -168,3 +168,26 @@ class PlansKvCache(Protocol):
         """At most ``pages`` KV pages of ``page_size`` tokens may be held at once.
         Called after ``load``, before ``warmup``."""
         ...
+
+
+@runtime_checkable
+class KeepsRequestState(Protocol):
+    """An engine that keeps state per request from one ``generate`` call to the
+    next (the input windows of a streaming request: KV caches, a decoder's
+    memory). The stage calls ``release`` once the request has ended, on every
+    path (completed, failed, cancelled, its stream gone)."""
+
+    def release(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class PreparesModel(Protocol):
+    """An engine that first turns a fetched model into the form it loads, once per
+    file (a GGUF converted to safetensors). The stage runs it as its own start-up
+    step (PREPARE, saying what it does) before ``load``, which would do it anyway."""
+
+    def preparation(self, model_path: Path) -> str | None:
+        """What ``prepare`` will do to this file, or None when it is done already."""
+        ...
+
+    def prepare(self, model_path: Path) -> None: ...

@@ -44,9 +44,14 @@ def validate(model: type[Model], data: Any, source: str) -> Model:
 
 def read_yaml(path: Path) -> Any:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the file ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: expected UTF-8 text, found byte 0x{exc.object[exc.start]:02x} "
+            f"at offset {exc.start}"
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -5,8 +5,9 @@ on the same node and IPC namespace maps the block copy-on-write and reads it in
 place. Blocks are plain files (os.open + mmap), not multiprocessing.shared_memory,
 whose resource tracker unlinks and warns about blocks behind their owner's back.
 
-Names are ``omni-{mesh_id}-{pid}-{counter:x}``: the mesh prefix keeps meshes on one
-host apart, and the pid lets ``sweep`` find blocks whose producer died. ``sweep``
+Names are ``omni-{mesh_id}-{pid}-{counter:x}-{secret}``: the mesh prefix keeps meshes
+on one host apart, the pid lets ``sweep`` find blocks whose producer died, and
+the random secret makes the name a capability (a consumer must be handed it). ``sweep``
 assumes every process sharing the /dev/shm also shares the PID namespace (one Pod
 with shareProcessNamespace, or one machine).
 """
@@ -18,6 +19,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,7 +32,7 @@ from services.mesh import tensors
 from services.mesh.errors import ResourceExhausted
 from services.mesh.node import check_mesh_id, node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm_refs import HELD, SHM_ROOT, opened_block, sweep
+from services.mesh.shm_refs import HELD, SECRET_HEX, SHM_ROOT, opened_block, sweep
 
 __all__ = ["SHM_ROOT", "ShmProducer", "open_tensor", "sweep"]
 
@@ -131,7 +133,8 @@ class ShmProducer:
         pid = os.getpid()
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         while True:
-            name = f"omni-{self.mesh_id}-{pid}-{next(_COUNTER):x}"
+            secret = secrets.token_hex(SECRET_HEX // 2)
+            name = f"omni-{self.mesh_id}-{pid}-{next(_COUNTER):x}-{secret}"
             try:
                 return name, os.open(self.root / name, flags, 0o600)
             except FileExistsError:

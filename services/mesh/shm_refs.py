@@ -28,8 +28,12 @@ from services.mesh.wire import ITEMSIZE, nbytes_of
 logger = logging.getLogger(__name__)
 
 SHM_ROOT = Path("/dev/shm")
+# The secret makes a block a capability: its name cannot be guessed from the
+# producer's pid and a counter, so only those it was handed to can name it.
+SECRET_HEX = 32
 BLOCK_NAME = re.compile(
-    r"omni-(?P<mesh>[a-z0-9][a-z0-9-]{0,30})-(?P<pid>[1-9][0-9]{0,9})-(?P<counter>[0-9a-f]{1,16})"
+    r"omni-(?P<mesh>[a-z0-9][a-z0-9-]{0,30})-(?P<pid>[1-9][0-9]{0,9})"
+    rf"-(?P<counter>[0-9a-f]{{1,16}})-(?P<secret>[0-9a-f]{{{SECRET_HEX}}})"
 )
 # Blocks this process created and still holds: sweep spares them even though
 # their pid (ours) is alive, and removes older blocks that merely reuse our pid.
@@ -43,7 +47,8 @@ def check_name(name: str, mesh_id: str, field: str) -> None:
     match = BLOCK_NAME.fullmatch(name)
     if match is None:
         raise InvalidArgument(
-            f"{field}: {shown} is not a block name (omni-<mesh>-<pid>-<n>)", field=field
+            f"{field}: {shown} is not a block name (omni-<mesh>-<pid>-<n>-<secret>)",
+            field=field,
         )
     if match["mesh"] != mesh_id:
         raise FailedPrecondition(
@@ -127,8 +132,10 @@ def read_bytes(
     return tensor_pb2.Tensor(name=msg.name, dtype=msg.dtype, shape=msg.shape, raw=raw)
 
 
-def sweep(mesh_id: str, root: Path = SHM_ROOT) -> list[str]:
-    """Unlink blocks of ``mesh_id`` whose producer is dead; return their names.
+def sweep(mesh_id: str, root: Path = SHM_ROOT, *, every_mesh: bool = True) -> list[str]:
+    """Unlink blocks whose producer is dead; return their names. Blocks of every
+    mesh on this machine are swept (a mesh killed outright sweeps nothing itself),
+    unless ``every_mesh`` is False: then only ``mesh_id``'s.
 
     Consumers that still map a removed block keep reading it: unlinking only
     drops the name, the memory goes when the last mapping does.
@@ -138,7 +145,9 @@ def sweep(mesh_id: str, root: Path = SHM_ROOT) -> list[str]:
     with os.scandir(root) as entries:
         for entry in entries:
             match = BLOCK_NAME.fullmatch(entry.name)
-            if match is None or match["mesh"] != mesh_id or _alive(int(match["pid"]), entry.name):
+            if match is None or (not every_mesh and match["mesh"] != mesh_id):
+                continue
+            if _alive(int(match["pid"]), entry.name):
                 continue
             try:
                 os.unlink(entry.path)
@@ -146,7 +155,7 @@ def sweep(mesh_id: str, root: Path = SHM_ROOT) -> list[str]:
                 continue
             removed.append(entry.name)
     if removed:
-        logger.info("shm: swept %s block(s) of dead producers in mesh %s", len(removed), mesh_id)
+        logger.info("shm: swept %s block(s) of dead producers", len(removed))
     return removed
 
 

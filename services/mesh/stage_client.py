@@ -1,26 +1,60 @@
-"""An asyncio client for one Stage service, for the orchestrator, tools and tests."""
+"""An asyncio client for one Stage service, for the orchestrator, tools and tests.
+
+Every channel sends keepalive pings, so a stage that stops answering (SIGSTOP,
+a dead node, a cut cable) fails its calls with UNAVAILABLE within about
+``keepalive_s`` plus the ping timeout instead of leaving them waiting forever.
+How it authenticates (TLS, the mesh token) is a ``Dialing``.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import grpc
 
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
+from services.mesh.security import PLAINTEXT, Dialing
 
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-]
+# round_robin: a target that resolves to several replicas (``dns:///svc:port`` of a
+# headless Service, ``ipv4:a:p,b:p``) gets a connection to each, and every call (one
+# request's Generate stream) goes to the next ready one. pick_first, gRPC's default,
+# would pin every request to the first address. One address: the same as pick_first.
+SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+KEEPALIVE_S = 10.0  # idle seconds before a ping; an unanswered ping fails the calls
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int | str]]:
+    """Options of every channel of ours: no message size limit, keepalive on."""
+    interval_ms = max(int(keepalive_s * 1000), 1000)
+    return [
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_send_message_length", -1),
+        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.keepalive_time_ms", interval_ms),
+        ("grpc.keepalive_timeout_ms", interval_ms),
+        # gRPC >= 1.6x times an unanswered ping out by this, not keepalive_timeout_ms.
+        ("grpc.http2.ping_timeout_ms", interval_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+CHANNEL_OPTIONS = channel_options()
 
 
 class StageClient:
-    def __init__(self, address: str) -> None:
+    """A channel to one stage: ``host:port``, or any gRPC target naming its replicas."""
+
+    def __init__(
+        self, address: str, dialing: Dialing = PLAINTEXT, *, keepalive_s: float = KEEPALIVE_S
+    ) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = dialing.channel(address, channel_options(keepalive_s))
         self.stub = stage_pb2_grpc.StageStub(self.channel)
+        self.metadata = dialing.metadata
 
     async def close(self) -> None:
         await self.channel.close()
@@ -32,7 +66,7 @@ class StageClient:
         await self.close()
 
     def init_events(self) -> AsyncIterator[stage_pb2.InitEvent]:
-        return self.stub.InitStatus(stage_pb2.InitStatusRequest())
+        return self.stub.InitStatus(stage_pb2.InitStatusRequest(), metadata=self.metadata)
 
     async def wait_ready(self, timeout_s: float | None = None) -> list[stage_pb2.InitEvent]:
         """Follow InitStatus to READY; raises InitFailed with the stage's reason."""
@@ -50,14 +84,21 @@ class StageClient:
         return await asyncio.wait_for(follow(), timeout_s)
 
     async def describe(self) -> stage_pb2.StageDescription:
-        return await self.stub.Describe(stage_pb2.DescribeRequest())
+        return await self.stub.Describe(stage_pb2.DescribeRequest(), metadata=self.metadata)
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
-        return await self.stub.Abort(stage_pb2.AbortRequest(request_ids=request_ids))
+        request = stage_pb2.AbortRequest(request_ids=request_ids)
+        return await self.stub.Abort(request, metadata=self.metadata)
 
-    def open_stream(self) -> grpc.aio.StreamStreamCall:
-        """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate."""
-        return self.stub.Generate()
+    async def release_tensors(
+        self, request: stage_pb2.ReleaseTensorsRequest, timeout_s: float | None = None
+    ) -> stage_pb2.ReleaseTensorsResponse:
+        return await self.stub.ReleaseTensors(request, timeout=timeout_s, metadata=self.metadata)
+
+    def open_stream(self, timeout_s: float | None = None) -> grpc.aio.StreamStreamCall:
+        """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate.
+        ``timeout_s``: its deadline (the orchestrator passes on its client's)."""
+        return self.stub.Generate(timeout=timeout_s, metadata=self.metadata)
 
     async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:
         """One request on its own stream; yields its events through the final one."""

@@ -15,8 +15,11 @@ import asyncio
 import logging
 import sys
 
+from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
-from services.mesh.process import announce, configure_logging, stop_on_signals
+from services.mesh.errors import InitFailed
+from services.mesh.node import mesh_id
+from services.mesh.process import announce, configure_logging, die_with_parent, stop_on_signals
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 
@@ -25,9 +28,25 @@ logger = logging.getLogger("services.stage")
 EXIT_ENGINE_DEAD = 3
 
 
+def _environment() -> None:
+    try:
+        mesh_id()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 async def serve(config_path: str, host: str, port: int) -> int:
+    _environment()
     config = load_stage_config(config_path)
-    server = StageServer(config)
+    try:
+        server = StageServer(config)
+    except (ValueError, InitFailed) as exc:  # the engine refused its settings
+        message = exc.message if isinstance(exc, InitFailed) else str(exc)
+        raise ConfigError(f"{config_path}: {message}") from None
+    try:
+        telemetry.setup(f"omni-stage-{config.name}")
+    except ValueError as exc:  # OMNI_PROMETHEUS_PORT
+        raise ConfigError(str(exc)) from None
     stop = stop_on_signals()
     announce(host, await server.start(host, port))
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())]
@@ -44,6 +63,17 @@ async def serve(config_path: str, host: str, port: int) -> int:
     return EXIT_ENGINE_DEAD if server.failed.is_set() else 0
 
 
+def port_number(text: str) -> int:
+    """0 (a free port) to 65535; anything else exits 2 naming --port."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {port}")
+    return port
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="omni stage", description="Run one Omni Mesh stage.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -53,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)"
     )
     serve_cmd.add_argument(
-        "--port", type=int, default=50051, help="port to bind; 0 picks a free one"
+        "--port", type=port_number, default=50051, help="port to bind; 0 picks a free one"
     )
     args = parser.parse_args(argv)
+    die_with_parent()
     configure_logging()
     try:
         return asyncio.run(serve(args.config, args.host, args.port))
@@ -65,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 1
+    finally:
+        telemetry.shutdown()
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ class Admission:
     @asynccontextmanager
     async def slot(self, request_id: str) -> AsyncIterator[None]:
         """Hold a run slot for the body; a cancelled waiter leaves the queue."""
+        await self.wait_turn(request_id)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    async def wait_turn(self, request_id: str) -> None:
+        """Queue for a run slot and take it (``leave`` gives it back); refused at once
+        when the queue is full; a cancelled waiter leaves the queue."""
         if self.active + self.queued >= self.max_active + self.max_queued:
             raise ResourceExhausted(
                 f"request {request_id}: stage is full ({self.active} running, "
@@ -33,8 +42,7 @@ class Admission:
         finally:
             self.queued -= 1
         self.active += 1
-        try:
-            yield
-        finally:
-            self.active -= 1
-            self._slots.release()
+
+    def leave(self) -> None:
+        self.active -= 1
+        self._slots.release()

@@ -8,15 +8,34 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES, is_plugin
 from services.mesh import config_files
+from services.mesh.security import SecuritySettings
+
+_NUMBERS = (int, float, int | None, float | None)
 
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML's true/false would otherwise pass as 1/0 (max_batch_size: true).
+        if isinstance(value, bool) and info.field_name is not None:
+            if cls.model_fields[info.field_name].annotation in _NUMBERS:
+                raise ValueError("expected a number, not true/false")
+        return value
 
 
 class Defaults(_Frozen):
@@ -88,6 +107,8 @@ class StageConfig(_Frozen):
     runtime: Runtime = Runtime()
     segmenting: Segmenting = Segmenting()
     cache_dir: Path | None = None
+    # TLS / mTLS and the mesh token (services.mesh.security); OMNI_* env overrides.
+    security: SecuritySettings = SecuritySettings()
 
     @field_validator("engine")
     @classmethod

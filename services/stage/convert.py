@@ -1,5 +1,6 @@
-"""proto <-> domain for the Stage service. Validation of the wire shape lives
-here; engine-specific checks (prompt length, ranges) live in the engines."""
+"""proto <-> domain for the Stage service: request ids, sizes, parameters and
+outputs. Input tensors are decoded and joined in ``inputs.py``; engine-specific
+checks (prompt length, ranges) live in the engines."""
 
 from __future__ import annotations
 

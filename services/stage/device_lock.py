@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import re
+import stat
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -24,7 +25,8 @@ from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_LOCK_DIR = Path("/tmp/omni-locks")
+# Per user: a lock dir shared by all users would let one plant links in another's way.
+DEFAULT_LOCK_DIR = Path(f"/tmp/omni-locks-{os.getuid()}")
 
 
 def lock_file_name(device: str) -> str:
@@ -61,9 +63,16 @@ class DeviceLock:
         """
         if self._fd is not None:
             raise RuntimeError(f"device lock {self.device} is already held by this object")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.path.parent)
         started = time.monotonic()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            # Never through a link: a planted one would have us truncate its target.
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise InitFailed(
+                f"device {self.device}: cannot open lock file {self.path} "
+                f"({exc.strerror}; a symbolic link there is refused)"
+            ) from None
         try:
             waited_once = False
             while not _try_lock(fd):
@@ -108,6 +117,16 @@ class DeviceLock:
         if not isinstance(info, dict):
             return "an unknown holder"
         return f"stage {info.get('owner')!r} (pid {info.get('pid')}, since {info.get('since')})"
+
+
+def _private_dir(directory: Path) -> None:
+    """Create the lock dir 0700; refuse one that is a link or another user's."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise InitFailed(f"device lock dir {directory} is not a directory (a link?)")
+    if info.st_uid != os.getuid():
+        raise InitFailed(f"device lock dir {directory} belongs to another user (uid {info.st_uid})")
 
 
 def _try_lock(fd: int) -> bool:

@@ -10,8 +10,8 @@ the feed of a streaming-input request, and the task that runs it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 
 from services.engines.base import EngineRequest, SamplingParams
 from services.mesh.errors import OmniError
@@ -67,6 +67,8 @@ class InFlight:
     cancel_reason: str = ""
     cancel_error: OmniError | None = None
     final: bool = False  # its final event is on its way: nothing may end it again
+    # Its trace context from the orchestrator (Submit.trace_context), for its spans.
+    trace_context: Mapping[str, str] = field(default_factory=dict)
 
 
 class InFlightRequests:

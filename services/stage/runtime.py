@@ -20,11 +20,13 @@ from services.engines.base import (
     EngineEvent,
     EngineRequest,
     FinishOutput,
+    KeepsRequestState,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
 )
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
+from services.stage import observe
 from services.stage.admission import Admission
 from services.stage.config import StageConfig
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
@@ -141,12 +143,15 @@ class StageRuntime:
         self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
     ) -> None:
         try:
-            final = await self._outcome(record, first, more)
+            with observe.request(self.config.name, record.request_id, record.trace_context):
+                final = await self._outcome(record, first, more)
             record.final = True
             await record.sink(final)
         finally:
             if record.feed is not None:
                 record.feed.abandon()
+            if isinstance(self.engine, KeepsRequestState):
+                self.engine.release(record.request_id)
             self.requests.remove(record)
 
     async def _outcome(
@@ -160,13 +165,18 @@ class StageRuntime:
         segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
         done = _Done(submitted)
         try:
-            async with self._admission.slot(rid):
+            with observe.queued(stage):
+                await self._admission.wait_turn(rid)
+            try:
                 started = self._clock()
-                await self._generate(first, record.sink, segmenter, done)
-                if more is not None:
-                    async for window in more:
-                        await self._generate(window, record.sink, segmenter, done)
-                await self._flush(rid, segmenter, record.sink, done, is_last=True)
+                with observe.running(stage):
+                    await self._generate(first, record.sink, segmenter, done)
+                    if more is not None:
+                        async for window in more:
+                            await self._generate(window, record.sink, segmenter, done)
+                    await self._flush(rid, segmenter, record.sink, done, is_last=True)
+            finally:
+                self._admission.leave()
             return CompletedOut(
                 rid,
                 done.reason,
@@ -244,6 +254,8 @@ class StageRuntime:
                     await self._flush(rid, segmenter, sink, done)
                     await sink(ProgressOut(rid, event))
                 elif isinstance(event, TensorOutput):
+                    if segmenter.holds(event):  # a later window's: never over an earlier one
+                        await self._flush(rid, segmenter, sink, done)
                     segmenter.add_outputs(event)
                 elif isinstance(event, FinishOutput):
                     done.reason = event.reason

@@ -56,6 +56,10 @@ class Segmenter:
             self._hidden.append(out.hidden_states)
         return self.due_in() == 0.0
 
+    def holds(self, out: TensorOutput) -> bool:
+        """Whether ``out`` would replace a tensor not flushed yet (flush first)."""
+        return any(name in self._tensors for name in out.tensors)
+
     def add_outputs(self, out: TensorOutput) -> None:
         """Whole outputs (an image) ride with the next flush, usually the last one."""
         self._tensors.update(out.tensors)

@@ -23,7 +23,13 @@ from services.engines.registry import engine_class
 from services.mesh.errors import OmniError, abort_rpc
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
-from services.mesh.process import bind
+from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
+from services.mesh.security import (
+    AuthInterceptor,
+    mesh_only,
+    server_credentials,
+    stage_authenticator,
+)
 from services.stage.config import StageConfig
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
@@ -37,8 +43,21 @@ logger = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 LIVENESS_SERVICE = "liveness"
 SERVICE_NAMES = (STAGE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+# Each client connection gets a GOAWAY after this long (calls in flight run on to their
+# end; new ones take a new connection). A client that dials a stage's replicas by DNS
+# (a headless Service) resolves again then, so replicas added since are found: gRPC's
+# DNS resolver has no refresh period of its own.
+MAX_CONNECTION_AGE_MS = 120_000
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# With mesh auth on, only the mesh (its client certificate or token) may run,
+# abort or release anything, or read what the stage says of itself (Describe
+# names its node, which a forged ref would copy). Health, reflection and
+# InitStatus stay open: probes and operators watch a stage come up with them.
+MESH_ONLY = {
+    f"/{STAGE_SERVICE}/{method}": mesh_only
+    for method in ("Generate", "Abort", "ReleaseTensors", "Describe")
+}
 
 
 class StageServicer(stage_pb2_grpc.StageServicer):
@@ -169,18 +188,23 @@ class StageServer:
         # little too large gets a per-request RESOURCE_EXHAUSTED on a stream
         # that goes on, rather than the whole stream being torn down.
         transport_limit = 2 * limit + (1 << 20)
+        security = self.config.security.with_env()
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", transport_limit),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
-            ]
+                ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+                *SERVER_KEEPALIVE_OPTIONS,
+            ],
+            interceptors=[AuthInterceptor(stage_authenticator(security), MESH_ONLY)],
         )
         servicer = StageServicer(self.runtime, self._bus, self.tensors)
         add_stage_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)
-        self.port = bind(server, host, port)
+        credentials = server_credentials(security, require_client_cert=True)
+        self.port = bind(server, host, port, credentials)
         await self._set_health(ready=False, alive=True)
         await server.start()
         self._server = server

@@ -16,7 +16,7 @@ import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine, PlansKvCache
+from services.engines.base import Engine, PlansKvCache, PreparesModel
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
@@ -47,6 +47,9 @@ class BusDownloadHook:
             stage_pb2.DOWNLOAD_PROGRESS, bytes_done=bytes_done, bytes_total=bytes_total or 0
         )
 
+    def preparing(self, what: str) -> None:
+        self._bus.publish(stage_pb2.PREPARE, message=what)
+
     def done(self, result: FetchResult, duration_s: float) -> None:
         self._bus.publish(
             stage_pb2.DOWNLOAD_DONE,
@@ -55,8 +58,14 @@ class BusDownloadHook:
             bytes_total=result.nbytes,
             cache_hit=result.cache_hit,
             duration_ms=duration_s * 1e3,
-            message="cache hit" if result.cache_hit else f"fetched {result.nbytes} bytes",
+            message=_fetched(result),
         )
+
+
+def _fetched(result: FetchResult) -> str:
+    if result.cache_hit:
+        return "cache hit"
+    return f"fetched {result.nbytes} bytes" + (", sha256 verified" if result.verified else "")
 
 
 def _failure_reason(exc: BaseException) -> str:
@@ -120,6 +129,11 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
                 duration_ms=waited * 1e3,
                 message=f"acquired device {runtime.device} after {waited:.1f}s",
             )
+        if model_path is not None and isinstance(engine, PreparesModel):
+            step = engine.preparation(model_path)
+            if step is not None:
+                bus.publish(stage_pb2.PREPARE, message=step)
+                await asyncio.to_thread(engine.prepare, model_path)
         what = model_path.name if model_path else f"a dummy {config.engine} model"
         bus.publish(stage_pb2.LOAD_START, message=f"loading {what}")
         free_before = free_device_memory(runtime.device)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -29,7 +30,7 @@ from services.mesh import chunks
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.stage import convert
+from services.stage import convert, observe
 from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
 from services.stage.inputs import Inputs, InputWindows, decode
 from services.stage.requests import InFlight, InputFeed
@@ -205,6 +206,7 @@ class GenerateStream:
             transform=submit.transform,
             params=convert.sampling_params(submit.params, supported, engine),
             windows=InputWindows(rid),
+            trace_context=dict(submit.trace_context),
         )
         streaming = not submit.is_last and runtime.config.runtime.streaming_input
         # Kept only while the request waits for the rest of its input.
@@ -271,7 +273,10 @@ class GenerateStream:
         consumer = record.consumer
 
         def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
-            return self._tensors.encode(tensor, name, rid, consumer)
+            began = time.time_ns()
+            msg = self._tensors.encode(tensor, name, rid, consumer)
+            observe.handed_off(self._runtime.config.name, msg, began)
+            return msg
 
         if isinstance(event, SegmentOut) and event.segment.tensors:
             # Copying tensors into shared blocks or bytes takes milliseconds per

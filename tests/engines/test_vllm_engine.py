@@ -27,7 +27,7 @@ from services.engines.base import (
 from services.engines.registry import engine_class
 from services.engines.vllm import INSTALL_HINT, SamplingDefaults, VllmArgs, VllmEngine, intake
 from services.engines.vllm.sizing import model_bytes
-from services.mesh.errors import InitFailed, InvalidArgument
+from services.mesh.errors import EngineDead, InitFailed, InvalidArgument
 
 EMBEDS = "inputs.tensors.prompt_embeds"
 HIDDEN = 256  # 4 heads of 64: a head size every attention backend takes
@@ -104,6 +104,18 @@ def test_load_without_vllm_fails_with_the_install_hint(tmp_path: Path) -> None:
     with pytest.raises(InitFailed) as caught:
         VllmEngine(EngineSettings(device="cuda")).load(tmp_path)
     assert caught.value.message == INSTALL_HINT
+
+
+def test_a_dead_vllm_engine_is_fatal_for_the_stage() -> None:
+    class EngineDeadError(Exception):  # stands in for vllm.v1.engine.exceptions's
+        pass
+
+    engine = VllmEngine(EngineSettings(device="cuda"))
+    engine._engine_dead = EngineDeadError  # what load() records once vLLM is imported
+    dead = engine._translate("r", EngineDeadError("background loop died"))
+    assert isinstance(dead, EngineDead) and dead.code.name == "UNAVAILABLE"
+    refused = engine._translate("r", ValueError("prompt too long"))
+    assert isinstance(refused, InvalidArgument) and refused.field == "inputs"
 
 
 def test_the_registry_finds_it_without_importing_vllm() -> None:

@@ -5,7 +5,11 @@ test can ask for by prompt.
     token ids   echoed back, one per step: what the stage received, in order
     "die"       one token, then the engine dies (``EngineDead``)
     "hold"      one token, then nothing until the request is cancelled
+    "tensors N" N whole outputs named "frame" (values 0..N-1), no tokens, no flush between
     other text  ``max_tokens`` tokens (ids 0, 1, …), one per step
+
+It keeps state per request (``KeepsRequestState``): ``released`` lists the ids
+the stage said were over, in order.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import ClassVar
 
+import torch
+
 from services.engines.base import (
     EngineEvent,
     EngineRequest,
     EngineSettings,
     FinishOutput,
     ModelInfo,
+    TensorOutput,
     TokenOutput,
 )
 from services.mesh.errors import EngineDead
@@ -29,11 +36,15 @@ from services.mesh.errors import EngineDead
 class ScriptedEngine:
     name: ClassVar[str] = "scripted"
     supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "seed"})
-    output_tensors: ClassVar[tuple[str, ...]] = ()
+    output_tensors: ClassVar[tuple[str, ...]] = ("frame",)
 
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
         self.dead = False
+        self.released: list[str] = []
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         return ModelInfo(model_bytes=0, description="scripted test engine")
@@ -55,6 +66,11 @@ class ScriptedEngine:
                 yield TokenOutput(token_ids=(token,), text=f"{token} ")
             count = len(request.token_ids)
             yield FinishOutput("done", prompt_tokens=count, completion_tokens=count)
+            return
+        if prompt.startswith("tensors "):
+            for value in range(int(prompt.split()[1])):
+                yield TensorOutput({"frame": torch.tensor([value])})
+            yield FinishOutput("done")
             return
         yield TokenOutput(token_ids=(0,), text="0 ")
         if prompt == "die":

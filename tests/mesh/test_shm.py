@@ -21,6 +21,8 @@ from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
 from services.mesh.shm_refs import BLOCK_NAME
 
+SECRET = "0123456789abcdef" * 2  # the form of a block name's secret, for hand-made names
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -139,23 +141,25 @@ def test_malformed_names_are_refused_before_the_file_system(name: str, mesh: str
 
 def test_a_block_of_another_mesh_is_refused_before_the_file_system(mesh: str) -> None:
     with pytest.raises(FailedPrecondition) as err:
-        open_tensor(bad_ref("omni-other-12-1"), mesh_id=mesh, field="t", root=Path("/nonexistent"))
+        open_tensor(
+            bad_ref(f"omni-other-12-1-{SECRET}"), mesh_id=mesh, field="t", root=Path("/nonexistent")
+        )
     assert "not a block of this mesh" in err.value.message and err.value.field == "t.shm.name"
     # A mesh whose id extends ours is another mesh, not ours.
     with pytest.raises(FailedPrecondition):
-        open_tensor(bad_ref(f"omni-{mesh}-x-12-1"), mesh_id=mesh, field="t")
+        open_tensor(bad_ref(f"omni-{mesh}-x-12-1-{SECRET}"), mesh_id=mesh, field="t")
 
 
 def test_a_missing_block_fails_its_precondition(mesh: str) -> None:
     with pytest.raises(FailedPrecondition) as err:
-        open_tensor(bad_ref(f"omni-{mesh}-1-ff"), mesh_id=mesh, field="t")
+        open_tensor(bad_ref(f"omni-{mesh}-1-ff-{SECRET}"), mesh_id=mesh, field="t")
     assert err.value.field == "t.shm.name" and "gone" in err.value.message
 
 
 def test_a_link_named_like_a_block_is_not_followed(mesh: str, tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"\x01" * 16)
-    link = SHM_ROOT / f"omni-{mesh}-1-1"
+    link = SHM_ROOT / f"omni-{mesh}-1-1-{SECRET}"
     link.symlink_to(secret)
     with pytest.raises(FailedPrecondition):
         open_tensor(bad_ref(link.name), mesh_id=mesh, field="t")
@@ -236,20 +240,41 @@ def test_producer_is_thread_safe(producer: ShmProducer, mesh: str) -> None:
     assert blocks_of(mesh) == []
 
 
+def test_a_block_name_cannot_be_guessed_from_pid_and_counter(
+    producer: ShmProducer, mesh: str
+) -> None:
+    first, second = (producer.put(torch.ones(4), "r") for _ in range(2))
+    a, b = (BLOCK_NAME.fullmatch(m.shm.name) for m in (first, second))
+    assert a and b and a["secret"] != b["secret"]
+    # The right mesh, pid and counter with another secret name no block.
+    guess = tensor_pb2.Tensor()
+    guess.CopyFrom(second)
+    guess.shm.name = second.shm.name[: -len(SECRET)] + SECRET
+    with pytest.raises(FailedPrecondition) as err:
+        open_tensor(guess, mesh_id=mesh, field="t")
+    assert "gone" in err.value.message
+    assert open_tensor(second, mesh_id=mesh, field="t").sum().item() == 4
+
+
 def test_sweep_spares_live_blocks_and_takes_stale_ones(producer: ShmProducer, mesh: str) -> None:
     mine = producer.put(torch.zeros(8), "r").shm.name
     dead_pid = subprocess.Popen(["true"])
     dead_pid.wait()
-    stale = [f"omni-{mesh}-{dead_pid.pid}-1", f"omni-{mesh}-{os.getpid()}-ffff0"]
-    other_mesh = f"omni-z{mesh}-{dead_pid.pid}-1"
-    for name in [*stale, other_mesh]:
+    stale = [f"omni-{mesh}-{dead_pid.pid}-1-{SECRET}", f"omni-{mesh}-{os.getpid()}-ffff0-{SECRET}"]
+    # A dead mesh's block goes too (nobody of that mesh is left to sweep it);
+    # a live mesh's block stays.
+    dead_mesh = f"omni-z{mesh}-{dead_pid.pid}-1-{SECRET}"
+    live_mesh = f"omni-y{mesh}-{os.getppid()}-1-{SECRET}"
+    for name in [*stale, dead_mesh, live_mesh]:
         (SHM_ROOT / name).write_bytes(b"x")
     try:
-        assert sorted(sweep(mesh)) == sorted(stale)
+        swept = sweep(mesh)
+        assert {*stale, dead_mesh} <= set(swept) and live_mesh not in swept
         assert blocks_of(mesh) == [mine]
-        assert (SHM_ROOT / other_mesh).exists()
+        assert (SHM_ROOT / live_mesh).exists() and not (SHM_ROOT / dead_mesh).exists()
+        assert sweep(mesh, every_mesh=False) == []
     finally:
-        (SHM_ROOT / other_mesh).unlink(missing_ok=True)
+        (SHM_ROOT / live_mesh).unlink(missing_ok=True)
 
 
 PRODUCER = """
@@ -291,13 +316,13 @@ def test_sweep_removes_everything_of_killed_producers_and_consumers(mesh: str) -
         consumer.stdin.write(refs[1])
         consumer.stdin.flush()
         assert consumer.stdout.readline().strip() == str(2.0 * 4096)
-        assert sweep(mesh) == []  # both alive: nothing is stale yet
+        assert sweep(mesh, every_mesh=False) == []  # both alive: nothing is stale yet
         for proc in procs:
             proc.send_signal(signal.SIGKILL)
             proc.wait()  # reaped: a zombie's pid still answers kill(pid, 0)
         leftovers = blocks_of(mesh)
         assert len(leftovers) == 3
-        assert sorted(sweep(mesh)) == leftovers
+        assert sorted(sweep(mesh, every_mesh=False)) == leftovers
         assert blocks_of(mesh) == []
     finally:
         for proc in procs:

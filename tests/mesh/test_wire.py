@@ -68,7 +68,7 @@ def test_read_bytes_refuses_paths_and_other_meshes(producer: ShmProducer, mesh: 
     msg.shm.name = "../etc/passwd"
     with pytest.raises(InvalidArgument, match="not a bare block name"):
         read_bytes(msg, mesh_id=mesh, field="t")
-    msg.shm.name = "omni-other-1-1"
+    msg.shm.name = "omni-other-1-1-0123456789abcdef0123456789abcdef"
     with pytest.raises(FailedPrecondition, match="not a block of this mesh"):
         read_bytes(msg, mesh_id=mesh, field="t")
 

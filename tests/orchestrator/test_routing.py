@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -354,3 +355,14 @@ async def test_the_stages_say_which_transforms_exist_and_what_they_need(stages) 
         result.done.message
     )
     assert "hidden_states_to_prompt_embeds" in result.done.message  # what it does offer
+
+
+async def test_an_oversized_message_is_refused_at_the_door_and_others_go_on(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (server, client):
+        assert server.max_message_bytes == 64 << 20
+        huge = "x" * (server.max_message_bytes + 1024)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.generate(huge, params={"max_tokens": 2}).collect()
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await client.generate("Hi", params={"max_tokens": 2}).collect()).ok

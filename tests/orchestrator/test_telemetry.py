@@ -1,9 +1,13 @@
 """Telemetry as an operator sees it: a real OTLP/gRPC receiver on 127.0.0.1 gets
-the orchestrator's spans and metrics when only OTEL_EXPORTER_OTLP_ENDPOINT (and
+the spans and metrics of the orchestrator and of both stage processes of a
+two-stage request, as one trace, when only OTEL_EXPORTER_OTLP_ENDPOINT (and
 friends) is set; nothing is set up without it."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -11,8 +15,10 @@ import yaml
 from orchestrator.client import AsyncClient
 from orchestrator.stages.processes import OrchestratorProcess
 from services.mesh import telemetry
+from services.mesh.stage_client import StageClient, chat_submit
 from tests.helpers.otlp import OtlpReceiver, Received
-from tests.orchestrator.conftest import RENDER_DIM
+from tests.helpers.stage import tiny_config
+from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
 
 ORCHESTRATOR = "omni-orchestrator-traced"
 
@@ -36,20 +42,31 @@ def pipeline_file(stages, path: Path) -> Path:
 
 
 async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
-    stages, tmp_path: Path
+    tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
 ) -> None:
     with OtlpReceiver() as receiver:
-        process = OrchestratorProcess(
-            pipeline_file(stages, tmp_path / "p.yaml"), env=receiver.env()
-        )
-        address = await process.start()
+        stages = Stages(tmp_path, env=receiver.env())
+        process = None
         try:
+            runtime = {"torch_threads": 1, "inline_max_bytes": 1024}
+            await stages.start(
+                {
+                    "thinker": tiny_config("thinker", omni_cache_dir, runtime=runtime),
+                    "renderer": renderer_config(omni_cache_dir),
+                }
+            )
+            process = OrchestratorProcess(
+                pipeline_file(stages, tmp_path / "p.yaml"), env=receiver.env()
+            )
+            address = await process.start()
             async with AsyncClient(address) as client:
                 await client.wait_ready(timeout_s=60)
                 params = {"max_tokens": 12, "seed": 3}
                 result = await client.generate("Paint.", params=params, request_id="t1").collect()
         finally:
-            await process.stop()  # flushes the exporters
+            if process is not None:
+                await process.stop()  # flushes the exporters
+            await stages.stop()
         assert result.ok, result.done
         tokens = len(result.stages["thinker"].token_ids)
 
@@ -64,10 +81,33 @@ async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
         for stage in ("thinker", "renderer"):
             assert by_name[f"omni.stage {stage}"].parent_id == root.span_id
         windows = [s for s in mine if s.name == "omni.window thinker->renderer"]
-        assert len(windows) == -(-tokens // 4)  # one span per window of 4 tokens
+        assert len(windows) == tokens // 4 + 1  # full windows of 4, then the last (is_last)
         assert {w.parent_id for w in windows} == {by_name["omni.stage renderer"].span_id}
         thinker = by_name["omni.stage thinker"]
         assert thinker.attributes["gen_ai.usage.output_tokens"] == tokens
+
+        # The stages' own spans hang under the orchestrator's span of that stage.
+        def stage_spans_in(received: Received) -> bool:
+            names = {(s.service, s.name) for s in received.spans if s.trace_id == root.trace_id}
+            return {
+                ("omni-stage-thinker", "stage.handoff"),
+                ("omni-stage-renderer", "stage.compute"),
+            } <= names
+
+        spans = receiver.wait_for(stage_spans_in).spans
+        mine = [s for s in spans if s.trace_id == root.trace_id]
+        for stage in ("thinker", "renderer"):
+            served = next(s for s in mine if s.name == f"stage {stage}")
+            assert served.service == f"omni-stage-{stage}"
+            parent = next((s for s in mine if s.span_id == served.parent_id), None)
+            assert served.parent_id == by_name[f"omni.stage {stage}"].span_id, (stage, parent)
+            children = {s.name for s in mine if s.parent_id == served.span_id}
+            assert {"stage.queue", "stage.compute"} <= children
+        handoffs = [
+            s for s in mine if s.name == "stage.handoff" and s.service == "omni-stage-thinker"
+        ]
+        shm = [h for h in handoffs if h.attributes["omni.transport"] == "shm"]
+        assert sum(h.attributes["omni.tensor.bytes"] for h in shm) == tokens * RENDER_DIM * 4
 
         # Metrics: the thinker's hidden states (tokens x RENDER_DIM float32) went
         # by shared memory, the renderer's image as bytes; the tokens counted.
@@ -92,3 +132,38 @@ async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
         assert receiver.latest(
             ORCHESTRATOR, "omni.edge.windows", **{"omni.edge": "thinker->renderer"}
         ) == len(windows)
+
+
+async def test_a_stage_serves_metrics_for_scraping_when_given_a_port(tmp_path: Path) -> None:
+    with socket.socket() as probe:  # a free port for the scrape endpoint
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = {
+        "name": "scraped",
+        "engine": "tests.helpers.engines:ScriptedEngine",
+        "load_format": "dummy",
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    stages = Stages(tmp_path, env={"OMNI_PROMETHEUS_PORT": str(port)})
+    try:
+        await stages.start({"scraped": config})
+        async with StageClient(stages.addresses["scraped"]) as stage:
+            outputs = [o async for o in stage.generate(chat_submit("p1", "hello", max_tokens=3))]
+        assert outputs[-1].WhichOneof("kind") == "completed"
+        url = f"http://127.0.0.1:{port}/metrics"
+        text = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(url, timeout=10).read().decode()
+        )
+    finally:
+        await stages.stop()
+    # Both gauges exist for the stage, and read 0 now that the request is over.
+    for name in ("omni_stage_running", "omni_stage_queue_depth"):
+        line = next(
+            (
+                ln
+                for ln in text.splitlines()
+                if ln.startswith(name) and 'omni_stage="scraped"' in ln
+            ),
+            None,
+        )
+        assert line is not None and line.rsplit(" ", 1)[1] == "0.0", (name, text[:2000])

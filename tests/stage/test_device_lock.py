@@ -107,4 +107,32 @@ def test_default_lock_dir_comes_from_the_environment(
     monkeypatch.setenv("OMNI_LOCK_DIR", str(tmp_path))
     assert DeviceLock("cpu", "x").path.parent == tmp_path
     monkeypatch.delenv("OMNI_LOCK_DIR")
-    assert DeviceLock("cpu", "x").path.parent == Path("/tmp/omni-locks")
+    assert DeviceLock("cpu", "x").path.parent == Path(f"/tmp/omni-locks-{os.getuid()}")
+
+
+async def test_a_planted_link_is_refused_and_its_target_stays_intact(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    locks = tmp_path / "locks"
+    lock = DeviceLock("cuda:0", "thinker", locks)
+    locks.mkdir(mode=0o700)
+    lock.path.symlink_to(victim)
+    with pytest.raises(InitFailed) as err:
+        await lock.acquire(timeout_s=1.0)
+    assert "symbolic link" in err.value.message and str(lock.path) in err.value.message
+    assert victim.read_text() == "precious" and not lock.held
+
+
+async def test_the_lock_dir_is_created_private(tmp_path: Path) -> None:
+    lock = DeviceLock("cpu", "thinker", tmp_path / "new" / "locks")
+    await lock.acquire(timeout_s=1.0)
+    try:
+        assert (tmp_path / "new" / "locks").stat().st_mode & 0o777 == 0o700
+        assert lock.path.stat().st_mode & 0o777 == 0o600
+    finally:
+        lock.release()
+    # A lock dir that is itself a link is refused.
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InitFailed):
+        await DeviceLock("cpu", "x", tmp_path / "linked").acquire(timeout_s=1.0)

@@ -37,6 +37,9 @@ class RecordingHook:
     def done(self, result: FetchResult, duration_s: float) -> None:
         self.events.append(("done", result, duration_s))
 
+    def preparing(self, what: str) -> None:
+        self.events.append(("preparing", what, None))
+
     @property
     def kinds(self) -> list[str]:
         return [kind for kind, *_ in self.events if kind != "progress"]
@@ -49,8 +52,9 @@ class RecordingHook:
 def fetch(source: str, cache: Path, **kwargs: float) -> tuple[FetchResult, RecordingHook]:
     hook = RecordingHook()
     result = fetch_model(source, cache, hook, **kwargs)
-    assert hook.kinds == ["start", "done"]
-    assert hook.events[-1][1] == result
+    # An archive is unpacked after its bytes are in: local work, named as such.
+    assert hook.kinds[:2] == ["start", "done"] and hook.kinds[2:] in ([], ["preparing"])
+    assert next(e for e in hook.events if e[0] == "done")[1] == result
     return result, hook
 
 
@@ -246,9 +250,11 @@ def test_http_tar_gz_is_extracted_to_a_folder(tmp_path: Path) -> None:
     members = {"model/config.json": b"{}", "model/weights/part0.bin": os.urandom(5000)}
     make_tar(tmp_path / "srv" / "model.tar.gz", members, links={"model/alias.json": "config.json"})
     with FileServer(tmp_path / "srv") as server:
-        result, _ = fetch(server.url("model.tar.gz"), tmp_path / "cache")
-        again, _ = fetch(server.url("model.tar.gz"), tmp_path / "cache")
+        result, hook = fetch(server.url("model.tar.gz"), tmp_path / "cache")
+        again, hook_again = fetch(server.url("model.tar.gz"), tmp_path / "cache")
         assert len(server.requests) == 1
+    assert hook.events[-1][:2] == ("preparing", "unpacking model.tar.gz")
+    assert hook_again.kinds == ["start", "done"]  # unpacked once, then a cache hit
     assert result.path.is_dir() and not result.cache_hit
     for name, payload in members.items():
         assert (result.path / name).read_bytes() == payload

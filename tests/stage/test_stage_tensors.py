@@ -67,9 +67,9 @@ async def test_outputs_go_by_shared_memory_to_a_consumer_on_this_node(thinker) -
 @pytest.mark.parametrize(
     ("name", "offset", "code", "field"),
     [
-        ("omni-othermesh-1-1", 0, "FAILED_PRECONDITION", ""),
+        ("omni-othermesh-1-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
         ("../../etc/passwd", 0, "INVALID_ARGUMENT", "inputs.tensors[0].shm.name"),
-        ("omni-default-999999999-1", 0, "FAILED_PRECONDITION", ""),
+        ("omni-default-999999999-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
     ],
 )
 async def test_refs_that_cannot_be_opened_here_are_refused(thinker, name, offset, code, field):

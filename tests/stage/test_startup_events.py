@@ -44,3 +44,32 @@ async def test_lock_acquired_and_ready_report_their_own_phase(tmp_path: Path) ->
     # READY closes the warm-up: its duration is that phase's, not the whole start-up.
     assert ready.duration_ms <= (ready.monotonic_s - warmup.monotonic_s) * 1e3 + 1
     assert ready.duration_ms < (ready.monotonic_s - acquired.monotonic_s) * 1e3
+
+
+async def start_and_follow(config: dict[str, object]) -> list[stage_pb2.InitEvent]:
+    server = StageServer(parse_stage_config(config))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        async with StageClient(f"127.0.0.1:{port}") as client:
+            return await client.wait_ready(timeout_s=300)
+    finally:
+        await server.stop(1.0)
+
+
+async def test_a_one_time_conversion_is_its_own_step(tmp_path: Path, smollm2_gguf: Path) -> None:
+    # A cache of its own: the GGUF is converted here, then found converted.
+    config = {
+        "name": "converting",
+        "engine": "transformers",
+        "model": str(smollm2_gguf),
+        "cache_dir": str(tmp_path / "cache"),
+        "engine_args": {"config_overrides": {"num_hidden_layers": 1}},
+        "load_format": "dummy",
+    }
+    converting = await start_and_follow(config)
+    first = [stage_pb2.InitPhase.Name(e.phase) for e in converting]
+    again = [stage_pb2.InitPhase.Name(e.phase) for e in await start_and_follow(config)]
+    assert first.index("DOWNLOAD_DONE") < first.index("PREPARE") < first.index("LOAD_START")
+    prepare = converting[first.index("PREPARE")]
+    assert prepare.message == f"converting {smollm2_gguf.name} to safetensors (once per file)"
+    assert "PREPARE" not in again and "LOAD_START" in again

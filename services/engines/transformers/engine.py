@@ -29,7 +29,11 @@ from services.engines.base import (
 )
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
-from services.engines.transformers.loading import load_model
+from services.engines.transformers.loading import (
+    conversion_pending,
+    converted_folder,
+    load_model,
+)
 from services.engines.transformers.sequence import Delivery, Sequence
 from services.engines.transformers.step_loop import BatchLimits, StepLoop
 from services.mesh.errors import InitFailed
@@ -58,6 +62,12 @@ class TransformersEngine:
         self._active: dict[str, Sequence] = {}
 
     # -- lifecycle -------------------------------------------------------------
+
+    def preparation(self, model_path: Path) -> str | None:
+        return conversion_pending(model_path, self._settings.cache_dir)
+
+    def prepare(self, model_path: Path) -> None:
+        converted_folder(model_path, self._settings.cache_dir)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:

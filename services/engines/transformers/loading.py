@@ -95,6 +95,24 @@ def model_info(model: PreTrainedModel, description: str = "") -> ModelInfo:
     return ModelInfo(model_bytes=model_bytes, kv=kv, description=description)
 
 
+def _converted_target(gguf: Path, cache_dir: Path) -> tuple[Path, Path]:
+    real = gguf.resolve()
+    stat = real.stat()
+    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    return real, cache_dir / "converted" / f"{digest[:16]}-{real.stem}"
+
+
+def conversion_pending(model_path: Path, cache_dir: Path) -> str | None:
+    """What loading ``model_path`` must do first, once: None if nothing (not a GGUF,
+    or converted already)."""
+    if model_path.suffix != ".gguf" or not model_path.is_file():
+        return None
+    _real, target = _converted_target(model_path, cache_dir)
+    if (target / "config.json").is_file():
+        return None
+    return f"converting {model_path.name} to safetensors (once per file)"
+
+
 def converted_folder(gguf: Path, cache_dir: Path) -> Path:
     """The safetensors folder for ``gguf``, converting it on first use.
 
@@ -102,10 +120,7 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
     is converted again. Stages racing on the same file each convert into a private
     temp folder and rename it into place; the loser keeps the winner's folder.
     """
-    real = gguf.resolve()
-    stat = real.stat()
-    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_dir / "converted" / f"{digest[:16]}-{real.stem}"
+    real, target = _converted_target(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -163,8 +163,7 @@ class VideoEngine:
             state.frame_size = size
             windows = pipeline.plan(state, frames, request.params.seed or 0)
             async for index, upscaled in pipeline.run(state, windows):
-                yield TensorOutput({FRAMES: upscaled})
-                # The progress event makes the runtime flush: one segment per window.
+                yield TensorOutput({FRAMES: upscaled})  # each window's frames: a segment
                 yield ProgressOutput(step=index + 1, total_steps=state.windows)
             finished = True
             count = int(frames.shape[0])
@@ -172,8 +171,9 @@ class VideoEngine:
         finally:
             self._streams.release(rid, keep=finished)
 
-    async def abort(self, request_id: str) -> None:
-        """Nothing to do: a call stops at its next window when its consumer stops."""
+    def release(self, request_id: str) -> None:
+        """The request has ended (the stage says so): its state goes at once."""
+        self._streams.forget(request_id)
 
     def close(self) -> None:
         self._streams.clear()

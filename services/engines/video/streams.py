@@ -85,6 +85,10 @@ class StreamStates:
         else:
             self._drop(request_id)
 
+    def forget(self, request_id: str) -> None:
+        """The request is over: drop its state (nothing to refuse later)."""
+        self._entries.pop(request_id, None)
+
     def clear(self) -> None:
         self._entries.clear()
 

@@ -88,16 +88,18 @@ def fetch_http(
             feed = ProgressFeed(hook, progress_interval_s)
             _download(url, shown, final, expected_sha, feed, stall_timeout_s, cancel)
         fetched = final.stat().st_size  # an archive's own bytes, before it is unpacked
+        verified = downloaded and expected_sha is not None  # _download checked the digest
+        result = FetchResult(target, fetched, not downloaded, shown, verified)
+        duration = time.monotonic() - started
+        logger.info("fetched %s: %s in %.1fs", shown, format_bytes(result.nbytes), duration)
+        hook.done(result, duration)  # the bytes are here: unpacking is local work
         if suffix:
+            hook.preparing(f"unpacking {final.name.removeprefix(key + '-')}")
             try:
                 extract_archive(final, target)
             finally:
                 # Refused or not, the archive goes: a fixed one at this URL is then fetched anew.
                 final.unlink()
-    result = FetchResult(target, fetched, not downloaded, shown)
-    duration = time.monotonic() - started
-    logger.info("fetched %s: %s in %.1fs", shown, format_bytes(result.nbytes), duration)
-    hook.done(result, duration)
     return result
 
 

@@ -27,6 +27,7 @@ class FetchResult:
     nbytes: int  # bytes fetched (an archive's own size, not what it unpacks to)
     cache_hit: bool
     source: str
+    verified: bool = False  # its bytes matched the #sha256= the source pinned
 
 
 class DownloadHook(Protocol):
@@ -37,6 +38,10 @@ class DownloadHook(Protocol):
     def progress(self, bytes_done: int, bytes_total: int | None) -> None: ...
 
     def done(self, result: FetchResult, duration_s: float) -> None: ...
+
+    def preparing(self, what: str) -> None:
+        """Local work on the fetched bytes starts now (unpacking an archive)."""
+        ...
 
 
 class FetchCancelled(InitFailed):

@@ -28,6 +28,7 @@ class InitPhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WARMUP: _ClassVar[InitPhase]
     READY: _ClassVar[InitPhase]
     FAILED: _ClassVar[InitPhase]
+    PREPARE: _ClassVar[InitPhase]
 INIT_PHASE_UNSPECIFIED: InitPhase
 STARTING: InitPhase
 DEVICE_LOCK_WAIT: InitPhase
@@ -41,6 +42,7 @@ MEMORY_PLANNED: InitPhase
 WARMUP: InitPhase
 READY: InitPhase
 FAILED: InitPhase
+PREPARE: InitPhase
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

@@ -1,0 +1,117 @@
+"""The rendered chart, run for real: charts/ rendered with real Helm and the
+local-play values (host network, distinct ports), played with `podman kube play`
+on the CPU image; a prompt through the orchestrator Pod comes back with text and
+an image, and a stage container answers grpcurl's health and InitStatus."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from orchestrator.client import AsyncClient
+from orchestrator.outputs import save_outputs
+from tests.containers import podman
+from tests.deploy.chart import CHART_DIR, load_values, merge, render
+from tests.helpers.grpcurl import grpcurl, health, json_stream
+
+pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
+
+PODMAN_VALUES = CHART_DIR / "ci" / "podman-values.yaml"
+# A fixed release: its model-cache claim is a podman volume of the same name that
+# keeps the converted SmolLM2 between runs on one machine (the machine lock keeps
+# two runs from playing it at once).
+RELEASE = "omni-ci"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
+    repository, tag = image.rsplit(":", 1)
+    orchestrator, thinker, renderer = _free_ports(3)
+    ports = {"orchestrator": orchestrator, "thinker": thinker, "renderer": renderer}
+    values = merge(
+        load_values(PODMAN_VALUES),
+        {
+            "image": {"repository": repository, "tag": tag},
+            "orchestrator": {"port": orchestrator},
+            "stages": {"thinker": {"port": thinker}, "renderer": {"port": renderer}},
+        },
+    )
+    docs = podman.podman_compatible(render(values, name=RELEASE))
+    path = tmp_path / "rendered.yaml"
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return path, ports
+
+
+async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podman(
+    cpu_image: podman.Image, figures: dict[str, object], tmp_path: Path
+) -> None:
+    manifests, ports = _manifests(cpu_image.ref, tmp_path)
+    with podman.machine_lock():
+        began = time.monotonic()
+        with podman.kube_played(manifests) as pods:
+            units = sorted(pod.removeprefix(f"{RELEASE}-").split("-pod")[0] for pod in pods)
+            assert units == ["orchestrator", "renderer", "thinker"], pods
+            (thinker_pod,) = (pod for pod in pods if pod.startswith(f"{RELEASE}-thinker-pod"))
+            async with AsyncClient(f"127.0.0.1:{ports['orchestrator']}") as client:
+                await client.wait_ready(timeout_s=900)
+                ready_s = time.monotonic() - began
+                asked = time.monotonic()
+                result = await client.generate(
+                    "Describe a red apple.", params={"max_tokens": 16}, request_id="podman-1"
+                ).collect()
+                answer_s = time.monotonic() - asked
+            assert result.ok, result.done
+            thinker = result.stages["thinker"]
+            assert len(thinker.token_ids) == 16 and thinker.text.strip()
+            (png,) = save_outputs(result, "podman-1", tmp_path / "out")
+            with Image.open(png) as image:
+                assert image.size == (64, 64) and image.mode == "RGB"
+
+            orchestrator = f"127.0.0.1:{ports['orchestrator']}"
+            assert (
+                await asyncio.to_thread(health, orchestrator, "omni.v1.Orchestrator") == "SERVING"
+            )
+            stage = f"127.0.0.1:{ports['thinker']}"
+            assert await asyncio.to_thread(health, stage, "omni.v1.Stage") == "SERVING"
+            assert await asyncio.to_thread(health, stage, "liveness") == "SERVING"
+            events = json_stream(
+                await asyncio.to_thread(grpcurl, stage, "omni.v1.Stage/InitStatus")
+            )
+            phases = [event["phase"] for event in events]
+            assert phases[0] == "STARTING" and phases[-1] == "READY", phases
+            assert {"LOAD_DONE", "MEMORY_PLANNED"} <= set(phases)
+
+            # The chart's hardening holds under podman too.
+            inspected = podman.run(
+                "inspect",
+                "--format",
+                "{{.Config.User}} {{.HostConfig.ReadonlyRootfs}}",
+                podman.container_of(thinker_pod, "thinker"),
+            ).stdout.split()
+            assert inspected == ["10001:10001", "true"], inspected
+    docs = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
+    assert podman.pods_of(docs) == []  # taken down on the way out
+    figures.update(
+        image=cpu_image.ref,
+        image_size_mb=round(cpu_image.size_bytes / 1e6),
+        image_build_s=None if cpu_image.build_s is None else round(cpu_image.build_s, 1),
+        kube_play_to_ready_s=round(ready_s, 1),
+        first_answer_s=round(answer_s, 2),
+    )
+    print(f"\nkube play to READY: {ready_s:.1f}s, first answer {answer_s:.2f}s")

@@ -1,0 +1,250 @@
+"""TLS, mTLS, tokens and request ownership, with real stage processes, a real
+orchestrator and the real grpcurl binary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.client import AsyncClient
+from orchestrator.pipeline import parse_pipeline
+from orchestrator.server import OrchestratorServer
+from orchestrator.stages.processes import StageProcess
+from services.mesh.certs import MeshCA
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.security import Dialing, SecuritySettings, client_dialing, mesh_dialing
+from services.mesh.stage_client import StageClient, chat_submit
+from tests.helpers.grpcurl import GRPCURL
+from tests.helpers.stage import tiny_config, write_config
+from tests.orchestrator.conftest import Stages
+
+
+class Mesh:
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.ca = MeshCA(folder / "pki")
+        self.orchestrator_cert = self.ca.issue("orchestrator")
+        self.mesh_token = folder / "mesh-token"
+        self.mesh_token.write_text(secrets.token_hex(24) + "\n")
+        self.tokens = {name: secrets.token_hex(20) for name in ("alice", "bob", "root")}
+        self.tokens_file = folder / "tokens.yaml"
+        entries = [{"name": n, "token": t, "admin": n == "root"} for n, t in self.tokens.items()]
+        self.tokens_file.write_text(yaml.safe_dump({"tokens": entries}))
+        self.stages = Stages(folder)
+
+    def settings(self, **extra: object) -> SecuritySettings:
+        cert = self.orchestrator_cert
+        return SecuritySettings(
+            tls_cert=cert.cert,
+            tls_key=cert.key,
+            tls_ca=cert.ca,
+            mesh_token_file=self.mesh_token,
+            tokens_file=self.tokens_file,
+            **extra,  # type: ignore[arg-type]
+        )
+
+    def client(self, address: str, who: str | None) -> AsyncClient:
+        token = self.tokens[who] if who else None
+        return AsyncClient(address, client_dialing(token=token, ca=self.ca.ca))
+
+
+@pytest.fixture(scope="module")
+async def mesh(
+    tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path
+) -> AsyncIterator[Mesh]:
+    mesh = Mesh(tmp_path_factory.mktemp("secure"))
+    runtime = {"torch_threads": 1, "max_batch_size": 1, "max_queue_size": 8}
+    thinker_cert = mesh.ca.issue("thinker")
+    talker_cert = mesh.ca.issue("talker")
+    # The thinker: TLS and the mesh token (probes need no certificate).
+    thinker = tiny_config("thinker", omni_cache_dir, runtime=runtime)
+    thinker["security"] = {
+        "tls_cert": str(thinker_cert.cert),
+        "tls_key": str(thinker_cert.key),
+        "mesh_token_file": str(mesh.mesh_token),
+    }
+    # The talker: mTLS, every caller presents a certificate of the mesh CA.
+    talker = tiny_config("talker", omni_cache_dir, runtime=runtime)
+    talker["security"] = {
+        "tls_cert": str(talker_cert.cert),
+        "tls_key": str(talker_cert.key),
+        "tls_ca": str(mesh.ca.ca),
+    }
+    try:
+        for name, config in (("thinker", thinker), ("talker", talker)):
+            process = StageProcess(write_config(mesh.folder / f"{name}.yaml", config))
+            mesh.stages.processes[name] = process
+            mesh.stages.addresses[name] = await process.start()
+        dialing = mesh_dialing(mesh.settings())
+        for address in mesh.stages.addresses.values():
+            async with StageClient(address, dialing) as client:
+                await client.wait_ready(timeout_s=180)
+        yield mesh
+    finally:
+        await mesh.stages.stop()
+
+
+def _pipeline(mesh: Mesh, stage: str):
+    address = mesh.stages.addresses[stage].replace("127.0.0.1", "localhost")
+    return parse_pipeline(
+        {"name": "secure", "stages": [{"name": stage, "address": address}]}, "secure.yaml"
+    )
+
+
+async def _serve(mesh: Mesh, stage: str, **extra: object) -> tuple[OrchestratorServer, str]:
+    """An orchestrator over one of the stages (the talker: mTLS; the thinker: token)."""
+    server = OrchestratorServer(_pipeline(mesh, stage), security=mesh.settings(**extra))
+    port = await server.start("127.0.0.1", 0)
+    async with mesh.client(f"localhost:{port}", "root") as client:
+        await client.wait_ready(timeout_s=60)
+    return server, f"localhost:{port}"
+
+
+async def test_stage_with_mesh_token_refuses_strangers_but_not_probes(mesh: Mesh) -> None:
+    address = mesh.stages.addresses["thinker"]
+    stranger = Dialing(grpc.ssl_channel_credentials(mesh.ca.ca.read_bytes()))
+    async with StageClient(address, stranger) as client:
+        # Probes: health and InitStatus need no token.
+        reply = await health_pb2_grpc.HealthStub(client.channel).Check(
+            health_pb2.HealthCheckRequest(service="omni.v1.Stage")
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        first = await anext(aiter(client.init_events()))
+        assert first.phase == stage_pb2.STARTING
+        for call in (
+            client.describe(),
+            client.abort("x"),
+            client.release_tensors(stage_pb2.ReleaseTensorsRequest(request_id="x")),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.generate(chat_submit("s1", "hi", max_tokens=2)):
+                pass
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    wrong = Dialing(stranger.credentials, token="not-the-mesh-token-at-all")
+    async with StageClient(address, wrong) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.describe()
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with StageClient(address, mesh_dialing(mesh.settings())) as client:
+        outputs = [o async for o in client.generate(chat_submit("s2", "hi", max_tokens=3))]
+        assert outputs[-1].WhichOneof("kind") == "completed"
+        assert sum(len(o.segment.token_ids) for o in outputs) == 3
+
+
+async def test_stage_with_mtls_needs_a_mesh_certificate(mesh: Mesh) -> None:
+    address = mesh.stages.addresses["talker"]
+    other_ca = MeshCA(mesh.folder / "other-pki").issue("intruder")
+    for dialing in (
+        Dialing(grpc.ssl_channel_credentials(mesh.ca.ca.read_bytes())),  # no certificate
+        Dialing(
+            grpc.ssl_channel_credentials(
+                mesh.ca.ca.read_bytes(), other_ca.key.read_bytes(), other_ca.cert.read_bytes()
+            )
+        ),  # a certificate of another CA
+    ):
+        async with StageClient(address, dialing) as client:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await client.describe()
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with StageClient(address, mesh_dialing(mesh.settings())) as client:
+        assert (await client.describe()).name == "talker"
+
+
+async def test_tokens_ownership_and_admin_pause(mesh: Mesh) -> None:
+    server, address = await _serve(mesh, "talker", max_pause_s=0.5)
+    try:
+        async with mesh.client(address, None) as anonymous:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anonymous.list_stages()
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert await anonymous.serving()  # health stays open for probes
+        async with (
+            mesh.client(address, "alice") as alice,
+            mesh.client(address, "bob") as bob,
+            mesh.client(address, "root") as root,
+        ):
+            # A long request of alice's: bob cannot abort it (not found to him)...
+            events = alice.generate(
+                "Tell a long story", request_id="alice-1", params={"max_tokens": 2000}
+            )
+            stream = aiter(events)
+            first = await anext(stream)
+            assert first.WhichOneof("kind") == "segment"
+            # Nor cancel it on a GenerateStream of his.
+            call = bob.stub.GenerateStream(metadata=bob.metadata)
+            cancel = orchestrator_pb2.StreamInput(cancel=stage_pb2.Cancel(request_id="alice-1"))
+            await call.write(cancel)
+            await call.done_writing()
+            answers = [event async for event in call]
+            assert [(e.done.request_id, e.done.code_name) for e in answers] == [
+                ("alice-1", "NOT_FOUND")
+            ]
+            reply = await bob.abort("alice-1")
+            assert list(reply.not_found) == ["alice-1"] and not reply.aborted
+            assert "alice-1" in server.router
+            # ...alice can.
+            reply = await alice.abort("alice-1")
+            assert list(reply.aborted) == ["alice-1"]
+            rest = [e async for e in stream]
+            assert rest[-1].done.code_name == "CANCELLED"
+            # Pausing is an admin's act.
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await alice.pause()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            await root.pause()
+            # Past max_pause_s a new request is refused, not held forever.
+            result = await alice.generate("Hi", params={"max_tokens": 2}).collect()
+            assert result.done is not None and result.done.code_name == "UNAVAILABLE"
+            assert "paused" in result.done.message
+            await root.resume()
+            result = await alice.generate("Hi", params={"max_tokens": 2}).collect()
+            assert result.ok, result.done
+            assert len(result.stages["talker"].token_ids) > 0
+    finally:
+        await server.stop(1.0)
+
+
+async def test_grpcurl_with_cacert_and_bearer_token(mesh: Mesh) -> None:
+    server, address = await _serve(mesh, "thinker")
+    try:
+
+        async def grpcurl(*args: str) -> tuple[int, str, str]:
+            proc = await asyncio.create_subprocess_exec(
+                GRPCURL,
+                "-cacert",
+                str(mesh.ca.ca),
+                "-max-time",
+                "60",
+                *args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            out, err = await proc.communicate()
+            return proc.returncode or 0, out.decode(), err.decode()
+
+        code, out, _ = await grpcurl(address, "list")
+        assert code == 0 and "omni.v1.Orchestrator" in out
+        code, out, err = await grpcurl(address, "omni.v1.Orchestrator/ListStages")
+        assert code != 0 and "Unauthenticated" in err
+        header = f"authorization: Bearer {mesh.tokens['alice']}"
+        code, out, err = await grpcurl("-H", header, address, "omni.v1.Orchestrator/ListStages")
+        assert code == 0, err
+        stages = json.loads(out)["stages"]
+        assert [s["name"] for s in stages] == ["thinker"]
+        assert all(
+            s["state"] == orchestrator_pb2.StageState.Name(orchestrator_pb2.STAGE_READY)
+            for s in stages
+        )
+    finally:
+        await server.stop(1.0)

@@ -1,0 +1,94 @@
+"""What a stage promises an engine about one request: every whole output the
+engine emits reaches the client (a later window's never overwrites an earlier
+one), and an engine that keeps state per request is told once it has ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.mesh import tensors as codec
+from services.mesh.pb.omni.v1 import stage_pb2
+from services.mesh.stage_client import StageClient
+from services.stage.config import parse_stage_config
+from services.stage.server import StageServer
+from tests.helpers.stage import cancel
+
+
+@pytest.fixture(scope="module")
+async def stage(tmp_path_factory: pytest.TempPathFactory):
+    config = {
+        "name": "scripted",
+        "engine": "tests.helpers.engines:ScriptedEngine",
+        "load_format": "dummy",
+        "cache_dir": str(tmp_path_factory.mktemp("cache")),
+        "runtime": {"max_batch_size": 4, "streaming_input": True},
+        "segmenting": {"max_segment_tokens": 64, "min_flush_interval_ms": 60_000},
+    }
+    server = StageServer(parse_stage_config(config))
+    port = await server.start("127.0.0.1", 0)
+    async with StageClient(f"127.0.0.1:{port}") as client:
+        await client.wait_ready(timeout_s=30)
+        yield server, client
+    await server.stop(1.0)
+
+
+def window(rid: str, seq: int, last: bool, text: str) -> stage_pb2.StageInput:
+    submit = stage_pb2.Submit(request_id=rid, sequence=seq, is_last=last)
+    submit.inputs.text = text
+    return stage_pb2.StageInput(submit=submit)
+
+
+async def run(client: StageClient, messages: list[stage_pb2.StageInput]) -> list:
+    call = client.open_stream()
+    for message in messages:
+        await call.write(message)
+    await call.done_writing()
+    return [output async for output in call]
+
+
+async def test_every_window_s_outputs_arrive_none_overwritten(stage) -> None:
+    server, client = stage
+    # Two windows of one streaming request, each emitting three "frame" outputs
+    # with no flush in between: all six reach the client, in order.
+    outputs = await run(
+        client, [window("w", 0, False, "tensors 3"), window("w", 1, True, "tensors 3")]
+    )
+    frames = [
+        codec.from_proto(t).item()
+        for out in outputs
+        if out.WhichOneof("kind") == "segment"
+        for t in out.segment.tensors
+    ]
+    assert frames == [0, 1, 2, 0, 1, 2]
+    assert outputs[-1].WhichOneof("kind") == "completed"
+    assert server.engine.released.count("w") == 1
+
+
+async def test_the_engine_hears_of_the_end_on_every_path(stage) -> None:
+    server, client = stage
+    await run(client, [window("done", 0, True, "plain")])
+    call = client.open_stream()
+    await call.write(window("cut", 0, True, "hold"))
+    await call.read()  # its first token: it is running
+    await call.write(cancel("cut"))
+    await call.done_writing()
+    outputs = []
+    while (output := await call.read()) is not grpc.aio.EOF:
+        outputs.append(output)
+    assert outputs[-1].error.code_name == "CANCELLED"
+    gone = client.open_stream()
+    await gone.write(window("gone", 0, True, "hold"))
+    await gone.read()
+    gone.cancel()  # the client's stream goes away mid-request
+    for _ in range(100):  # the stage notices the stream is gone, then ends the request
+        if "gone" in server.engine.released:
+            break
+        await asyncio.sleep(0.02)
+    assert [r for r in server.engine.released if r in {"done", "cut", "gone"}] == [
+        "done",
+        "cut",
+        "gone",
+    ]
