@@ -25,6 +25,8 @@ class EngineSettings:
     dtype: str | None = None  # None: the engine's default for the device
     load_format: LoadFormat = "auto"
     max_prompt_tokens: int = 4096
+    # The most requests one engine step may run together (the stage's runtime.max_batch_size).
+    max_batch_size: int = 1
     cache_dir: Path = field(default_factory=lambda: Path("~/.cache/omni-mesh").expanduser())
     engine_args: Mapping[str, Any] = field(default_factory=dict)
 
@@ -95,6 +97,9 @@ class FinishOutput:
     reason: str  # "length", "stop", "eos" or "done"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # Time the request waited inside the engine for a place in a batch (its
+    # admission), before its first step ran. A timing, not part of the outcome.
+    queue_ms: float = field(default=0.0, compare=False)
 
 
 EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput
@@ -153,6 +158,16 @@ class Engine(Protocol):
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PlansKvCache(Protocol):
+    """An engine whose KV cache the stage's memory plan bounds (MEMORY_PLANNED)."""
+
+    def plan_kv_cache(self, pages: int, page_size: int) -> None:
+        """At most ``pages`` KV pages of ``page_size`` tokens may be held at once.
+        Called after ``load``, before ``warmup``."""
+        ...
 
 
 @runtime_checkable

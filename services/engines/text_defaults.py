@@ -31,15 +31,18 @@ class SamplingDefaults:
         return cls(**raw)
 
 
-def max_new_tokens(asked: int | None, default: int, room: int) -> int:
-    """The tokens a request may generate in the ``room`` its context leaves: an
-    explicit value must fit (INVALID_ARGUMENT otherwise); an unset one is cut to fit."""
+def max_new_tokens(
+    asked: int | None, default: int, room: int, where: str = "the model's context"
+) -> int:
+    """The tokens a request may generate in the ``room`` its prompt leaves in
+    ``where``: an explicit value must fit (INVALID_ARGUMENT otherwise); an unset
+    one is cut to fit."""
     if asked is None:
         return min(default, room)
     if not 1 <= asked <= room:
         raise InvalidArgument(
             f"params.max_tokens: must be between 1 and {room} (the room the prompt leaves "
-            f"in the model's context), got {asked}",
+            f"in {where}), got {asked}",
             field="params.max_tokens",
         )
     return asked

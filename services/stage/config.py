@@ -137,6 +137,7 @@ class StageConfig(_Frozen):
             dtype=self.dtype,
             load_format=self.load_format,
             max_prompt_tokens=self.runtime.max_prompt_tokens,
+            max_batch_size=self.runtime.max_batch_size,
             cache_dir=self.resolved_cache_dir,
             engine_args=dict(self.engine_args),
         )

@@ -44,7 +44,12 @@ class StageRuntime:
         self.engine = engine
         self.requests = InFlightRequests()
         self._clock = clock
-        self._admission = Admission(config.runtime.max_batch_size, config.runtime.max_queue_size)
+        # The engine batches: it decides which requests share a step (max_batch_size
+        # of them, within its KV plan) and queues the rest itself. Admission only
+        # bounds what the stage holds at once, so that enough requests reach the
+        # engine to form batches.
+        runtime = config.runtime
+        self._admission = Admission(runtime.max_batch_size + runtime.max_queue_size, 0)
         self.ready = False
         self.draining = False
         self.not_ready_reason = "stage is starting"
@@ -177,7 +182,7 @@ class StageRuntime:
                 done.reason,
                 done.prompt_tokens,
                 done.completion_tokens,
-                queue_ms=(started - submitted) * 1e3,
+                queue_ms=(started - submitted) * 1e3 + done.queue_ms,
                 time_to_first_ms=(done.first_at - submitted) * 1e3,
                 total_ms=(self._clock() - submitted) * 1e3,
             )
@@ -256,6 +261,7 @@ class StageRuntime:
                     done.reason = event.reason
                     done.prompt_tokens += event.prompt_tokens
                     done.completion_tokens += event.completion_tokens
+                    done.queue_ms += event.queue_ms
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -269,3 +275,4 @@ class _Done:
     reason: str = "done"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    queue_ms: float = 0.0  # inside the engine, waiting for a place in a batch

@@ -16,7 +16,7 @@ import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine, PreparesModel
+from services.engines.base import Engine, PlansKvCache, PreparesModel
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
@@ -158,6 +158,9 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             ),
             message=f"model {plan.model_bytes} bytes, {plan.cache_pages} KV pages",
         )
+        if info.kv is not None and isinstance(engine, PlansKvCache):
+            # The engine admits requests only while their KV fits these pages.
+            engine.plan_kv_cache(plan.cache_pages, plan.page_size)
         t0 = time.monotonic()
         bus.publish(stage_pb2.WARMUP, message="first forward")
         await asyncio.to_thread(engine.warmup)

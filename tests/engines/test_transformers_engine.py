@@ -69,7 +69,7 @@ def req(rid: str = "r", params: SamplingParams = GREEDY, **inputs: object) -> En
 
 @pytest.fixture(scope="module")
 def engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
-    engine = TransformersEngine(EngineSettings(cache_dir=omni_cache_dir))
+    engine = TransformersEngine(EngineSettings(cache_dir=omni_cache_dir, max_batch_size=4))
     engine.load(smollm2_gguf)
     engine.warmup()
     yield engine

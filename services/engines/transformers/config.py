@@ -28,11 +28,18 @@ class TransformersArgs:
     # Applied to the model config before building it; only with load_format "dummy",
     # so tests and benchmarks get a tiny model that still uses the real tokenizer.
     config_overrides: Mapping[str, Any] = field(default_factory=dict)
+    # Prompt tokens one prefill forward may run, all newcomers together: bigger
+    # prefills faster, smaller stalls the running decoders less.
+    prefill_tokens: int = 512
+    # How long an idle engine waits after a request arrives for others sent with
+    # it, so that they share their first step (costs a lone request this much TTFT).
+    gather_ms: float = 10.0
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> TransformersArgs:
         args = dict(settings.engine_args)
-        unknown = sorted(set(args) - {"dtype", "defaults", "config_overrides"})
+        known = {"dtype", "defaults", "config_overrides", "prefill_tokens", "gather_ms"}
+        unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"engine_args: unknown keys {unknown} for the transformers engine")
         dtype_name = settings.dtype or args.get("dtype") or _default_dtype(settings.device)
@@ -45,7 +52,17 @@ class TransformersArgs:
         if overrides and settings.load_format != "dummy":
             # Overriding the shape of a real checkpoint could only fail at load time.
             raise ValueError("engine_args.config_overrides needs load_format: dummy")
+        prefill_tokens = args.get("prefill_tokens", 512)
+        if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int):
+            raise ValueError("engine_args.prefill_tokens: expected an integer >= 1")
+        if prefill_tokens < 1:
+            raise ValueError("engine_args.prefill_tokens: expected an integer >= 1")
+        gather_ms = args.get("gather_ms", 10.0)
+        if isinstance(gather_ms, bool) or not isinstance(gather_ms, int | float) or gather_ms < 0:
+            raise ValueError("engine_args.gather_ms: expected a number >= 0")
         return cls(
+            prefill_tokens=prefill_tokens,
+            gather_ms=float(gather_ms),
             dtype=_DTYPES[dtype_name],
             defaults=defaults,
             config_overrides=MappingProxyType(dict(overrides)),

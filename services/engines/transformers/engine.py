@@ -1,22 +1,23 @@
 """The transformers engine: any causal LM that transformers can load, on CPU or GPU.
 
-Each request runs its own decode loop over a private ``DynamicCache``. Every
-forward step is one job on a single model thread, so concurrent requests take
-turns step by step and a cancelled request stops at the next step boundary.
+Requests are batched continuously (step_loop.py): every running request shares
+each forward pass, new ones join between steps, and a request whose consumer
+stops iterating ``generate`` (aclose, task cancel) leaves at the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.engines.base import (
     EngineEvent,
@@ -24,7 +25,7 @@ from services.engines.base import (
     EngineSettings,
     FinishOutput,
     ModelInfo,
-    TokenOutput,
+    SamplingParams,
 )
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
@@ -33,19 +34,13 @@ from services.engines.transformers.loading import (
     converted_folder,
     load_model,
 )
-from services.engines.transformers.sampling import sample
-from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+from services.engines.transformers.sequence import Delivery, Sequence
+from services.engines.transformers.step_loop import BatchLimits, StepLoop
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class _Running:
-    """What ``abort`` needs to reach a request that is being generated."""
-
-    request_id: str
-    aborted: bool = False
+_WARMUP_TIMEOUT_S = 600.0
 
 
 class TransformersEngine:
@@ -58,14 +53,13 @@ class TransformersEngine:
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
         self._args = TransformersArgs.from_settings(settings)
-        # One thread owns the model: steps of different requests queue up in
-        # arrival order, which is what interleaves them fairly.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="transformers-step")
         self._model: PreTrainedModel | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._running: dict[str, _Running] = {}
+        self._loop: StepLoop | None = None
+        self._kv: tuple[int, int] | None = None  # (pages, page_size) of the stage's plan
+        self._active: dict[str, Sequence] = {}
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -94,25 +88,63 @@ class TransformersEngine:
         )
         self._eos_ids = _eos_ids(model, tokenizer)
         self._model, self._tokenizer = model, tokenizer
+        self._start_loop()
         return loaded.info
 
+    def plan_kv_cache(self, pages: int, page_size: int) -> None:
+        assert self._limits is not None, "plan_kv_cache before load"
+        self._kv = (pages, page_size)
+        self._limits = replace(self._limits, kv_tokens=pages * page_size, page_size=page_size)
+        self._start_loop()
+        logger.info(
+            "transformers engine: %d KV pages of %d tokens, up to %d sequences a step",
+            pages,
+            page_size,
+            self._settings.max_batch_size,
+        )
+
     def warmup(self) -> None:
-        model = self._loaded()[0]
-        ids = torch.tensor([[0, 1]], device=model.device)
+        request = EngineRequest(
+            "warmup", token_ids=(0, 1), params=SamplingParams(max_tokens=2, temperature=0.0)
+        )
+        done = threading.Event()
+        failures: list[BaseException] = []
 
-        def step() -> None:
-            with torch.inference_mode():
-                model(input_ids=ids, past_key_values=DynamicCache(config=model.config))
+        def deliver(delivery: Delivery) -> None:
+            if isinstance(delivery, BaseException):
+                failures.append(delivery)
+                done.set()
+            elif any(isinstance(event, FinishOutput) for event in delivery):
+                done.set()
 
-        self._executor.submit(step).result()
+        self._step_loop().submit(self._sequence(request, self._plan(request), deliver))
+        if not done.wait(_WARMUP_TIMEOUT_S) or failures:
+            raise InitFailed("the transformers warm-up step failed (see the stage log)") from (
+                failures[0] if failures else None
+            )
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.close()
+            self._loop = None
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._loaded()[0]
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._loaded()[1]
+
+    @property
+    def kv_plan(self) -> tuple[int, int] | None:
+        """(pages, page_size) of the stage's memory plan; None before plan_kv_cache."""
+        return self._kv
 
     @property
     def active_requests(self) -> frozenset[str]:
         """Ids of the requests being generated now (for metrics and tests)."""
-        return frozenset(self._running)
+        return frozenset(self._active)
 
     # -- requests --------------------------------------------------------------
 
@@ -121,46 +153,46 @@ class TransformersEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         plan = self._plan(request)
-        model, tokenizer = self._loaded()
         rid = request.request_id
-        if rid in self._running:
-            logger.warning("request %s: id already running; abort reaches the newest", rid)
-        running = self._running[rid] = _Running(rid)
         loop = asyncio.get_running_loop()
-        state = _Decode(model, plan, self._generator(plan.seed))
-        detok = IncrementalDetokenizer(tokenizer, plan.token_ids)
-        stops = StopStrings(plan.stop)
-        completion = 0
-        reason = ""
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+
+        def deliver(delivery: Delivery) -> None:  # on the model thread
+            try:
+                loop.call_soon_threadsafe(inbox.put_nowait, delivery)
+            except RuntimeError:  # the event loop has closed: nobody is listening
+                pass
+
+        sequence = self._sequence(request, plan, deliver)
+        if rid in self._active:
+            logger.warning("request %s: id already running", rid)
+        self._active[rid] = sequence
+        step_loop = self._step_loop()
         logger.debug("request %s: %d prompt tokens", rid, plan.prompt_tokens)
         try:
-            while not reason:
-                if running.aborted:
-                    reason = "abort"
-                    break
-                token, hidden = await loop.run_in_executor(self._executor, state.step)
-                completion += 1
-                text = stops.add(detok.add(token))
-                if stops.stopped:
-                    reason = "stop"
-                else:
-                    reason = _end_reason(token in self._eos_ids, completion >= plan.max_tokens)
-                    if reason:
-                        # The text ends here: release what was held back for a
-                        # character or a stop string that can no longer complete.
-                        text += stops.add(detok.flush())
-                        reason = "stop" if stops.stopped else reason
-                        text += stops.flush()
-                yield TokenOutput(token_ids=(token,), text=text, hidden_states=hidden)
-            yield FinishOutput(
-                reason, prompt_tokens=plan.prompt_tokens, completion_tokens=completion
-            )
-            logger.debug("request %s: finished (%s) after %d tokens", rid, reason, completion)
+            step_loop.submit(sequence)
+            while True:
+                delivery = await inbox.get()
+                if isinstance(delivery, BaseException):
+                    raise delivery
+                for event in delivery:
+                    yield event
+                    if isinstance(event, FinishOutput):
+                        logger.debug(
+                            "request %s: finished (%s) after %d tokens",
+                            rid,
+                            event.reason,
+                            event.completion_tokens,
+                        )
+                        return
         finally:
-            # Runs on normal end, aclose() and task cancellation alike; the cache
-            # goes with `state`.
-            if self._running.get(rid) is running:
-                del self._running[rid]
+            # Normal end, aclose() and task cancellation alike: the loop drops the
+            # request (and its KV rows) at its next step boundary.
+            if not sequence.finished:
+                sequence.cancelled = True
+                step_loop.wake()
+            if self._active.get(rid) is sequence:
+                del self._active[rid]
 
     # -- helpers ---------------------------------------------------------------
 
@@ -168,6 +200,38 @@ class TransformersEngine:
         tokenizer = self._loaded()[1]
         assert self._limits is not None
         return intake.plan(request, tokenizer, self._limits, self._args.defaults)
+
+    def _sequence(
+        self, request: EngineRequest, plan: intake.Plan, deliver: Callable[[Delivery], None]
+    ) -> Sequence:
+        return Sequence(
+            request_id=request.request_id,
+            plan=plan,
+            tokenizer=self._loaded()[1],
+            generator=self._generator(plan.seed),
+            deliver=deliver,
+            submitted=time.monotonic(),
+            eos_ids=self._eos_ids,
+        )
+
+    def _start_loop(self) -> None:
+        """(Re)start the step loop with the current limits; only between requests."""
+        model = self._loaded()[0]
+        self.close()
+        pages, page_size = self._kv if self._kv is not None else (None, 16)
+        limits = BatchLimits(
+            max_batch_size=self._settings.max_batch_size,
+            prefill_tokens=self._args.prefill_tokens,
+            gather_s=self._args.gather_ms / 1e3,
+            kv_pages=pages,
+            page_size=page_size,
+        )
+        self._loop = StepLoop(model, limits)
+
+    def _step_loop(self) -> StepLoop:
+        if self._loop is None:
+            raise RuntimeError("TransformersEngine: call load() first")
+        return self._loop
 
     def _loaded(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self._model is None or self._tokenizer is None:
@@ -181,47 +245,6 @@ class TransformersEngine:
         else:
             generator.manual_seed(seed)
         return generator
-
-
-class _Decode:
-    """One request's model state; ``step`` runs on the model thread and returns
-    the next token and, when asked for, the hidden state that produced it."""
-
-    def __init__(self, model: PreTrainedModel, plan: intake.Plan, generator: torch.Generator):
-        self._model = model
-        self._plan = plan
-        self._generator = generator
-        self._cache = DynamicCache(config=model.config)
-        self._last: int | None = None  # None until the prompt has been run
-
-    def step(self) -> tuple[int, torch.Tensor | None]:
-        model, plan = self._model, self._plan
-        inputs: dict[str, Any]
-        if self._last is not None:
-            inputs = {"input_ids": torch.tensor([[self._last]], device=model.device)}
-        elif plan.embeds is not None:
-            embeds = plan.embeds.to(device=model.device, dtype=model.dtype)
-            inputs = {"inputs_embeds": embeds.unsqueeze(0)}
-        else:
-            inputs = {"input_ids": torch.tensor([plan.token_ids], device=model.device)}
-        with torch.inference_mode():
-            out = model(
-                **inputs,
-                past_key_values=self._cache,
-                use_cache=True,
-                output_hidden_states=plan.return_hidden_states,
-                logits_to_keep=1,  # the prompt's other positions need no logits
-            )
-            self._last = sample(out.logits[0, -1].float(), plan.sampling, self._generator)
-            hidden = None
-            if plan.return_hidden_states:
-                # A copy, so the event does not pin the whole prompt's activations.
-                hidden = out.hidden_states[-1][:, -1].to("cpu", torch.float32, copy=True)
-        return self._last, hidden
-
-
-def _end_reason(eos: bool, full: bool) -> str:
-    return "eos" if eos else "length" if full else ""
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

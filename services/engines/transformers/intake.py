@@ -31,6 +31,9 @@ class Limits:
     max_positions: int  # the model's context length
     vocab_size: int  # rows of the input embedding
     hidden_size: int
+    # The stage's KV plan in tokens (pages * page_size); None without a plan.
+    kv_tokens: int | None = None
+    page_size: int = 16
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,20 @@ def plan(
             f"{field}: prompt has {n} tokens, the model's context is {limits.max_positions}",
             field=field,
         )
+    where = "the model's context"
+    if limits.kv_tokens is not None and limits.kv_tokens - n < room:
+        pages = limits.kv_tokens // limits.page_size
+        where = f"the stage's KV cache ({pages} x {limits.page_size}-token pages)"
+        room = limits.kv_tokens - n
+        if room < 1:
+            raise InvalidArgument(
+                f"{field}: prompt has {n} tokens and can never fit the stage's KV cache, "
+                f"which holds {limits.kv_tokens} tokens ({pages} x {limits.page_size}-token "
+                "pages) for the prompt and at least one new token",
+                field=field,
+            )
     p = request.params
-    max_tokens = max_new_tokens(p.max_tokens, defaults.max_tokens, room)
+    max_tokens = max_new_tokens(p.max_tokens, defaults.max_tokens, room, where)
     sampling = Sampling(
         temperature=defaults.temperature if p.temperature is None else p.temperature,
         top_p=defaults.top_p if p.top_p is None else p.top_p,

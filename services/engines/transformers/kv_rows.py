@@ -1,0 +1,162 @@
+"""The key/value cache of a batch of sequences: one padded ``DynamicCache``.
+
+Row i of every layer holds sequence i. A column is one of that row's tokens or
+padding, told apart by ``mask`` [rows, columns]; each row's positions are its
+own (``next_pos``), so padding never shifts a sequence's rotary positions. A
+step appends the same number of columns to every row (a decode step: one), so
+the cache does not move while the batch is unchanged. Rows join (``concat``)
+and leave (``select``) only between steps, and both drop the columns no
+remaining row uses, so padding does not outlive the sequence that caused it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+class KvRows:
+    def __init__(self, model: PreTrainedModel, rows: int = 0) -> None:
+        self._model = model
+        self.cache = DynamicCache(config=model.config)
+        if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
+            # A sliding-window layer drops columns itself, which the mask cannot follow.
+            raise ValueError("only models with full-attention caches can be batched")
+        device = model.device
+        self.mask = torch.zeros((rows, 0), dtype=torch.long, device=device)
+        self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
+
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def forward(
+        self, embeds: torch.Tensor, valid: torch.Tensor, hidden: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``embeds`` [rows, W, hidden] as the next W columns of every row.
+
+        ``valid`` [rows, W] marks real tokens; a row's real tokens are the last
+        ones of its W (left padding), so the last column is every row's newest
+        token. Returns float32 logits [rows, vocab] of that column and, when
+        ``hidden``, the last layer's hidden state there [rows, hidden].
+        """
+        positions = (self.next_pos[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+        mask = torch.cat([self.mask, valid], dim=1)
+        out = self._model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            output_hidden_states=hidden,
+            logits_to_keep=1,  # the other columns need no logits
+        )
+        self.mask = mask
+        self.next_pos = self.next_pos + valid.sum(1)
+        states = out.hidden_states[-1][:, -1] if hidden else None
+        return out.logits[:, -1].float(), states
+
+    def add_rows(self, count: int) -> None:
+        """Append ``count`` rows with no tokens yet (padding in every column so far)."""
+        if self.rows == 0:
+            self._reset(count)
+            return
+        for layer in self._layers():
+            keys, values = _tensors(layer)
+            _rows, heads, width, dim = keys.shape
+            layer.keys = torch.cat([keys, keys.new_zeros(count, heads, width, dim)])
+            layer.values = torch.cat([values, values.new_zeros(count, heads, width, dim)])
+        self.mask = torch.cat([self.mask, self.mask.new_zeros(count, self.width)])
+        self.next_pos = torch.cat([self.next_pos, self.next_pos.new_zeros(count)])
+
+    def repeat(self, count: int) -> None:
+        """One row becomes ``count`` copies of it (a prompt prefix several share)."""
+        assert self.rows == 1, "repeat a single row"
+        for layer in self._layers():
+            keys, values = _tensors(layer)
+            layer.keys = keys.expand(count, -1, -1, -1).contiguous()
+            layer.values = values.expand(count, -1, -1, -1).contiguous()
+        self.mask = self.mask.expand(count, -1).contiguous()
+        self.next_pos = self.next_pos.expand(count).contiguous()
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows``, in that order."""
+        if list(rows) == list(range(self.rows)):
+            return
+        if not rows:
+            self._reset(0)
+            return
+        self._gather(rows, into=self)
+
+    def take(self, rows: Sequence[int]) -> KvRows:
+        """A new batch holding a copy of ``rows`` (this one is unchanged)."""
+        taken = KvRows(self._model)
+        if rows:
+            self._gather(rows, into=taken)
+        return taken
+
+    def concat(self, other: KvRows) -> None:
+        """Append ``other``'s rows (which it then no longer owns) after these."""
+        if other.rows == 0:
+            return
+        if self.rows == 0:
+            self.cache, self.mask, self.next_pos = other.cache, other.mask, other.next_pos
+            return
+        width = max(self.width, other.width)
+        for mine, theirs in zip(self._layers(), other._layers(), strict=True):
+            (my_keys, my_values), (their_keys, their_values) = _tensors(mine), _tensors(theirs)
+            mine.keys = torch.cat([_left_pad(my_keys, width), _left_pad(their_keys, width)])
+            mine.values = torch.cat([_left_pad(my_values, width), _left_pad(their_values, width)])
+        self.mask = torch.cat([_left_pad(self.mask, width), _left_pad(other.mask, width)])
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+
+    def _gather(self, rows: Sequence[int], into: KvRows) -> None:
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.mask.device)
+        mask = self.mask[index]
+        used = mask.any(dim=0)
+        columns = None if bool(used.all()) else used.nonzero().squeeze(1)
+        for mine, theirs in zip(self._all_layers(), into._all_layers(), strict=True):
+            if not mine.is_initialized:
+                continue
+            keys, values = (tensor[index] for tensor in _tensors(mine))
+            if columns is not None:
+                keys, values = keys[:, :, columns], values[:, :, columns]
+            if not theirs.is_initialized:
+                theirs.lazy_initialization(keys, values)
+            theirs.keys, theirs.values = keys, values
+        into.mask = mask if columns is None else mask[:, columns]
+        into.next_pos = self.next_pos[index]
+
+    def _reset(self, rows: int) -> None:
+        fresh = KvRows(self._model, rows)
+        self.cache, self.mask, self.next_pos = fresh.cache, fresh.mask, fresh.next_pos
+
+    def _all_layers(self) -> list[DynamicLayer]:
+        return [layer for layer in self.cache.layers if isinstance(layer, DynamicLayer)]
+
+    def _layers(self) -> list[DynamicLayer]:
+        """The layers holding tensors (all of them once a forward has run)."""
+        return [layer for layer in self._all_layers() if layer.is_initialized]
+
+
+def _tensors(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    assert layer.keys is not None and layer.values is not None, "an initialised layer"
+    return layer.keys, layer.values
+
+
+def _left_pad(tensor: torch.Tensor, width: int) -> torch.Tensor:
+    """Pad the column dimension (the last of a mask, the third of keys/values) on the left."""
+    dim = 1 if tensor.dim() == 2 else 2
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)

@@ -1,0 +1,106 @@
+"""One request inside the step loop: its prompt, progress, sampler and text.
+
+The step loop (step_loop.py) owns every ``Sequence`` while it runs; the request's
+``generate`` only reads what ``deliver`` hands it and may set ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from services.engines.base import EngineEvent, FinishOutput, TokenOutput
+from services.engines.transformers.intake import Plan
+from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+
+# What the loop hands a request after each step: its new events, or the error
+# that ended the whole batch.
+Delivery = list[EngineEvent] | BaseException
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    plan: Plan
+    tokenizer: PreTrainedTokenizerBase
+    generator: torch.Generator
+    deliver: Callable[[Delivery], None]  # thread-safe: called on the model thread
+    submitted: float
+    eos_ids: frozenset[int]
+    admitted: float = 0.0
+    prefilled: int = 0  # prompt tokens already through the model
+    completion: int = 0
+    last_token: int = -1
+    # Set from the event loop; read by the model thread at step boundaries only.
+    cancelled: bool = False
+    finished: bool = False
+    _detok: IncrementalDetokenizer = field(init=False)
+    _stops: StopStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._detok = IncrementalDetokenizer(self.tokenizer, self.plan.token_ids)
+        self._stops = StopStrings(self.plan.stop)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.plan.prompt_tokens
+
+    @property
+    def remaining_prompt(self) -> int:
+        return self.prompt_tokens - self.prefilled
+
+    @property
+    def final_length(self) -> int:
+        """Tokens its KV rows may hold at most: the prompt and every new token."""
+        return self.prompt_tokens + self.plan.max_tokens
+
+    def pages(self, page_size: int) -> int:
+        return math.ceil(self.final_length / page_size)
+
+    def prompt_chunk(self, count: int, embed: torch.nn.Module) -> torch.Tensor:
+        """The next ``count`` prompt positions as embeddings [count, hidden]."""
+        start, end = self.prefilled, self.prefilled + count
+        self.prefilled = end
+        weight = next(embed.parameters())
+        if self.plan.embeds is not None:
+            return self.plan.embeds[start:end].to(device=weight.device, dtype=weight.dtype)
+        ids = torch.tensor(self.plan.token_ids[start:end], device=weight.device)
+        return embed(ids)
+
+    def add_token(self, token: int, hidden: torch.Tensor | None) -> list[EngineEvent]:
+        """The events one new token makes; the last is a FinishOutput when it ends the request."""
+        self.completion += 1
+        self.last_token = token
+        stops = self._stops
+        text = stops.add(self._detok.add(token))
+        reason = ""
+        if stops.stopped:
+            reason = "stop"
+        elif token in self.eos_ids:
+            reason = "eos"
+        elif self.completion >= self.plan.max_tokens:
+            reason = "length"
+        if reason and reason != "stop":
+            # The text ends here: release what was held back for a character or a
+            # stop string that can no longer complete.
+            text += stops.add(self._detok.flush())
+            reason = "stop" if stops.stopped else reason
+            text += stops.flush()
+        token_output = TokenOutput(token_ids=(token,), text=text, hidden_states=hidden)
+        events: list[EngineEvent] = [token_output]
+        if reason:
+            events.append(self.finish(reason))
+        return events
+
+    def finish(self, reason: str) -> FinishOutput:
+        self.finished = True
+        return FinishOutput(
+            reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion,
+            queue_ms=max(self.admitted - self.submitted, 0.0) * 1e3,
+        )

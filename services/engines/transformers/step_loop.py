@@ -1,0 +1,284 @@
+"""Continuous batching: the engine's step loop, on the one thread that owns the model.
+
+Each step (the nano-vllm / mini-sglang shape):
+
+1. retire what was cancelled since the last step (its consumer stopped iterating);
+2. admit waiting requests in arrival order while the batch has room
+   (``max_batch_size`` sequences) and the KV plan has pages for them; the head
+   of the queue waits for pages rather than being overtaken; requests admitted
+   together whose prompts share a prefix (a chat template's system prompt) run
+   it once;
+3. prefill: one forward over every admitted request still reading its prompt,
+   each advancing by one chunk (shortest remaining prompt sets the chunk, so a
+   short prompt finishes in its first step and a long one cannot hold it back;
+   the oldest always advances, so none starves); a request whose prompt is done
+   gets its first token and moves to the decode batch;
+4. decode: one forward over every running request, one token each;
+5. hand each request its events and drop the finished rows.
+
+Prefill and decode are two forwards, not one padded one: on a CPU every padded
+position costs as much as a real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from services.engines.base import EngineEvent
+from services.engines.transformers.kv_rows import KvRows
+from services.engines.transformers.sampling import sample
+from services.engines.transformers.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_batch_size: int
+    prefill_tokens: int  # prompt tokens one prefill forward may take, all rows together
+    kv_pages: int | None = None  # None: no memory plan (an engine used outside a stage)
+    page_size: int = 16
+    # An idle loop waits this long after a first arrival for the requests sent
+    # with it, so that they share their prefill (dynamic batching's queue delay).
+    gather_s: float = 0.0
+
+
+# Shorter common prefixes are not worth a forward of their own.
+_MIN_SHARED_PREFIX = 16
+
+
+class StepLoop:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        limits: BatchLimits,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits
+        self._model = model
+        self._embed = model.get_input_embeddings()
+        self._device, self._dtype = model.device, model.dtype
+        self._hidden_size = int(model.config.get_text_config(decoder=True).hidden_size)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._closed = False
+        self._waiting: deque[Sequence] = deque()
+        self._prefilling: list[Sequence] = []
+        self._prefill_kv = KvRows(model)
+        self._running: list[Sequence] = []
+        self._running_kv = KvRows(model)
+        self._thread = threading.Thread(target=self._loop, name="transformers-steps", daemon=True)
+        self._thread.start()
+
+    # -- from the event loop ----------------------------------------------------
+
+    def submit(self, sequence: Sequence) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the transformers engine is closed")
+            self._inbox.append(sequence)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        """Something changed (a cancel): let the loop look at it now."""
+        with self._cond:
+            self._cond.notify()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    # -- the model thread ------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._inbox or self._busy()):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                if not self._busy():
+                    self._gather()
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            try:
+                with torch.inference_mode():
+                    self.step()
+            except Exception as exc:  # a model error: fail this batch, keep serving
+                logger.exception("transformers step failed; failing %d requests", self._count())
+                self._fail_all(exc)
+        self._fail_all(RuntimeError("the transformers engine closed"))
+
+    def _gather(self) -> None:
+        """With the lock held: wait up to ``gather_s`` for more arrivals."""
+        deadline = self._clock() + self.limits.gather_s
+        while not self._closed and len(self._inbox) < self.limits.max_batch_size:
+            left = deadline - self._clock()
+            if left <= 0:
+                break
+            self._cond.wait(left)
+
+    def _busy(self) -> bool:
+        return bool(self._waiting or self._prefilling or self._running)
+
+    def _count(self) -> int:
+        return len(self._waiting) + len(self._prefilling) + len(self._running)
+
+    def step(self) -> None:
+        outbox: dict[Sequence, list[EngineEvent]] = {}
+        self._retire()
+        self._admit()
+        if self._prefilling:
+            self._prefill(outbox)
+        if self._running:
+            self._decode(outbox)
+        for sequence, events in outbox.items():
+            sequence.deliver(events)
+
+    def _retire(self) -> None:
+        self._waiting = deque(s for s in self._waiting if not _gone(s))
+        self._prefilling = _keep(self._prefilling, self._prefill_kv)
+        self._running = _keep(self._running, self._running_kv)
+
+    def _admit(self) -> None:
+        admitted: list[Sequence] = []
+        while self._waiting and self._fits(self._waiting[0], admitted):
+            sequence = self._waiting.popleft()
+            sequence.admitted = self._clock()
+            admitted.append(sequence)
+        if not admitted:
+            return
+        sharing, alone = self._shared_prefix(admitted)
+        self._prefilling += sharing + alone
+        self._prefill_kv.add_rows(len(alone))
+
+    def _shared_prefix(self, admitted: list[Sequence]) -> tuple[list[Sequence], list[Sequence]]:
+        """Requests admitted together whose prompts start alike (a chat template's
+        system prompt) run that prefix once and copy its KV rows; returns them and
+        the rest. Their own tokens (at least the last one) still go through prefill."""
+        ids = [s for s in admitted if s.plan.embeds is None]
+        if len(ids) < 2:
+            return [], admitted
+        prompts = [s.plan.token_ids for s in ids]
+        length = min(len(p) for p in prompts) - 1
+        for column in range(length):
+            if any(p[column] != prompts[0][column] for p in prompts[1:]):
+                length = column
+                break
+        if length < _MIN_SHARED_PREFIX:
+            return [], admitted
+        shared = KvRows(self._model, rows=1)
+        embeds = ids[0].prompt_chunk(length, self._embed)[None]
+        valid = torch.ones(1, length, dtype=torch.long, device=self._device)
+        shared.forward(embeds, valid, hidden=False)
+        shared.repeat(len(ids))
+        for sequence in ids[1:]:
+            sequence.prefilled = length
+        self._prefill_kv.concat(shared)
+        return ids, [s for s in admitted if s.plan.embeds is not None]
+
+    def _fits(self, candidate: Sequence, admitted: list[Sequence]) -> bool:
+        members = [*self._prefilling, *self._running, *admitted, candidate]
+        if len(members) > self.limits.max_batch_size:
+            return False
+        if self.limits.kv_pages is None:
+            return True
+        # The padded layout gives every row the width of the longest one.
+        widest = max(s.pages(self.limits.page_size) for s in members)
+        return len(members) * widest <= self.limits.kv_pages
+
+    def _prefill(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
+        rows = self._prefilling
+        width = self._chunk_width([s.remaining_prompt for s in rows])
+        embeds = torch.zeros(
+            len(rows), width, self._hidden_size, dtype=self._dtype, device=self._device
+        )
+        valid = torch.zeros(len(rows), width, dtype=torch.long, device=self._device)
+        for i, sequence in enumerate(rows):
+            count = min(sequence.remaining_prompt, width)
+            embeds[i, width - count :] = sequence.prompt_chunk(count, self._embed)
+            valid[i, width - count :] = 1
+        done = [i for i, s in enumerate(rows) if s.remaining_prompt == 0]
+        hidden = any(rows[i].plan.return_hidden_states for i in done)
+        logits, states = self._prefill_kv.forward(embeds, valid, hidden)
+        if not done:
+            return
+        self._emit(rows, done, logits, states, outbox)
+        moving = [i for i in done if not rows[i].finished]
+        self._running_kv.concat(self._prefill_kv.take(moving))
+        self._running.extend(rows[i] for i in moving)
+        self._prefilling = [s for s in rows if s.remaining_prompt > 0]
+        self._prefill_kv.select([i for i, s in enumerate(rows) if s.remaining_prompt > 0])
+
+    def _chunk_width(self, remaining: list[int]) -> int:
+        """Columns of this prefill step: the shortest remaining prompt, stretched to
+        take along others almost as short (bounded padding), within the budget."""
+        shortest = min(remaining)
+        slack = max(16, shortest // 4)
+        width = max(r for r in remaining if r <= shortest + slack)
+        budget = max(16, self.limits.prefill_tokens // len(remaining))
+        return max(1, min(width, budget))
+
+    def _decode(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
+        rows = self._running
+        ids = torch.tensor([[s.last_token] for s in rows], device=self._device)
+        valid = torch.ones(len(rows), 1, dtype=torch.long, device=self._device)
+        hidden = any(s.plan.return_hidden_states for s in rows)
+        logits, states = self._running_kv.forward(self._embed(ids), valid, hidden)
+        self._emit(rows, list(range(len(rows))), logits, states, outbox)
+        self._running = _keep(rows, self._running_kv)
+
+    def _emit(
+        self,
+        rows: list[Sequence],
+        which: list[int],
+        logits: torch.Tensor,
+        states: torch.Tensor | None,
+        outbox: dict[Sequence, list[EngineEvent]],
+    ) -> None:
+        greedy = logits[which].argmax(dim=-1).tolist()
+        for n, i in enumerate(which):
+            sequence = rows[i]
+            sampling = sequence.plan.sampling
+            token = (
+                greedy[n] if sampling.greedy else sample(logits[i], sampling, sequence.generator)
+            )
+            row = None
+            if states is not None and sequence.plan.return_hidden_states:
+                # A copy, so the event does not pin the whole batch's activations.
+                row = states[i : i + 1].to("cpu", torch.float32, copy=True)
+            outbox.setdefault(sequence, []).extend(sequence.add_token(token, row))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._cond:
+            self._waiting.extend(self._inbox)
+            self._inbox.clear()
+        for sequence in [*self._waiting, *self._prefilling, *self._running]:
+            sequence.finished = True
+            sequence.deliver(error)
+        self._waiting.clear()
+        self._prefilling, self._running = [], []
+        self._prefill_kv, self._running_kv = KvRows(self._model), KvRows(self._model)
+
+
+def _gone(sequence: Sequence) -> bool:
+    return sequence.finished or sequence.cancelled
+
+
+def _keep(rows: list[Sequence], kv: KvRows) -> list[Sequence]:
+    """Drop the finished and cancelled rows from ``rows`` and their KV batch."""
+    keep = [i for i, s in enumerate(rows) if not _gone(s)]
+    if len(keep) != len(rows):
+        kv.select(keep)
+    return [rows[i] for i in keep]

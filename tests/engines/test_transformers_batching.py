@@ -1,0 +1,255 @@
+"""Continuous batching in the transformers engine: requests share forward passes,
+join and leave a running batch, and get the same tokens as alone.
+
+Every forward the model runs is recorded (rows x columns), so the tests see the
+batches themselves, not only the answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from services.engines.base import (
+    EngineEvent,
+    EngineRequest,
+    EngineSettings,
+    FinishOutput,
+    SamplingParams,
+    TokenOutput,
+)
+from services.engines.transformers import TransformersEngine
+from services.mesh.errors import InvalidArgument
+from tests.helpers.stage import TINY_LLAMA
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about rain.",
+    "List three uses of copper.",
+    "Why is the sky blue?",
+    "Name a prime number above ten.",
+    "How do bees make honey?",
+    "Explain what a CPU cache is.",
+    "Describe a red apple.",
+]
+
+
+@dataclass
+class Run:
+    tokens: list[int] = field(default_factory=list)
+    hidden: list[torch.Tensor | None] = field(default_factory=list)
+    finish: FinishOutput | None = None
+
+
+async def collect(events: AsyncIterator[EngineEvent]) -> Run:
+    run = Run()
+    async for event in events:
+        if isinstance(event, TokenOutput):
+            run.tokens.extend(event.token_ids)
+            run.hidden.append(event.hidden_states)
+        else:
+            assert isinstance(event, FinishOutput)
+            run.finish = event
+    assert run.finish is not None
+    return run
+
+
+def chat(rid: str, prompt: str, max_tokens: int = 12, **params: Any) -> EngineRequest:
+    sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, **params)
+    return EngineRequest(rid, messages=(("user", prompt),), params=sampling)
+
+
+class Forwards:
+    """(rows, columns) of every forward pass, recorded on the model thread."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.shapes: list[tuple[int, int]] = []
+        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, _module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+        embeds = kwargs["inputs_embeds"]
+        self.shapes.append((int(embeds.shape[0]), int(embeds.shape[1])))
+
+    @property
+    def decode_rows(self) -> list[int]:
+        return [rows for rows, columns in self.shapes if columns == 1]
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
+    engine = TransformersEngine(EngineSettings(cache_dir=omni_cache_dir, max_batch_size=8))
+    engine.load(smollm2_gguf)
+    engine.warmup()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def forwards(engine: TransformersEngine) -> Iterator[Forwards]:
+    recorder = Forwards(engine.model)
+    yield recorder
+    recorder.close()
+
+
+async def alone(engine: TransformersEngine, request: EngineRequest) -> Run:
+    return await collect(engine.generate(request))
+
+
+async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
+    engine: TransformersEngine, forwards: Forwards
+) -> None:
+    requests = [chat(f"r{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
+    solo = [await alone(engine, r) for r in requests]
+    forwards.shapes.clear()
+    together = await asyncio.gather(*(collect(engine.generate(r)) for r in requests))
+    # Greedy: the same tokens in a batch as alone (measured over 32 prompts by
+    # benchmarks/stage_batching.py; padding and batch-size-dependent fp32 sums could
+    # flip a near-tie, which these prompts do not have).
+    assert [r.tokens for r in together] == [r.tokens for r in solo]
+    assert max(forwards.decode_rows) == len(PROMPTS)  # every request in one decode step
+    steps = sum(len(r.tokens) for r in together)
+    assert len(forwards.shapes) < steps / 3  # shared forwards, not one per token
+
+
+async def test_requests_join_and_leave_a_running_batch(
+    engine: TransformersEngine, forwards: Forwards
+) -> None:
+    long_request = chat("long", PROMPTS[6], max_tokens=24)
+    short_request = chat("short", PROMPTS[0], max_tokens=4)
+    solo_long = await alone(engine, long_request)
+    solo_short = await alone(engine, short_request)
+    forwards.shapes.clear()
+    long_events = engine.generate(long_request)
+    first = await anext(long_events)  # the long one is decoding alone now
+    assert isinstance(first, TokenOutput)
+    short = await collect(engine.generate(short_request))  # joins, finishes, leaves
+    rest = await collect(long_events)
+    assert short.tokens == solo_short.tokens
+    assert [*first.token_ids, *rest.tokens] == solo_long.tokens
+    rows = forwards.decode_rows
+    joined = rows.index(2)
+    assert 1 in rows[:joined] and rows[joined:].count(2) >= 2, rows  # alone, then together
+    assert rows[-1] == 1  # the short one left; the long one went on alone
+    assert engine.active_requests == frozenset()
+
+
+async def test_a_cancel_mid_batch_leaves_the_others_unchanged(
+    engine: TransformersEngine, forwards: Forwards
+) -> None:
+    prompts = [PROMPTS[3], PROMPTS[5], PROMPTS[6]]  # answers longer than 16 tokens
+    requests = [chat(f"k{i}", p, max_tokens=16) for i, p in enumerate(prompts)]
+    solo = [await alone(engine, r) for r in requests]
+    forwards.shapes.clear()
+    keep = [asyncio.create_task(collect(engine.generate(r))) for r in requests[:2]]
+    victim = engine.generate(requests[2])
+    for _ in range(3):
+        assert isinstance(await anext(victim), TokenOutput)
+    await victim.aclose()  # the consumer stops: the request leaves at the next step
+    assert "k2" not in engine.active_requests
+    kept = await asyncio.gather(*keep)
+    assert [r.tokens for r in kept] == [r.tokens for r in solo[:2]]
+    rows = forwards.decode_rows
+    assert 3 in rows and rows[-1] == 2  # three shared steps, then two went on
+
+
+async def test_only_the_request_that_asks_gets_hidden_states(
+    engine: TransformersEngine,
+) -> None:
+    asking = chat("asks", PROMPTS[1], max_tokens=6, return_hidden_states=True)
+    plain = chat("plain", PROMPTS[2], max_tokens=6)
+    solo = await alone(engine, asking)
+    with_states, without = await asyncio.gather(
+        collect(engine.generate(asking)), collect(engine.generate(plain))
+    )
+    assert without.hidden and all(h is None for h in without.hidden)
+    rows = [h for h in with_states.hidden if h is not None]
+    assert len(rows) == len(with_states.tokens) == 6
+    assert all(h.shape == (1, 576) and h.dtype == torch.float32 for h in rows)
+    for batched, single in zip(rows, solo.hidden, strict=True):
+        assert single is not None
+        torch.testing.assert_close(batched, single, atol=1e-3, rtol=1e-3)
+
+
+# -- the KV plan ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
+    torch.manual_seed(0)
+    settings = EngineSettings(
+        load_format="dummy",
+        max_batch_size=8,
+        cache_dir=omni_cache_dir,
+        engine_args={"config_overrides": TINY_LLAMA, "prefill_tokens": 16},
+    )
+    engine = TransformersEngine(settings)
+    engine.load(smollm2_gguf)
+    yield engine
+    engine.close()
+
+
+def test_a_prompt_that_can_never_fit_the_kv_plan_is_refused(tiny: TransformersEngine) -> None:
+    tiny.plan_kv_cache(pages=2, page_size=4)  # 8 tokens
+    tiny.check(EngineRequest("ok", token_ids=(1, 2, 3), params=SamplingParams(max_tokens=5)))
+    with pytest.raises(InvalidArgument) as caught:
+        tiny.check(EngineRequest("big", token_ids=tuple(range(1, 9))))
+    assert caught.value.field == "inputs.token_ids"
+    assert "can never fit the stage's KV cache, which holds 8 tokens (2 x 4-token pages)" in (
+        caught.value.message
+    )
+    with pytest.raises(InvalidArgument) as caught:  # fits, but not with what it asks for
+        tiny.check(EngineRequest("long", token_ids=(1, 2, 3), params=SamplingParams(max_tokens=6)))
+    assert caught.value.field == "params.max_tokens"
+    assert "the stage's KV cache (2 x 4-token pages)" in caught.value.message
+
+
+async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEngine) -> None:
+    tiny.plan_kv_cache(pages=4, page_size=4)  # two requests of 8 tokens at once
+    recorder = Forwards(tiny.model)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        requests = [EngineRequest(f"w{i}", token_ids=(5, 6, 7, 8), params=params) for i in range(3)]
+        runs = await asyncio.gather(*(collect(tiny.generate(r)) for r in requests))
+    finally:
+        recorder.close()
+    assert [len(r.tokens) for r in runs] == [4, 4, 4]
+    assert max(rows for rows, _ in recorder.shapes) == 2  # never three at once
+    finishes = [r.finish for r in runs]
+    assert finishes[2] is not None and finishes[0] is not None
+    assert finishes[2].queue_ms > finishes[0].queue_ms  # the third waited for pages
+
+
+async def test_a_long_prompt_does_not_hold_back_a_short_one(tiny: TransformersEngine) -> None:
+    """Prefill goes in chunks; the shortest remaining prompt sets the chunk, so a
+    short prompt that arrives behind a long one still gets its first token first."""
+    recorder = Forwards(tiny.model)
+    firsts: list[str] = []
+
+    async def run(rid: str, prompt: tuple[int, ...]) -> Run:
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        run = Run()
+        async for event in tiny.generate(EngineRequest(rid, token_ids=prompt, params=params)):
+            if isinstance(event, TokenOutput) and not run.tokens:
+                firsts.append(rid)
+            if isinstance(event, TokenOutput):
+                run.tokens.extend(event.token_ids)
+        return run
+
+    try:
+        long = asyncio.create_task(run("long", tuple(range(10, 410))))  # 400 tokens
+        await asyncio.sleep(0)  # submitted first
+        await asyncio.gather(long, run("short", (5, 6, 7)))
+    finally:
+        recorder.close()
+    assert firsts == ["short", "long"]
+    prefill_columns = [columns for _rows, columns in recorder.shapes if columns > 1]
+    assert max(prefill_columns) <= 16  # the long prompt went in chunks of the budget
