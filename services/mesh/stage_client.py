@@ -106,12 +106,27 @@ class StageClient:
             submit.is_last = True
         call = self.open_stream()
         try:
-            await call.write(stage_pb2.StageInput(submit=submit))
-            await call.done_writing()
+            try:
+                await call.write(stage_pb2.StageInput(submit=submit))
+                await call.done_writing()
+            except grpc.aio.AioRpcError:
+                # The stage ended the call before taking the request (it refused the
+                # caller, say): the write fails generically, the call's status says why.
+                raise await _ended(call) from None
             async for output in call:
                 yield output
         finally:
             call.cancel()
+
+
+async def _ended(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError:
+    """The error a finished call ended with, as reading it would raise."""
+    return grpc.aio.AioRpcError(
+        await call.code(),
+        await call.initial_metadata(),
+        await call.trailing_metadata(),
+        await call.details(),
+    )
 
 
 def chat_submit(request_id: str, prompt: str, **params: object) -> stage_pb2.Submit:
