@@ -30,6 +30,7 @@ from orchestrator.requests.streams import (
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.chunks import CHUNK_BYTES
+from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
 LIVENESS_SERVICE = "liveness"
 SERVICE_NAMES = (ORCHESTRATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+REQUEST_NAMES = request_names(orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"])
 # With client tokens on, every Orchestrator method needs one; pausing needs an
 # admin's. Health and reflection stay open for probes.
 RULES = {
@@ -302,7 +304,10 @@ class OrchestratorServer:
                 ("grpc.so_reuseport", 0),
                 *SERVER_KEEPALIVE_OPTIONS,
             ],
-            interceptors=[AuthInterceptor(self.authenticator, RULES)],
+            interceptors=[
+                DecodingInterceptor(REQUEST_NAMES),
+                AuthInterceptor(self.authenticator, RULES),
+            ],
         )
         orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

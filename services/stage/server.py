@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.engines.registry import engine_class
+from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError, abort_rpc
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
@@ -43,6 +44,7 @@ logger = logging.getLogger(__name__)
 STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
 LIVENESS_SERVICE = "liveness"
 SERVICE_NAMES = (STAGE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+REQUEST_NAMES = request_names(stage_pb2.DESCRIPTOR.services_by_name["Stage"])
 # Each client connection gets a GOAWAY after this long (calls in flight run on to their
 # end; new ones take a new connection). A client that dials a stage's replicas by DNS
 # (a headless Service) resolves again then, so replicas added since are found: gRPC's
@@ -197,7 +199,10 @@ class StageServer:
                 ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
                 *SERVER_KEEPALIVE_OPTIONS,
             ],
-            interceptors=[AuthInterceptor(stage_authenticator(security), MESH_ONLY)],
+            interceptors=[
+                DecodingInterceptor(REQUEST_NAMES),
+                AuthInterceptor(stage_authenticator(security), MESH_ONLY),
+            ],
         )
         servicer = StageServicer(self.runtime, self._bus, self.tensors)
         add_stage_servicer(servicer, server)

@@ -1,0 +1,115 @@
+"""A frame that does not decode as the method's request message ends the RPC
+with INVALID_ARGUMENT naming the message, on every method of a server.
+
+Left to itself, gRPC reports a request deserializer's exception as UNKNOWN with
+the Python exception's class in the message. ``DecodingInterceptor`` wraps each
+handler: its deserializer returns an ``Undecodable`` marker instead of raising,
+and its behaviour aborts the call on one (for streaming requests, when the
+marker is reached, after the frames before it were handled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+_FRAME = "request: the frame is not a valid {message} ({reason})"
+
+
+class Undecodable:
+    """What the deserializer gives for a frame that is not the request message."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def decode(frame: bytes) -> Any:
+        try:
+            return deserializer(frame)
+        except Exception as exc:  # DecodeError, bad UTF-8 in a string field, …
+            return Undecodable(str(exc) or "malformed protobuf")
+
+    return decode
+
+
+async def _refuse(context: grpc.aio.ServicerContext, message: str, bad: Undecodable) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT, _FRAME.format(message=message, reason=bad.reason)
+    )
+
+
+class DecodingInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, request_names: dict[str, str]) -> None:
+        # method path -> the request message's name, for the error message
+        self._names = request_names
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        return _strict(handler, self._names.get(method, "request message"))
+
+
+def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    decode = lenient(handler.request_deserializer)
+    serialize = handler.response_serializer
+
+    async def frames(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            if isinstance(request, Undecodable):
+                await _refuse(context, message, request)
+            yield request
+
+    if handler.request_streaming and handler.response_streaming:
+        inner_ss = handler.stream_stream
+
+        async def stream_stream(requests: AsyncIterator[Any], context: Any) -> Any:
+            async for reply in inner_ss(frames(requests, context), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
+    if handler.request_streaming:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: AsyncIterator[Any], context: Any) -> Any:
+            return await inner_su(frames(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
+    if handler.response_streaming:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Any) -> Any:
+            if isinstance(request, Undecodable):
+                await _refuse(context, message, request)
+            async for reply in inner_us(request, context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(unary_stream, decode, serialize)
+    inner_uu = handler.unary_unary
+
+    async def unary_unary(request: Any, context: Any) -> Any:
+        if isinstance(request, Undecodable):
+            await _refuse(context, message, request)
+        return await inner_uu(request, context)
+
+    return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
+
+
+def request_names(*services: Any) -> dict[str, str]:
+    """Method path -> request message name, from service descriptors."""
+    return {
+        f"/{service.full_name}/{method.name}": method.input_type.full_name
+        for service in services
+        for method in service.methods
+    }
