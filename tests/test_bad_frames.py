@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
@@ -82,3 +83,16 @@ async def test_an_undecodable_frame_is_invalid_argument(
         outputs = [o async for o in stage.generate(chat_submit("after", "hi", max_tokens=2))]
     assert outputs[-1].WhichOneof("kind") == "completed"
     assert isinstance(outputs[-1].completed, stage_pb2.Completed)
+
+
+async def test_streaming_methods_that_write_their_own_replies_still_work(
+    servers: tuple[str, str],
+) -> None:
+    # grpc's aio health Watch is a coroutine writing through context.write, not an
+    # async generator: the decoding interceptor must pass its replies through.
+    for address in servers:
+        async with grpc.aio.insecure_channel(address) as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+            first = await watch.read()
+            watch.cancel()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING

@@ -10,6 +10,7 @@ marker is reached, after the frames before it were handled).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -75,7 +76,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         inner_ss = handler.stream_stream
 
         async def stream_stream(requests: AsyncIterator[Any], context: Any) -> Any:
-            async for reply in inner_ss(frames(requests, context), context):
+            async for reply in _replies(inner_ss(frames(requests, context), context)):
                 yield reply
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
@@ -92,7 +93,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         async def unary_stream(request: Any, context: Any) -> Any:
             if isinstance(request, Undecodable):
                 await _refuse(context, message, request)
-            async for reply in inner_us(request, context):
+            async for reply in _replies(inner_us(request, context)):
                 yield reply
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, decode, serialize)
@@ -104,6 +105,16 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         return await inner_uu(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
+
+
+async def _replies(result: Any) -> AsyncIterator[Any]:
+    """A streaming behaviour's replies: it is an async generator, or a coroutine that
+    writes its replies itself with ``context.write`` (grpc's aio health Watch)."""
+    if inspect.isawaitable(result):
+        await result
+        return
+    async for reply in result:
+        yield reply
 
 
 def request_names(*services: Any) -> dict[str, str]:
