@@ -7,7 +7,7 @@ without gRPC.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -158,6 +158,31 @@ class Engine(Protocol):
     def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
 
     def close(self) -> None: ...
+
+
+class OutputBlocks(Protocol):
+    """Where an engine may put an output it is about to compute."""
+
+    def allocate(self, owner: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A writable CPU tensor for request ``owner``'s output: written in place
+        and emitted as is, it reaches a same-node consumer with no copy."""
+        ...
+
+
+class HeapBlocks:
+    """``OutputBlocks`` of plain memory: what an engine uses until a stage gives it
+    shared blocks (and in tests without a stage)."""
+
+    def allocate(self, owner: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype)
+
+
+@runtime_checkable
+class WritesIntoBlocks(Protocol):
+    """An engine that can write a large output straight into a buffer it is
+    given: the stage hands it its shared-memory blocks once, before ``load``."""
+
+    def use_output_blocks(self, blocks: OutputBlocks) -> None: ...
 
 
 @runtime_checkable

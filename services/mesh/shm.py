@@ -1,55 +1,73 @@
 """Tensors in POSIX shared memory (/dev/shm files): the same-node data plane.
 
-The producer copies a tensor once into a new block and sends a ShmRef; a consumer
-on the same node and IPC namespace maps the block copy-on-write and reads it in
-place. Blocks are plain files (os.open + mmap), not multiprocessing.shared_memory,
-whose resource tracker unlinks and warns about blocks behind their owner's back.
+The producer puts a tensor into a block (one copy) or generates it straight into
+one (``allocate``, then ``share``: no copy) and sends a ShmRef; a consumer on the
+same node and IPC namespace maps the block copy-on-write and reads it in place.
+Blocks of a MiB or more come from a pool of pre-faulted blocks reused across
+requests (``shm_pool``); smaller ones are files of their exact size. Blocks are
+plain files (os.open + mmap), not multiprocessing.shared_memory, whose resource
+tracker unlinks and warns about blocks behind their owner's back.
 
 Names are ``omni-{mesh_id}-{pid}-{counter:x}-{secret}``: the mesh prefix keeps meshes
 on one host apart, the pid lets ``sweep`` find blocks whose producer died, and
-the random secret makes the name a capability (a consumer must be handed it). ``sweep``
-assumes every process sharing the /dev/shm also shares the PID namespace (one Pod
-with shareProcessNamespace, or one machine).
+the random secret makes the name a capability (a consumer must be handed it; a
+pooled block gets a fresh one each time it comes back). ``sweep`` assumes every
+process sharing the /dev/shm also shares the PID namespace (one Pod with
+shareProcessNamespace, or one machine).
+
+A released block is reused: its consumer promises, by releasing, that it holds no
+mapping of it any more (a mapping kept past release would see the next request's
+bytes). Blocks that expire by TTL are unlinked, never reused.
 """
 
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
+import math
 import mmap
 import os
-import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.mesh import tensors
 from services.mesh.errors import ResourceExhausted
 from services.mesh.node import check_mesh_id, node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm_refs import HELD, SECRET_HEX, SHM_ROOT, opened_block, sweep
+from services.mesh.shm_pool import DEFAULT_MAX_BYTES, MIN_CLASS, BlockPool, PoolBlock
+from services.mesh.shm_refs import HELD, SHM_ROOT, create_block, opened_block, sweep
 
 __all__ = ["SHM_ROOT", "ShmProducer", "open_tensor", "sweep"]
 
 logger = logging.getLogger(__name__)
 
-# One counter per process, so two producers of one mesh never pick the same name.
-_COUNTER = itertools.count(1)
 
-
-@dataclass(frozen=True)
+@dataclass
 class _Block:
     owner: str
     created: float
+    pooled: PoolBlock | None = None
+    # Live writable views the producer's own code holds (``allocate``): a pooled
+    # block is reused only once they are gone, whatever its consumers said.
+    views: int = 0
+    shipped: bool = True  # its name went out in a ref
+    released: bool = False
 
 
 class ShmProducer:
-    """Owns the blocks this process shares; frees them on release, TTL or close."""
+    """Owns the blocks this process shares; frees them on release, TTL or close.
+
+    Tensors of ``MIN_CLASS`` bytes or more go into pooled blocks (``shm_pool``)
+    when ``pool_bytes`` > 0: a released block is renamed and reused by a later
+    request. ``allocate`` hands out a pooled block as a writable tensor for code
+    that generates straight into it; ``share`` then sends it with no copy."""
 
     def __init__(
         self,
@@ -58,25 +76,173 @@ class ShmProducer:
         ttl_s: float = 300.0,
         root: Path = SHM_ROOT,
         clock: Callable[[], float] = time.monotonic,
+        pool_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.mesh_id = check_mesh_id(mesh_id)
         self.ttl_s = ttl_s
         self.root = root
         self._clock = clock
-        self._lock = threading.Lock()
+        # Reentrant: the last view of an allocated block may die (and return it)
+        # on a thread that is inside one of these methods.
+        self._lock = threading.RLock()
         self._blocks: dict[str, _Block] = {}
+        self._by_address: dict[int, str] = {}
+        self.pool = BlockPool(self.mesh_id, root, pool_bytes) if pool_bytes > 0 else None
 
     @property
     def live_names(self) -> list[str]:
+        """Blocks handed out (free pooled blocks are not among them)."""
         with self._lock:
             return list(self._blocks)
 
     def put(self, tensor: torch.Tensor, owner: str) -> tensor_pb2.Tensor:
-        """Copy ``tensor`` into a new block owned by request ``owner``; return its ref."""
+        """Copy ``tensor`` into a block owned by request ``owner``; return its ref."""
         wire = tensors.dtype_name(tensor.dtype)
         source = tensor.detach().resolve_conj().resolve_neg()
         nbytes = source.numel() * source.element_size()
-        name, fd = self._create()
+        if self.pool is not None and nbytes >= MIN_CLASS:
+            block = self._take(nbytes)
+            name = block.name
+            try:
+                # No name holds the view, so no export of the mapping is left behind.
+                torch.frombuffer(block.mapping, dtype=torch.uint8, count=nbytes).view(
+                    source.dtype
+                ).view(source.shape).copy_(source)
+            except BaseException:
+                assert self.pool is not None
+                self.pool.give_back(block)
+                raise
+            self._register(name, _Block(owner, self._clock(), block))
+        else:
+            name = self._put_file(source, nbytes, owner)
+        ref = tensor_pb2.ShmRef(name=name, offset=0, nbytes=nbytes, producer=node_identity())
+        return tensor_pb2.Tensor(dtype=wire, shape=list(source.shape), shm=ref)
+
+    def allocate(self, owner: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A writable CPU tensor in a pooled block of request ``owner``, to write an
+        output into; ``share`` sends it without a copy. A block never shared goes
+        back to the pool when its last view dies. Without a pool (or for an empty
+        tensor) this is ``torch.empty``."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.pool is None or nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        block = self._take(nbytes)
+        array = np.frombuffer(block.mapping, dtype=np.uint8, count=nbytes)
+        # The array lives exactly as long as the last tensor view of it (torch's
+        # storage holds it): its finalizer is how the pool learns the block is free.
+        name = block.name
+        self._register(name, _Block(owner, self._clock(), block, views=1, shipped=False))
+        weakref.finalize(array, self._view_gone, name).atexit = False
+        return torch.from_numpy(array).view(dtype).reshape(tuple(shape))
+
+    def share(self, tensor: torch.Tensor, owner: str) -> tensor_pb2.Tensor | None:
+        """The ref of ``tensor`` when it lies in a block ``allocate`` gave ``owner``
+        (no copy), else None."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        base = tensor.untyped_storage().data_ptr()
+        with self._lock:
+            name = self._by_address.get(base)
+            block = self._blocks.get(name) if name is not None else None
+            if block is None or block.pooled is None or block.owner != owner:
+                return None
+            offset = tensor.data_ptr() - block.pooled.address
+            nbytes = tensor.numel() * tensor.element_size()
+            if offset < 0 or offset + nbytes > block.pooled.capacity:
+                return None
+            block.shipped = True
+            block.created = self._clock()  # the TTL runs from the hand-off
+        wire = tensors.dtype_name(tensor.dtype)
+        ref = tensor_pb2.ShmRef(name=name, offset=offset, nbytes=nbytes, producer=node_identity())
+        return tensor_pb2.Tensor(dtype=wire, shape=list(tensor.shape), shm=ref)
+
+    def release(self, owner: str | None = None, names: Iterable[str] = ()) -> int:
+        """Free every block of ``owner`` and the blocks named; unknown names are ignored."""
+        wanted = set(names)
+        freed: list[str] = []
+        with self._lock:
+            for name, block in list(self._blocks.items()):
+                if block.released or not (name in wanted or (owner and block.owner == owner)):
+                    continue
+                freed.append(name)
+                block.released = True
+                if block.views == 0:
+                    self._recycle(name)
+        return len(freed)
+
+    def expire(self) -> int:
+        """Unlink shipped blocks older than ttl_s (consumers that never called
+        ReleaseTensors). They are not reused: a consumer may still be reading."""
+        deadline = self._clock() - self.ttl_s
+        with self._lock:
+            stale = {
+                n: b.owner
+                for n, b in self._blocks.items()
+                if b.shipped and not b.released and b.created <= deadline
+            }
+        if stale:
+            logger.info(
+                "shm: %s block(s) of request(s) %s expired after %ss unreleased",
+                len(stale),
+                ", ".join(sorted(set(stale.values()))),
+                self.ttl_s,
+            )
+        return self._unlink(list(stale))
+
+    def close(self) -> None:
+        with self._lock:
+            chosen = list(self._blocks)
+        self._unlink(chosen)
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> ShmProducer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _take(self, nbytes: int) -> PoolBlock:
+        assert self.pool is not None
+        try:
+            return self.pool.take(nbytes)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise ResourceExhausted(
+                    f"shared memory is full: no room for {nbytes} bytes in {self.root}"
+                ) from None
+            raise
+
+    def _register(self, name: str, block: _Block) -> None:
+        with self._lock:
+            self._blocks[name] = block
+            if block.pooled is not None:
+                self._by_address[block.pooled.address] = name
+
+    def _view_gone(self, name: str) -> None:
+        with self._lock:
+            block = self._blocks.get(name)
+            if block is None:
+                return  # expired or closed meanwhile: already unlinked
+            block.views -= 1
+            if block.views == 0 and (block.released or not block.shipped):
+                self._recycle(name)
+
+    def _recycle(self, name: str) -> None:
+        """Back to the pool (renamed) or unlinked; the caller holds the lock."""
+        block = self._blocks.pop(name)
+        pooled = block.pooled
+        if pooled is None:
+            HELD.discard(name)
+            (self.root / name).unlink(missing_ok=True)
+            return
+        self._by_address.pop(pooled.address, None)
+        assert self.pool is not None
+        self.pool.give_back(pooled)
+
+    def _put_file(self, source: torch.Tensor, nbytes: int, owner: str) -> str:
+        """A block of exactly ``nbytes``, not pooled (small tensors, or no pool)."""
+        name, fd = create_block(self.root, self.mesh_id)
         # Registered before it is filled, so close() from another thread frees it too.
         with self._lock:
             self._blocks[name] = _Block(owner, self._clock())
@@ -92,60 +258,17 @@ class ShmProducer:
             raise
         finally:
             os.close(fd)
-        ref = tensor_pb2.ShmRef(name=name, offset=0, nbytes=nbytes, producer=node_identity())
-        return tensor_pb2.Tensor(dtype=wire, shape=list(source.shape), shm=ref)
-
-    def release(self, owner: str | None = None, names: Iterable[str] = ()) -> int:
-        """Free every block of ``owner`` and the blocks named; unknown names are ignored."""
-        wanted = set(names)
-        with self._lock:
-            chosen = [
-                n for n, b in self._blocks.items() if n in wanted or (owner and b.owner == owner)
-            ]
-        return self._unlink(chosen)
-
-    def expire(self) -> int:
-        """Free blocks older than ttl_s (consumers that never called ReleaseTensors)."""
-        deadline = self._clock() - self.ttl_s
-        with self._lock:
-            stale = {n: b.owner for n, b in self._blocks.items() if b.created <= deadline}
-        if stale:
-            logger.info(
-                "shm: %s block(s) of request(s) %s expired after %ss unreleased",
-                len(stale),
-                ", ".join(sorted(set(stale.values()))),
-                self.ttl_s,
-            )
-        return self._unlink(list(stale))
-
-    def close(self) -> None:
-        with self._lock:
-            chosen = list(self._blocks)
-        self._unlink(chosen)
-
-    def __enter__(self) -> ShmProducer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _create(self) -> tuple[str, int]:
-        pid = os.getpid()
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        while True:
-            secret = secrets.token_hex(SECRET_HEX // 2)
-            name = f"omni-{self.mesh_id}-{pid}-{next(_COUNTER):x}-{secret}"
-            try:
-                return name, os.open(self.root / name, flags, 0o600)
-            except FileExistsError:
-                continue  # left by a dead process that had our pid; sweep removes it
+        return name
 
     def _unlink(self, names: list[str]) -> int:
         freed = 0
         for name in names:
             with self._lock:
-                if self._blocks.pop(name, None) is None:
+                block = self._blocks.pop(name, None)
+                if block is None:
                     continue  # another thread freed it first
+                if block.pooled is not None:
+                    self._by_address.pop(block.pooled.address, None)
                 HELD.discard(name)
             try:
                 os.unlink(self.root / name)

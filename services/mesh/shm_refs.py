@@ -11,10 +11,12 @@ sweeps with ``sweep``.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import mmap
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +40,25 @@ BLOCK_NAME = re.compile(
 # Blocks this process created and still holds: sweep spares them even though
 # their pid (ours) is alive, and removes older blocks that merely reuse our pid.
 HELD: set[str] = set()
+# One counter per process, so two producers of one mesh never pick the same name.
+_COUNTER = itertools.count(1)
+
+
+def new_name(mesh_id: str) -> str:
+    """A fresh block name of this process: mesh prefix, pid, counter, secret."""
+    secret = secrets.token_hex(SECRET_HEX // 2)
+    return f"omni-{mesh_id}-{os.getpid()}-{next(_COUNTER):x}-{secret}"
+
+
+def create_block(root: Path, mesh_id: str) -> tuple[str, int]:
+    """A new empty block file (mode 0600) under a fresh name, and its descriptor."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    while True:
+        name = new_name(mesh_id)
+        try:
+            return name, os.open(root / name, flags, 0o600)
+        except FileExistsError:
+            continue  # left by a dead process that had our pid; sweep removes it
 
 
 def check_name(name: str, mesh_id: str, field: str) -> None:

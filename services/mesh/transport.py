@@ -3,7 +3,8 @@
     cuda_ipc  a GPU tensor, consumer on the same node, IPC and PID namespace,
               seeing the same GPU: no copy at all
     shm       a CPU tensor (or a GPU tensor the consumer cannot map, copied to
-              host) on the same node and IPC namespace: one copy
+              host) on the same node and IPC namespace: one copy, or none for a
+              tensor generated in a pooled block (``ShmProducer.allocate``)
     raw       anything else, and anything under ``inline_max_bytes``, where a
               ref's bookkeeping costs more than the bytes
 
@@ -104,6 +105,8 @@ class TransportStats:
     tensors: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     fallbacks: dict[str, int] = field(default_factory=dict)
+    # Tensors sent as the ref of the pooled block they were generated in: no copy.
+    in_place: int = 0
 
 
 class TensorSender:
@@ -136,7 +139,7 @@ class TensorSender:
     def stats(self) -> TransportStats:
         with self._lock:
             s = self._stats
-            return TransportStats(dict(s.tensors), dict(s.bytes), dict(s.fallbacks))
+            return TransportStats(dict(s.tensors), dict(s.bytes), dict(s.fallbacks), s.in_place)
 
     def encode(
         self,
@@ -151,10 +154,15 @@ class TensorSender:
         if kind == CUDA_IPC and self._cuda is not None:
             msg = self._cuda.share(tensor, owner)
         elif kind == SHM and self._shm is not None:
-            try:
-                msg = self._shm.put(tensor, owner)
-            except ResourceExhausted:
-                kind, reason = RAW, "shm full"
+            msg = self._shm.share(tensor, owner)
+            if msg is not None:
+                with self._lock:
+                    self._stats.in_place += 1
+            else:
+                try:
+                    msg = self._shm.put(tensor, owner)
+                except ResourceExhausted:
+                    kind, reason = RAW, "shm full"
         if msg is None:
             msg = tensors.to_proto(tensor, name)
         msg.name = name

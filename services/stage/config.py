@@ -80,6 +80,8 @@ class Runtime(_Frozen):
     inline_max_bytes: int = Field(64 << 10, ge=0)
     shm: bool = True
     shm_ttl_s: float = Field(300.0, gt=0)  # a block nobody released is freed after this
+    # Released shared blocks kept (pre-faulted, renamed) for later requests, in bytes.
+    shm_pool_bytes: int = Field(256 << 20, ge=0)
     max_input_bytes: int = Field(1 << 30, ge=1024)  # chunked input tensors held at once
     chunk_bytes: int = Field(1 << 20, ge=1024)  # inline tensors above this go as chunks
 

@@ -19,6 +19,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.engines.base import WritesIntoBlocks
 from services.engines.registry import engine_class
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError, abort_rpc
@@ -169,6 +170,8 @@ class StageServer:
         self.engine = engine_class(config.engine)(config.engine_settings())
         self.runtime = StageRuntime(config, self.engine)
         self.tensors = StageTensors(config)
+        if isinstance(self.engine, WritesIntoBlocks):
+            self.engine.use_output_blocks(self.tensors)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._bus: InitBus | None = None

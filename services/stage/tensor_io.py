@@ -1,17 +1,21 @@
 """The stage's side of the data plane: output tensors go to their consumer by
 the cheapest transport it can open (CUDA IPC, shared memory, else bytes), input
 tensors are opened whatever way they came, and shared blocks are freed on
-ReleaseTensors, after a TTL, or when the stage stops."""
+ReleaseTensors, after a TTL, or when the stage stops. Engines that write their
+outputs into buffers of ours (``WritesIntoBlocks``) get pooled shared blocks."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import math
+from collections.abc import Sequence
 
 import torch
 
 from services.mesh.cuda_ipc import CudaIpcProducer
+from services.mesh.errors import ResourceExhausted
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.shm import ShmProducer, sweep
@@ -25,7 +29,12 @@ class StageTensors:
     def __init__(self, config: StageConfig) -> None:
         runtime = config.runtime
         self.mesh_id = mesh_id()
-        self._shm = ShmProducer(self.mesh_id, ttl_s=runtime.shm_ttl_s) if runtime.shm else None
+        self._shm = (
+            ShmProducer(self.mesh_id, ttl_s=runtime.shm_ttl_s, pool_bytes=runtime.shm_pool_bytes)
+            if runtime.shm
+            else None
+        )
+        self._inline_max_bytes = runtime.inline_max_bytes
         self._cuda = CudaIpcProducer() if runtime.device.startswith("cuda") else None
         policy = TransportPolicy(
             inline_max_bytes=runtime.inline_max_bytes,
@@ -56,6 +65,18 @@ class StageTensors:
         self, tensor: torch.Tensor, name: str, owner: str, consumer: tensor_pb2.NodeIdentity | None
     ) -> tensor_pb2.Tensor:
         return self.sender.encode(tensor, name, owner, consumer)
+
+    def allocate(self, owner: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """``OutputBlocks`` for engines: an output buffer in a pooled shared block
+        when the tensor would go by shared memory, so ``encode`` sends it without a
+        copy (a consumer that cannot open it gets bytes copied out of the block)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._shm is None or nbytes < self._inline_max_bytes:
+            return torch.empty(tuple(shape), dtype=dtype)
+        try:
+            return self._shm.allocate(owner, shape, dtype)
+        except ResourceExhausted:
+            return torch.empty(tuple(shape), dtype=dtype)  # /dev/shm is full: encode copes
 
     def release(self, owner: str | None, names: list[str]) -> int:
         return self.sender.release(owner, names)

@@ -22,7 +22,9 @@ from services.engines.base import (
     EngineRequest,
     EngineSettings,
     FinishOutput,
+    HeapBlocks,
     ModelInfo,
+    OutputBlocks,
     ProgressOutput,
     TensorOutput,
 )
@@ -59,9 +61,17 @@ class SourceArgs:
         return cls(**engine_args)
 
 
-def pattern_frames(frames: int, height: int, width: int, seed: int, start: int = 0) -> torch.Tensor:
+def pattern_frames(
+    frames: int,
+    height: int,
+    width: int,
+    seed: int,
+    start: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """uint8 [frames, 3, height, width]: a gradient scrolling one pixel per frame
-    and a square crossing it, in colours picked by ``seed``."""
+    and a square crossing it, in colours picked by ``seed``; written into ``out``
+    when given (a shared block the stage sends on without a copy)."""
     colours = torch.rand(2, 3, generator=torch.Generator().manual_seed(seed))
     t = torch.arange(start, start + frames, dtype=torch.float32)[:, None, None]
     ys = torch.arange(height, dtype=torch.float32)[None, :, None]
@@ -72,7 +82,9 @@ def pattern_frames(frames: int, height: int, width: int, seed: int, start: int =
     square = (xs >= left) & (xs < left + side) & (ys >= height // 3) & (ys < height // 3 + side)
     image = ramp[:, None] * colours[0][None, :, None, None]
     image = torch.where(square[:, None], colours[1][None, :, None, None], image)
-    return (image * 255).round().to(torch.uint8)
+    if out is None:
+        return (image * 255).round().to(torch.uint8)
+    return out.copy_(image.mul_(255).round_())  # exact integers: the cast truncates nothing
 
 
 class FrameSourceEngine:
@@ -84,6 +96,10 @@ class FrameSourceEngine:
 
     def __init__(self, settings: EngineSettings) -> None:
         self.args = SourceArgs.from_engine_args(settings.engine_args)
+        self._blocks: OutputBlocks = HeapBlocks()
+
+    def use_output_blocks(self, blocks: OutputBlocks) -> None:
+        self._blocks = blocks
 
     def load(self, model_path: Path | None) -> ModelInfo:
         return ModelInfo(model_bytes=0, description="test-pattern frame source")
@@ -121,7 +137,8 @@ class FrameSourceEngine:
         windows = -(-total // args.window_frames)
         for index, start in enumerate(range(0, total, args.window_frames)):
             count = min(args.window_frames, total - start)
-            frames = pattern_frames(count, height, width, params.seed or 0, start)
+            out = self._blocks.allocate(request.request_id, (count, 3, height, width), torch.uint8)
+            frames = pattern_frames(count, height, width, params.seed or 0, start, out=out)
             yield TensorOutput({"frames": frames})
             yield ProgressOutput(step=index + 1, total_steps=windows)  # one segment per window
         yield FinishOutput("done", completion_tokens=total)
