@@ -198,12 +198,21 @@ def test_each_fallback_reason_is_logged_once_and_counted_always(
     assert sender.stats.fallbacks == {"other node": 3}
 
 
+def shm_pool_names(sender: TensorSender) -> list[str]:
+    pool = sender._shm.pool if sender._shm is not None else None
+    return pool.free_names if pool is not None else []
+
+
 def test_release_frees_the_blocks_of_a_request(sender: TensorSender, mesh: str) -> None:
     a = [sender.encode(torch.zeros(BIG), "x", "req-a", identity()) for _ in range(2)]
     b = sender.encode(torch.zeros(BIG), "x", "req-b", identity())
     assert sender.release(names=[release_name(a[0])]) == 1
     assert sender.release("req-a") == 1
-    assert [n for n in os.listdir(SHM_ROOT) if n.startswith(f"omni-{mesh}-")] == [b.shm.name]
+    # Released blocks are gone under the names their consumers knew; the pool
+    # keeps them for reuse under fresh names.
+    assert not any((SHM_ROOT / m.shm.name).exists() for m in a)
+    on_disk = {n for n in os.listdir(SHM_ROOT) if n.startswith(f"omni-{mesh}-")}
+    assert on_disk == {b.shm.name, *shm_pool_names(sender)}
     assert release_name(tensor_pb2.Tensor(raw=b"")) == ""
 
 

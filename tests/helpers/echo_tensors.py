@@ -1,0 +1,46 @@
+"""A consumer engine for tests (``engine: "tests.helpers.echo_tensors:EchoTensorsEngine"``):
+it emits the tensors it received, unchanged and under their own names, and reports
+the rows of the first one as ``prompt_tokens``. What a client gets back is
+exactly what the stage was handed, however it travelled."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import ClassVar
+
+from services.engines.base import (
+    EngineEvent,
+    EngineRequest,
+    EngineSettings,
+    FinishOutput,
+    ModelInfo,
+    TensorOutput,
+)
+
+
+class EchoTensorsEngine:
+    name: ClassVar[str] = "echo_tensors"
+    supported_params: ClassVar[frozenset[str]] = frozenset()
+    output_tensors: ClassVar[tuple[str, ...]] = ("frames",)
+
+    def __init__(self, settings: EngineSettings) -> None:
+        self._settings = settings
+
+    def load(self, model_path: Path | None) -> ModelInfo:
+        return ModelInfo(model_bytes=0, description="echoes its input tensors")
+
+    def warmup(self) -> None:
+        pass
+
+    def check(self, request: EngineRequest) -> None:
+        pass
+
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
+        # A copy: the inputs map the producer's blocks, which are reused once released.
+        yield TensorOutput({name: t.clone() for name, t in request.tensors.items()})
+        rows = next((int(t.shape[0]) for t in request.tensors.values() if t.dim()), 0)
+        yield FinishOutput("done", prompt_tokens=rows)
+
+    def close(self) -> None:
+        pass
