@@ -136,6 +136,10 @@ class TensorSender:
         self._stats = TransportStats()
 
     @property
+    def shm(self) -> ShmProducer | None:
+        return self._shm
+
+    @property
     def stats(self) -> TransportStats:
         with self._lock:
             s = self._stats

@@ -46,6 +46,10 @@ class StageTensors:
         self._ttl_s = runtime.shm_ttl_s
         self._expiry: asyncio.Task[None] | None = None
 
+    @property
+    def shm(self) -> ShmProducer | None:
+        return self._shm
+
     def start(self) -> None:
         removed = sweep(self.mesh_id)
         if removed:

@@ -199,7 +199,7 @@ def test_each_fallback_reason_is_logged_once_and_counted_always(
 
 
 def shm_pool_names(sender: TensorSender) -> list[str]:
-    pool = sender._shm.pool if sender._shm is not None else None
+    pool = sender.shm.pool if sender.shm is not None else None
     return pool.free_names if pool is not None else []
 
 
