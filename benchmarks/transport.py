@@ -1,27 +1,41 @@
 """Tensor hand-off between two processes, transport by transport.
 
     python benchmarks/transport.py [--sizes 64K 1M 16M 64M 256M] [--repeats 10] [--out FILE]
+                                   [--chunk-sweep 256K 1M 4M ...]
 
 Each sample runs from the producer starting to encode a float32 tensor to the
 consumer holding it with every byte read (it sums the tensor), timed on the
-system-wide monotonic clock both processes share. Transports: raw gRPC (one
-Tensor message to a grpc.aio server), shm (ShmProducer.put + open_tensor),
-cuda_ipc (with a GPU only), multiprocessing.Queue with a pickled tensor,
-torch.multiprocessing's own queue (tensor storage moved to shared memory),
-ZeroMQ with a msgpack header and a zero-copy frame, and memcpy in one process as
-the physical reference: into a fresh buffer (page faults included, as every
-hand-off into new memory pays them) and into a warm one (the bandwidth ceiling).
-"ref" sends an already-created shm ref and opens it without reading: it should
-not grow with size.
+system-wide monotonic clock both processes share. Transports:
 
-Transports take turns within each round so drift on a shared machine hits all.
-Targets: shm hand-off of 64 MiB >= 0.8x memcpy bandwidth and >= 3x mp.Queue.
+- shm, as the mesh does it: ``shm pool`` puts the tensor into a warm pooled block
+  (one copy); ``shm pool in place`` sends a pooled block the producer generated
+  the tensor in (``ShmProducer.allocate``: the generation itself is not timed,
+  only share, ref, open and read); ``shm fresh block`` is a new file per tensor
+  (no pool, as before the pool).
+- ``mesh bytes``, the path to a consumer on another node: a stage's encode and
+  chunk cutting, one real gRPC stream, the consuming stage's chunk assembly and
+  decode, at ``chunks.CHUNK_BYTES`` (``--chunk-sweep`` adds one row per size).
+- raw gRPC (one Tensor message to a grpc.aio server), cuda_ipc (with a GPU only),
+  multiprocessing.Queue with a pickled tensor, torch.multiprocessing's own queue
+  (tensor storage moved to shared memory), ZeroMQ with a msgpack header and a
+  zero-copy frame.
+- memcpy in one process, the physical reference: into fresh memory (a new
+  anonymous mapping: page faults included, as every hand-off into new memory
+  pays them) and into a warm buffer (the bandwidth ceiling).
+- "ref" sends an already-created shm ref and opens it without reading: it should
+  not grow with size.
+
+Both processes set malloc up as the mesh's processes do (``keep_freed_memory``),
+so every transport gets the same allocator. Transports take turns within each
+round so drift on a shared machine hits all. Targets at 64 MiB: shm pool in
+place >= 0.8x warm memcpy; shm >= 3x mp.Queue; mesh bytes >= 1.0x zmq + msgpack.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import mmap
 import multiprocessing as mp
 import os
 import pickle
@@ -32,7 +46,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -45,13 +59,19 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
-from services.mesh import tensors
-from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh import chunks, tensors
+from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler
+from services.mesh.malloc import keep_freed_memory
+from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.shm import ShmProducer, open_tensor, sweep
+from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.stage.inputs import decode
 
+MESH_OF_BYTES = "benchbytes"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_SIZES = ["64K", "1M", "16M", "64M", "256M"]
 SINK = "/bench.Sink/Put"
+CHUNKED_SINK = "/bench.Sink/PutChunked"
 OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
 
@@ -72,6 +92,7 @@ def touch(tensor: torch.Tensor) -> float:
 
 def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -> None:
     """Serves every transport; answers each hand-off with the time it finished."""
+    keep_freed_memory()
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     loop_ready = threading.Event()
     port: list[int] = []
@@ -113,11 +134,30 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         touch(tensors.from_proto(tensor_pb2.Tensor.FromString(request), "t"))
         return struct.pack("d", time.perf_counter())
 
+    async def put_chunked(
+        messages: AsyncIterator[stage_pb2.StageInput], context: grpc.aio.ServicerContext
+    ) -> bytes:
+        # What a stage does with a Submit whose tensors came as chunks on its stream.
+        assembler = ChunkAssembler(1 << 40)
+        receiver = TensorReceiver(MESH_OF_BYTES, allow_refs=False)
+        async for message in messages:
+            if message.HasField("chunk"):
+                assembler.add(message.chunk)
+                continue
+            inputs = decode(message.submit.inputs, receiver, chunks=assembler)
+            touch(inputs.tensors["t"])
+        return struct.pack("d", time.perf_counter())
+
     async def main() -> None:
         server = grpc.aio.server(options=OPTIONS)
-        handler = grpc.unary_unary_rpc_method_handler(put)
+        handlers = {
+            "Put": grpc.unary_unary_rpc_method_handler(put),
+            "PutChunked": grpc.stream_unary_rpc_method_handler(
+                put_chunked, request_deserializer=stage_pb2.StageInput.FromString
+            ),
+        }
         server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("bench.Sink", {"Put": handler})]
+            [grpc.method_handlers_generic_handler("bench.Sink", handlers)]
         )
         port.append(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
@@ -125,6 +165,11 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         await server.wait_for_termination()
 
     asyncio.run(main())
+
+
+def _chunk_input() -> tuple[stage_pb2.StageInput, tensor_pb2.TensorChunk]:
+    message = stage_pb2.StageInput()
+    return message, message.chunk
 
 
 # --- producer side -----------------------------------------------------------------
@@ -149,7 +194,12 @@ class Bench:
         self.sock.connect(addr)
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=OPTIONS)
         self.put = self.channel.unary_unary(SINK)
-        self.shm = ShmProducer(self.mesh)
+        self.put_chunked = self.channel.stream_unary(
+            CHUNKED_SINK, request_serializer=stage_pb2.StageInput.SerializeToString
+        )
+        self.chunk_bytes = CHUNK_BYTES
+        self.shm = ShmProducer(self.mesh, pool_bytes=0)
+        self.pool = ShmProducer(self.mesh)
         self.cuda: Any = None
         if torch.cuda.is_available():
             from services.mesh.cuda_ipc import CudaIpcProducer
@@ -162,6 +212,7 @@ class Bench:
         self.conn.send(None)
         self.proc.join(10)
         self.shm.close()
+        self.pool.close()
         sweep(self.mesh)
         self.channel.close()
         self.sock.close(linger=0)
@@ -172,9 +223,13 @@ class Bench:
         return finished
 
     def memcpy_fresh(self, src: torch.Tensor) -> float:
+        nbytes = src.numel() * src.element_size()
         start = time.perf_counter()
-        torch.empty_like(src).copy_(src)
-        return time.perf_counter() - start
+        fresh = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        torch.frombuffer(fresh, dtype=src.dtype).copy_(src)
+        elapsed = time.perf_counter() - start
+        fresh.close()
+        return elapsed
 
     def memcpy_warm(self, src: torch.Tensor) -> float:
         if src.numel() not in self.warm:
@@ -189,11 +244,51 @@ class Bench:
         reply = self.put(tensors.to_proto(src, "t").SerializeToString())
         return float(struct.unpack("d", reply)[0]) - start
 
+    def mesh_bytes(self, src: torch.Tensor) -> float:
+        """The mesh's bytes path for a consumer on another node: a stage's encode and
+        chunk cutting (``StageTensors.chunk_outputs``), one real gRPC stream, and the
+        consuming stage's assembly and decode (``GenerateStream._decode``)."""
+        start = time.perf_counter()
+        sender = TensorSender(
+            MESH_OF_BYTES, TransportPolicy(), shm=None, cuda=None, chunk_bytes=self.chunk_bytes
+        )
+        submit = stage_pb2.Submit(request_id="bench", is_last=True)
+        submit.inputs.tensors.append(sender.encode(src, "t", "bench", None))
+
+        def messages() -> Iterator[stage_pb2.StageInput]:
+            for msg in submit.inputs.tensors:
+                unsent = sender.take_unsent(msg)
+                if unsent is not None:
+                    yield from unsent.messages(_chunk_input)
+            for chunk in chunks.split(submit.inputs.tensors, threshold=self.chunk_bytes):
+                yield stage_pb2.StageInput(chunk=chunk)
+            yield stage_pb2.StageInput(submit=submit)
+
+        reply = self.put_chunked(messages())
+        return float(struct.unpack("d", reply)[0]) - start
+
     def shm_handoff(self, src: torch.Tensor) -> float:
         start = time.perf_counter()
         msg = self.shm.put(src, "bench")
         finished = self._ask("shm", msg.SerializeToString())
         self.shm.release("bench")
+        return finished - start
+
+    def shm_pool(self, src: torch.Tensor) -> float:
+        start = time.perf_counter()
+        msg = self.pool.put(src, "bench")
+        finished = self._ask("shm", msg.SerializeToString())
+        self.pool.release("bench")
+        return finished - start
+
+    def shm_in_place(self, src: torch.Tensor) -> float:
+        out = self.pool.allocate("bench", src.shape, src.dtype)
+        out.copy_(src)  # the engine generating its output: not part of the hand-off
+        start = time.perf_counter()
+        msg = self.pool.share(out, "bench")
+        assert msg is not None
+        finished = self._ask("shm", msg.SerializeToString())
+        self.pool.release("bench")
         return finished - start
 
     def ref(self, src: torch.Tensor) -> float:
@@ -233,12 +328,27 @@ class Bench:
         return self.conn.recv() - start
 
 
-def run(sizes: list[int], repeats: int, tmp: Path) -> list[dict[str, Any]]:
+def at_chunk_size(bench: Bench, chunk_bytes: int) -> Callable[[torch.Tensor], float]:
+    def way(src: torch.Tensor) -> float:
+        bench.chunk_bytes = chunk_bytes
+        try:
+            return bench.mesh_bytes(src)
+        finally:
+            bench.chunk_bytes = CHUNK_BYTES
+
+    return way
+
+
+def run(sizes: list[int], repeats: int, tmp: Path, sweep: list[int]) -> list[dict[str, Any]]:
     bench = Bench(tmp)
     ways: dict[str, Callable[[torch.Tensor], float]] = {
         "memcpy (fresh dst)": bench.memcpy_fresh,
         "memcpy (warm dst)": bench.memcpy_warm,
-        "shm": bench.shm_handoff,
+        "shm pool in place": bench.shm_in_place,
+        "shm pool": bench.shm_pool,
+        "shm fresh block": bench.shm_handoff,
+        "mesh bytes": bench.mesh_bytes,
+        **{f"mesh bytes @ {label(c)}": at_chunk_size(bench, c) for c in sweep},
         "raw gRPC": bench.raw_grpc,
         "mp.Queue pickle": bench.mp_queue,
         "torch.mp Queue": bench.torch_mp,
@@ -309,9 +419,18 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, float]:
 
     ref_ms = [r["p50 ms"] for r in rows if r["transport"].startswith("ref")]
     return {
-        "shm_64MiB_vs_memcpy_fresh": rate("shm", "64 MiB") / rate("memcpy (fresh dst)", "64 MiB"),
-        "shm_64MiB_vs_memcpy_warm": rate("shm", "64 MiB") / rate("memcpy (warm dst)", "64 MiB"),
-        "shm_64MiB_vs_mp_queue": rate("shm", "64 MiB") / rate("mp.Queue pickle", "64 MiB"),
+        "shm_in_place_64MiB_vs_memcpy_warm": rate("shm pool in place", "64 MiB")
+        / rate("memcpy (warm dst)", "64 MiB"),
+        "shm_pool_64MiB_vs_memcpy_warm": rate("shm pool", "64 MiB")
+        / rate("memcpy (warm dst)", "64 MiB"),
+        "shm_pool_64MiB_vs_memcpy_fresh": rate("shm pool", "64 MiB")
+        / rate("memcpy (fresh dst)", "64 MiB"),
+        "shm_fresh_block_64MiB_vs_memcpy_warm": rate("shm fresh block", "64 MiB")
+        / rate("memcpy (warm dst)", "64 MiB"),
+        "shm_pool_64MiB_vs_mp_queue": rate("shm pool", "64 MiB") / rate("mp.Queue pickle", "64 MiB"),
+        "mesh_bytes_64MiB_vs_zmq": rate("mesh bytes", "64 MiB") / rate("zmq + msgpack", "64 MiB"),
+        "mesh_bytes_64MiB_vs_mp_queue": rate("mesh bytes", "64 MiB")
+        / rate("mp.Queue pickle", "64 MiB"),
         "ref_max_over_min_latency": max(ref_ms) / min(ref_ms),
     }
 
@@ -321,18 +440,30 @@ def main() -> int:
     parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES, help="e.g. 64K 1M 256M")
     parser.add_argument("--repeats", type=int, default=10, help="rounds (fewer for big sizes)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--chunk-sweep", nargs="*", default=[], help="chunk sizes, e.g. 256K 4M")
     args = parser.parse_args()
+    keep_freed_memory()
     sizes = [parse_size(s) for s in args.sizes]
+    sweep_sizes = [parse_size(s) for s in args.chunk_sweep]
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run(sizes, args.repeats, Path(tmp))
+        rows = run(sizes, args.repeats, Path(tmp), sweep_sizes)
     print(table(rows, ["size", "transport", "n", "p50 ms", "min ms", "GB/s"]))
     ratios = targets(rows) if "64M" in [s.upper() for s in args.sizes] else {}
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}")
-    print("targets: shm 64 MiB >= 0.8x memcpy and >= 3x mp.Queue; ref flat in size")
+    print(
+        "targets at 64 MiB: shm pool in place >= 0.8x warm memcpy, shm >= 3x mp.Queue, "
+        "mesh bytes >= 1.0x zmq + msgpack; ref flat in size"
+    )
     path = write_json(
         "transport",
-        {"rows": rows, "ratios": ratios, "cpus": os.cpu_count(), "repeats": args.repeats},
+        {
+            "rows": rows,
+            "ratios": ratios,
+            "cpus": os.cpu_count(),
+            "repeats": args.repeats,
+            "chunk_bytes": CHUNK_BYTES,
+        },
         args.out,
     )
     png = path.with_suffix(".png")

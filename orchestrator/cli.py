@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client import DEFAULT_ADDRESS
+from services.mesh.malloc import keep_freed_memory
 from services.mesh.process import port_number
 
 
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         # The stage service's own entry point: the orchestrator never imports it.
         os.execv(sys.executable, [sys.executable, "-m", "services.stage", *argv[1:]])
     args = _parser().parse_args(argv)
+    if args.command in ("orchestrator", "up"):
+        keep_freed_memory()  # relayed tensor chunks reuse warm buffers
     if args.command == "stage":
         from orchestrator.commands import run_stage
 

@@ -4,18 +4,30 @@ gRPC clients refuse messages over 4 MiB by default; rather than ask every client
 to raise that limit, a large raw tensor (or blob, e.g. a PNG) travels as
 TensorChunk messages (each at most CHUNK_BYTES) followed by the message whose
 tensor (or blob) says ``chunked``.
+
+The receiver writes each chunk into one destination buffer made when the first
+chunk arrives (huge pages when large: a fresh 64 MiB buffer otherwise costs
+more in page faults than the copy itself), so chunks are never joined; a stage
+decodes a tensor straight from that buffer (``take``), without another copy.
 """
 
 from __future__ import annotations
 
+import mmap
 import uuid
-from collections.abc import MutableSequence, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, MutableSequence, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 
+# Chosen by benchmarks/transport.py --chunk-sweep (64 MiB through real gRPC
+# between two processes); the figures are in the module docstring there.
 CHUNK_BYTES = 1 << 20
+M = TypeVar("M")
+# Destinations from this size up are anonymous mappings advised to use huge pages.
+_HUGE_BYTES = 2 << 20
 
 
 def split(
@@ -59,12 +71,55 @@ def _split(
     return chunks
 
 
+@dataclass(frozen=True)
+class Unsent:
+    """A tensor's bytes still in its own memory, to go as TensorChunks cut one at a
+    time as they are sent: no joined copy of the whole, and each piece is freed
+    (and its memory reused warm) before the next is made."""
+
+    chunk_id: str
+    data: memoryview  # flat bytes
+    threshold: int
+
+    @property
+    def ref(self) -> tensor_pb2.ChunkRef:
+        return tensor_pb2.ChunkRef(chunk_id=self.chunk_id, nbytes=len(self.data))
+
+    def messages(self, make: Callable[[], tuple[M, tensor_pb2.TensorChunk]]) -> Iterator[M]:
+        """One stream message per piece, cut as it is asked for. ``make`` gives a new
+        message and the TensorChunk inside it, filled in place (a chunk given to a
+        message's constructor would be copied again)."""
+        total = len(self.data)
+        for start in range(0, total, self.threshold):
+            message, chunk = make()
+            chunk.chunk_id, chunk.offset, chunk.total = self.chunk_id, start, total
+            chunk.data = bytes(self.data[start : start + self.threshold])
+            yield message
+
+
+def unsent(data: memoryview, threshold: int = CHUNK_BYTES) -> Unsent:
+    if threshold <= 0:
+        raise ValueError(f"threshold must be positive, got {threshold}")
+    return Unsent(uuid.uuid4().hex, data.cast("B"), threshold)
+
+
+Buffer = bytearray | mmap.mmap
+
+
+def _destination(total: int) -> Buffer:
+    if total < _HUGE_BYTES:
+        return bytearray(total)
+    buffer = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
+
+
 @dataclass
 class _Pending:
     total: int
+    buffer: Buffer
     received: int = 0
-    # Parts are joined once when resolved: appending to bytes would copy quadratically.
-    parts: list[bytes] = field(default_factory=list)
 
 
 class ChunkAssembler:
@@ -100,7 +155,8 @@ class ChunkAssembler:
                     f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
                     f"holds {self.pending_bytes} of at most {self.max_pending_bytes}"
                 )
-            pending = self._pending[chunk.chunk_id] = _Pending(chunk.total)
+            pending = _Pending(chunk.total, _destination(chunk.total))
+            self._pending[chunk.chunk_id] = pending
         elif chunk.offset != pending.received:
             raise InvalidArgument(
                 f"chunk: {chunk.chunk_id} offset {chunk.offset}, expected {pending.received} "
@@ -116,7 +172,7 @@ class ChunkAssembler:
                 f"chunk: {chunk.chunk_id} runs past its total of {pending.total} bytes",
                 field="chunk",
             )
-        pending.parts.append(data)
+        pending.buffer[pending.received : pending.received + len(data)] = data
         pending.received += len(data)
 
     def resolve(self, tensors: MutableSequence[tensor_pb2.Tensor], field: str) -> None:
@@ -148,23 +204,31 @@ class ChunkAssembler:
                     f"{field}[{i}].chunked: {ref.chunk_id!r} is referenced twice",
                     field=f"{field}[{i}]",
                 )
-            pending = self._pending.get(ref.chunk_id)
-            if pending is None or pending.received != pending.total:
-                got = "no chunks" if pending is None else f"{pending.received} of {pending.total}"
-                raise InvalidArgument(
-                    f"{field}[{i}].chunked: chunks of {ref.chunk_id!r} are incomplete ({got} "
-                    "bytes); they must arrive before the message that refers to them",
-                    field=f"{field}[{i}]",
-                )
-            if ref.nbytes != pending.total:
-                raise InvalidArgument(
-                    f"{field}[{i}].chunked: nbytes {ref.nbytes} but its chunks hold "
-                    f"{pending.total}",
-                    field=f"{field}[{i}]",
-                )
+            self._complete(ref, f"{field}[{i}]")
             ready.append((message, ref.chunk_id))
         for message, chunk_id in ready:
-            setattr(message, inline, b"".join(self._pending.pop(chunk_id).parts))
+            setattr(message, inline, bytes(self._pending.pop(chunk_id).buffer))
+
+    def take(self, ref: tensor_pb2.ChunkRef, field: str) -> Buffer:
+        """The assembled bytes of ``ref``, handed over (no copy) and forgotten here."""
+        self._complete(ref, field)
+        return self._pending.pop(ref.chunk_id).buffer
+
+    def _complete(self, ref: tensor_pb2.ChunkRef, field: str) -> _Pending:
+        pending = self._pending.get(ref.chunk_id)
+        if pending is None or pending.received != pending.total:
+            got = "no chunks" if pending is None else f"{pending.received} of {pending.total}"
+            raise InvalidArgument(
+                f"{field}.chunked: chunks of {ref.chunk_id!r} are incomplete ({got} "
+                "bytes); they must arrive before the message that refers to them",
+                field=field,
+            )
+        if ref.nbytes != pending.total:
+            raise InvalidArgument(
+                f"{field}.chunked: nbytes {ref.nbytes} but its chunks hold {pending.total}",
+                field=field,
+            )
+        return pending
 
     def discard_all(self) -> None:
         self._pending.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from services.mesh.chunks import Buffer
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.wire import MAX_RANK, concat_raw, nbytes_of
@@ -36,7 +37,7 @@ DTYPES: dict[str, torch.dtype] = {
     }.items()
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
-__all__ = ["DTYPES", "MAX_RANK", "concat_raw", "from_proto", "nbytes_of", "to_proto"]
+__all__ = ["DTYPES", "MAX_RANK", "concat_raw", "from_buffer", "from_proto", "nbytes_of", "to_proto"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -52,6 +53,23 @@ def to_proto(tensor: torch.Tensor, name: str = "") -> tensor_pb2.Tensor:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return tensor_pb2.Tensor(name=name, dtype=wire, shape=list(tensor.shape), raw=raw)
+
+
+def from_buffer(msg: tensor_pb2.Tensor, buffer: Buffer, field: str = "tensor") -> torch.Tensor:
+    """A chunked tensor's assembled bytes as the tensor itself, without a copy: the
+    tensor owns ``buffer`` (writable, and nobody else's) from now on."""
+    expected = nbytes_of(msg, field)
+    if len(buffer) != expected:
+        raise InvalidArgument(
+            f"{field}.chunked: dtype {msg.dtype} and shape {list(msg.shape)} need {expected} "
+            f"bytes, the chunks hold {len(buffer)}",
+            field=f"{field}.chunked",
+        )
+    dtype = DTYPES[msg.dtype]
+    if expected == 0:
+        return torch.empty(tuple(msg.shape), dtype=dtype)
+    flat = torch.frombuffer(buffer, dtype=torch.uint8)
+    return flat.view(dtype).reshape(tuple(msg.shape))
 
 
 def from_proto(msg: tensor_pb2.Tensor, field: str = "tensor") -> torch.Tensor:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from services.mesh import tensors
+from services.mesh import chunks, tensors
+from services.mesh.chunks import ChunkAssembler
 from services.mesh.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.node import check_mesh_id, node_identity, same_ipc, same_node, shared_gpu
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 RAW, SHM, CUDA_IPC = "raw", "shm", "cuda_ipc"
 # Reasons that are the best a tensor can get; every other reason is a fallback.
 _BEST = frozenset({"small", "same gpu", "same ipc namespace"})
+# Chunked tensors encoded and not yet sent; more means a caller never sent them.
+_MAX_UNSENT = 1024
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,10 @@ class TensorSender:
         *,
         shm: ShmProducer | None,
         cuda: CudaIpcProducer | None,
+        chunk_bytes: int | None = None,
     ) -> None:
+        """``chunk_bytes``: raw tensors larger than this are encoded ``chunked``, their
+        bytes left in place until ``take_unsent`` cuts them (None: always inline)."""
         check_mesh_id(mesh_id)
         if shm is not None and shm.mesh_id != mesh_id:
             raise ValueError(f"shm producer is for mesh {shm.mesh_id!r}, not {mesh_id!r}")
@@ -132,6 +138,8 @@ class TensorSender:
         )
         self._shm = shm
         self._cuda = cuda
+        self._chunk_bytes = chunk_bytes
+        self._unsent: dict[str, chunks.Unsent] = {}
         self._lock = threading.Lock()
         self._stats = TransportStats()
 
@@ -168,10 +176,36 @@ class TensorSender:
                 except ResourceExhausted:
                     kind, reason = RAW, "shm full"
         if msg is None:
-            msg = tensors.to_proto(tensor, name)
+            msg = self._inline(tensor, name)
         msg.name = name
         self._count(kind, reason, tensor.numel() * tensor.element_size(), name, owner)
         return msg
+
+    def _inline(self, tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._chunk_bytes is None or nbytes <= self._chunk_bytes:
+            return tensors.to_proto(tensor, name)
+        # Left in its own memory (a copy only if it is not contiguous on the CPU);
+        # the emitted tensor is the stage's from now on, as with a shared block.
+        flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        data = flat.reshape(-1).view(torch.uint8).numpy().data
+        pending = chunks.unsent(data, self._chunk_bytes)
+        with self._lock:
+            while len(self._unsent) >= _MAX_UNSENT:  # encoded but never sent: a bug
+                dropped = self._unsent.pop(next(iter(self._unsent)))
+                logger.warning("dropped unsent chunks %s", dropped.chunk_id)
+            self._unsent[pending.chunk_id] = pending
+        wire = tensors.dtype_name(tensor.dtype)
+        return tensor_pb2.Tensor(
+            name=name, dtype=wire, shape=list(tensor.shape), chunked=pending.ref
+        )
+
+    def take_unsent(self, msg: tensor_pb2.Tensor) -> chunks.Unsent | None:
+        """The bytes behind a ``chunked`` tensor this sender encoded, to send now."""
+        if msg.WhichOneof("data") != "chunked":
+            return None
+        with self._lock:
+            return self._unsent.pop(msg.chunked.chunk_id, None)
 
     def release(self, owner: str | None = None, names: Iterable[str] = ()) -> int:
         """Free what ``owner`` holds and the blocks named (ReleaseTensors)."""
@@ -211,7 +245,11 @@ class TensorReceiver:
         self.allow_refs = allow_refs
         self.root = root
 
-    def decode(self, msg: tensor_pb2.Tensor, field: str) -> torch.Tensor:
+    def decode(
+        self, msg: tensor_pb2.Tensor, field: str, chunks: ChunkAssembler | None = None
+    ) -> torch.Tensor:
+        """``msg`` as a tensor; a ``chunked`` one is taken from ``chunks``, where its
+        TensorChunk messages were assembled, without another copy."""
         kind = msg.WhichOneof("data")
         if kind in (SHM, CUDA_IPC) and not self.allow_refs:
             raise InvalidArgument(
@@ -221,6 +259,8 @@ class TensorReceiver:
             return open_tensor(msg, mesh_id=self.mesh_id, field=field, root=self.root)
         if kind == CUDA_IPC:
             return open_cuda(msg, field=field)
+        if kind == "chunked" and chunks is not None:
+            return tensors.from_buffer(msg, chunks.take(msg.chunked, field), field)
         if kind == "chunked":
             raise InvalidArgument(
                 f"{field}: chunked tensor {msg.chunked.chunk_id!r} was not resolved (its "

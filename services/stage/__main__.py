@@ -18,6 +18,7 @@ import sys
 from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.errors import InitFailed
+from services.mesh.malloc import keep_freed_memory
 from services.mesh.node import mesh_id
 from services.mesh.process import (
     announce,
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     die_with_parent()
     configure_logging()
+    keep_freed_memory()  # tensors in and out reuse warm buffers
     try:
         return asyncio.run(serve(args.config, args.host, args.port))
     except ConfigError as exc:

@@ -3,7 +3,7 @@
 This is the one place where pieces of a tensor become one tensor. Pieces come
 from every path the data plane has: several ``Tensor`` messages of one name in
 one Submit (shared blocks or CUDA IPC views travel as ordered pieces; chunked
-bytes are resolved before they get here) and the windows of a windowed edge
+bytes are taken whole from the stream's chunk assembler) and the windows of a windowed edge
 (Submits with sequence 0, 1, 2 … and ``is_last`` on the last). Each piece is
 decoded by the data plane (inline, shm, CUDA IPC) and pieces of one name are
 concatenated along their first dim, so transforms and engines only ever see
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.transport import TensorReceiver
@@ -41,15 +42,18 @@ class Inputs:
         return not (self.text or self.messages or self.token_ids or self.tensors)
 
 
-def decode(inputs: stage_pb2.StageInputs, receiver: TensorReceiver) -> Inputs:
-    """``inputs`` decoded by whatever transport each tensor came, pieces of one name joined."""
+def decode(
+    inputs: stage_pb2.StageInputs, receiver: TensorReceiver, chunks: ChunkAssembler | None = None
+) -> Inputs:
+    """``inputs`` decoded by whatever transport each tensor came (chunked ones from
+    ``chunks``, where their stream assembled them), pieces of one name joined."""
     pieces: dict[str, list[torch.Tensor]] = {}
     for index, tensor in enumerate(inputs.tensors):
         where = f"inputs.tensors[{index}]"
         if not tensor.name:
             raise InvalidArgument(f"{where}.name: must not be empty", field=f"{where}.name")
         try:
-            decoded = receiver.decode(tensor, where)
+            decoded = receiver.decode(tensor, where, chunks)
         except (RuntimeError, ValueError, OverflowError) as exc:
             # torch refuses shapes whose storage size overflows: the input's fault.
             raise InvalidArgument(

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 import torch
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh import chunks
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
@@ -253,8 +252,7 @@ class GenerateStream:
             self._runtime.start(record, self._request(record, record.windows.whole()))
 
     def _decode(self, submit: stage_pb2.Submit) -> Inputs:
-        self._chunks.resolve(submit.inputs.tensors, "inputs.tensors")
-        return decode(submit.inputs, self._tensors.receiver)
+        return decode(submit.inputs, self._tensors.receiver, self._chunks)
 
     @staticmethod
     def _request(
@@ -288,11 +286,8 @@ class GenerateStream:
         if output.WhichOneof("kind") == "segment":
             # Bytes too large for one message travel first, as chunks of the stream.
             threshold = self._runtime.config.runtime.chunk_bytes
-            segment = output.segment
-            for chunk in chunks.split(segment.tensors, threshold=threshold):
-                await self._out.put(stage_pb2.StageOutput(chunk=chunk))
-            for chunk in chunks.split_blobs(segment.blobs, threshold=threshold):
-                await self._out.put(stage_pb2.StageOutput(chunk=chunk))
+            for chunk in self._tensors.chunk_outputs(output.segment, threshold):
+                await self._out.put(chunk)
         await self._out.put(output)
         if isinstance(event, CompletedOut | ErrorOut):
             await self._maybe_end()

@@ -10,14 +10,15 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from services.mesh import chunks
 from services.mesh.cuda_ipc import CudaIpcProducer
 from services.mesh.errors import ResourceExhausted
 from services.mesh.node import mesh_id
-from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.shm import ShmProducer, sweep
 from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
 from services.stage.config import StageConfig
@@ -41,7 +42,9 @@ class StageTensors:
             shm=runtime.shm,
             cuda_ipc=runtime.device.startswith("cuda"),
         )
-        self.sender = TensorSender(self.mesh_id, policy, shm=self._shm, cuda=self._cuda)
+        self.sender = TensorSender(
+            self.mesh_id, policy, shm=self._shm, cuda=self._cuda, chunk_bytes=runtime.chunk_bytes
+        )
         self.receiver = TensorReceiver(self.mesh_id, allow_refs=True)
         self._ttl_s = runtime.shm_ttl_s
         self._expiry: asyncio.Task[None] | None = None
@@ -82,6 +85,21 @@ class StageTensors:
         except ResourceExhausted:
             return torch.empty(tuple(shape), dtype=dtype)  # /dev/shm is full: encode copes
 
+    def chunk_outputs(
+        self, segment: stage_pb2.Segment, threshold: int
+    ) -> Iterator[stage_pb2.StageOutput]:
+        """The TensorChunk messages that go before ``segment`` on its stream: the
+        bytes of tensors ``encode`` left chunked, cut as they are sent, then any
+        other raw tensor or blob over ``threshold``."""
+        for msg in segment.tensors:
+            unsent = self.sender.take_unsent(msg)
+            if unsent is not None:
+                yield from unsent.messages(_chunk_output)
+        for chunk in chunks.split(segment.tensors, threshold=threshold):
+            yield stage_pb2.StageOutput(chunk=chunk)
+        for chunk in chunks.split_blobs(segment.blobs, threshold=threshold):
+            yield stage_pb2.StageOutput(chunk=chunk)
+
     def release(self, owner: str | None, names: list[str]) -> int:
         return self.sender.release(owner, names)
 
@@ -94,3 +112,8 @@ class StageTensors:
             self._shm.close()
         if self._cuda is not None:
             self._cuda.close()
+
+
+def _chunk_output() -> tuple[stage_pb2.StageOutput, tensor_pb2.TensorChunk]:
+    output = stage_pb2.StageOutput()
+    return output, output.chunk
