@@ -72,7 +72,11 @@ UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_SIZES = ["64K", "1M", "16M", "64M", "256M"]
 SINK = "/bench.Sink/Put"
 CHUNKED_SINK = "/bench.Sink/PutChunked"
-OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.http2.max_frame_size", 16777215),
+]
 
 
 def parse_size(text: str) -> int:

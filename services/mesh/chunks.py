@@ -22,9 +22,12 @@ from typing import TypeVar
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 
-# Chosen by benchmarks/transport.py --chunk-sweep (64 MiB through real gRPC
-# between two processes); the figures are in the module docstring there.
-CHUNK_BYTES = 1 << 20
+# 2 MiB, from benchmarks/transport.py --chunk-sweep (64 MiB through real gRPC
+# between two processes, the mesh's own encode and decode at both ends): gRPC's
+# cost per message makes 256-512 KiB chunks up to twice as slow as 1-4 MiB, and
+# 2 MiB was the fastest there; it is also the largest power of two whose chunk
+# message stays under the 4 MiB a default gRPC client accepts.
+CHUNK_BYTES = 2 << 20
 M = TypeVar("M")
 # Destinations from this size up are anonymous mappings advised to use huge pages.
 _HUGE_BYTES = 2 << 20

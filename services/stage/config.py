@@ -20,6 +20,7 @@ from pydantic import (
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES, is_plugin
 from services.mesh import config_files
+from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.security import SecuritySettings
 
 _NUMBERS = (int, float, int | None, float | None)
@@ -83,7 +84,7 @@ class Runtime(_Frozen):
     # Released shared blocks kept (pre-faulted, renamed) for later requests, in bytes.
     shm_pool_bytes: int = Field(256 << 20, ge=0)
     max_input_bytes: int = Field(1 << 30, ge=1024)  # chunked input tensors held at once
-    chunk_bytes: int = Field(1 << 20, ge=1024)  # inline tensors above this go as chunks
+    chunk_bytes: int = Field(CHUNK_BYTES, ge=1024)  # inline tensors above this go as chunks
 
     @property
     def uses_device_lock(self) -> bool:
