@@ -34,302 +34,23 @@ place >= 0.8x warm memcpy; shm >= 3x mp.Queue; mesh bytes >= 1.0x zmq + msgpack.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import mmap
-import multiprocessing as mp
 import os
-import pickle
-import struct
 import sys
 import tempfile
-import threading
-import time
-import uuid
-import warnings
-from collections.abc import AsyncIterator, Callable, Iterator
-from multiprocessing.connection import Connection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-import msgpack
 import torch
-import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
-from services.mesh import chunks, tensors
-from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler
+from benchmarks.transport_ways import Bench, label, parse_size
+from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.malloc import keep_freed_memory
-from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.shm import ShmProducer, open_tensor, sweep
-from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
-from services.stage.inputs import decode
 
-MESH_OF_BYTES = "benchbytes"
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 DEFAULT_SIZES = ["64K", "1M", "16M", "64M", "256M"]
-SINK = "/bench.Sink/Put"
-CHUNKED_SINK = "/bench.Sink/PutChunked"
-OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-    ("grpc.http2.max_frame_size", 16777215),
-]
-
-
-def parse_size(text: str) -> int:
-    return int(text[:-1]) * UNITS[text[-1].upper()] if text[-1].isalpha() else int(text)
-
-
-def label(nbytes: int) -> str:
-    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
-def touch(tensor: torch.Tensor) -> float:
-    return float(tensor.sum())
-
-
-# --- consumer process --------------------------------------------------------------
-
-
-def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -> None:
-    """Serves every transport; answers each hand-off with the time it finished."""
-    keep_freed_memory()
-    warnings.filterwarnings("ignore", message="The given buffer is not writable")
-    loop_ready = threading.Event()
-    port: list[int] = []
-    threading.Thread(target=serve_grpc, args=(port, loop_ready), daemon=True).start()
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
-    sock.bind(zmq_addr)
-    loop_ready.wait()
-    conn.send(port[0])
-    while (command := conn.recv()) is not None:
-        kind, payload = command
-        if kind in ("shm", "ref"):
-            tensor = open_tensor(tensor_pb2.Tensor.FromString(payload), mesh_id=mesh, field="t")
-            if kind == "shm":
-                touch(tensor)
-        elif kind == "cuda_ipc":
-            from services.mesh.cuda_ipc import open_cuda
-
-            tensor = open_cuda(tensor_pb2.Tensor.FromString(payload), field="t")
-            touch(tensor)
-            torch.cuda.synchronize()
-        elif kind == "queue":
-            tensor = pickle.loads(queue.get())
-            touch(tensor)
-        elif kind == "torch.mp":
-            tensor = tmq.get()
-            touch(tensor)
-        elif kind == "zmq":
-            header, frame = sock.recv_multipart(copy=False)
-            meta = msgpack.unpackb(header.bytes)
-            flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)  # zero copy, read-only
-            tensor = flat.view(tensors.DTYPES[meta["dtype"]]).reshape(meta["shape"])
-            touch(tensor)
-        conn.send(time.perf_counter())
-        del tensor  # unmapping/freeing is the consumer's own time, not the hand-off's
-
-
-def serve_grpc(port: list[int], ready: threading.Event) -> None:
-    async def put(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        touch(tensors.from_proto(tensor_pb2.Tensor.FromString(request), "t"))
-        return struct.pack("d", time.perf_counter())
-
-    async def put_chunked(
-        messages: AsyncIterator[stage_pb2.StageInput], context: grpc.aio.ServicerContext
-    ) -> bytes:
-        # What a stage does with a Submit whose tensors came as chunks on its stream.
-        assembler = ChunkAssembler(1 << 40)
-        receiver = TensorReceiver(MESH_OF_BYTES, allow_refs=False)
-        async for message in messages:
-            if message.HasField("chunk"):
-                assembler.add(message.chunk)
-                continue
-            inputs = decode(message.submit.inputs, receiver, chunks=assembler)
-            touch(inputs.tensors["t"])
-        return struct.pack("d", time.perf_counter())
-
-    async def main() -> None:
-        server = grpc.aio.server(options=OPTIONS)
-        handlers = {
-            "Put": grpc.unary_unary_rpc_method_handler(put),
-            "PutChunked": grpc.stream_unary_rpc_method_handler(
-                put_chunked, request_deserializer=stage_pb2.StageInput.FromString
-            ),
-        }
-        server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler("bench.Sink", handlers)]
-        )
-        port.append(server.add_insecure_port("127.0.0.1:0"))
-        await server.start()
-        ready.set()
-        await server.wait_for_termination()
-
-    asyncio.run(main())
-
-
-def _chunk_input() -> tuple[stage_pb2.StageInput, tensor_pb2.TensorChunk]:
-    message = stage_pb2.StageInput()
-    return message, message.chunk
-
-
-# --- producer side -----------------------------------------------------------------
-
-
-class Bench:
-    """The producer's end of every transport; each call is one timed hand-off."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.mesh = f"bench{uuid.uuid4().hex[:8]}"
-        ctx = mp.get_context("spawn")
-        self.queue: Any = ctx.Queue()
-        self.tmq: Any = ctx.Queue()  # same class; torch's reductions pickle tensors into shm
-        addr = f"ipc://{tmp}/zmq.sock"
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=consumer, args=(child, self.queue, self.tmq, addr, self.mesh), daemon=True
-        )
-        self.proc.start()
-        grpc_port = self.conn.recv()
-        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
-        self.sock.connect(addr)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=OPTIONS)
-        self.put = self.channel.unary_unary(SINK)
-        self.put_chunked = self.channel.stream_unary(
-            CHUNKED_SINK, request_serializer=stage_pb2.StageInput.SerializeToString
-        )
-        self.chunk_bytes = CHUNK_BYTES
-        self.shm = ShmProducer(self.mesh, pool_bytes=0)
-        self.pool = ShmProducer(self.mesh)
-        self.cuda: Any = None
-        if torch.cuda.is_available():
-            from services.mesh.cuda_ipc import CudaIpcProducer
-
-            self.cuda = CudaIpcProducer()
-        self.refs: dict[int, bytes] = {}
-        self.warm: dict[int, torch.Tensor] = {}
-
-    def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join(10)
-        self.shm.close()
-        self.pool.close()
-        sweep(self.mesh)
-        self.channel.close()
-        self.sock.close(linger=0)
-
-    def _ask(self, kind: str, payload: bytes = b"") -> float:
-        self.conn.send((kind, payload))
-        finished: float = self.conn.recv()
-        return finished
-
-    def memcpy_fresh(self, src: torch.Tensor) -> float:
-        nbytes = src.numel() * src.element_size()
-        start = time.perf_counter()
-        fresh = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        torch.frombuffer(fresh, dtype=src.dtype).copy_(src)
-        elapsed = time.perf_counter() - start
-        fresh.close()
-        return elapsed
-
-    def memcpy_warm(self, src: torch.Tensor) -> float:
-        if src.numel() not in self.warm:
-            self.warm[src.numel()] = torch.empty_like(src)
-        target = self.warm[src.numel()]
-        start = time.perf_counter()
-        target.copy_(src)
-        return time.perf_counter() - start
-
-    def raw_grpc(self, src: torch.Tensor) -> float:
-        start = time.perf_counter()
-        reply = self.put(tensors.to_proto(src, "t").SerializeToString())
-        return float(struct.unpack("d", reply)[0]) - start
-
-    def mesh_bytes(self, src: torch.Tensor) -> float:
-        """The mesh's bytes path for a consumer on another node: a stage's encode and
-        chunk cutting (``StageTensors.chunk_outputs``), one real gRPC stream, and the
-        consuming stage's assembly and decode (``GenerateStream._decode``)."""
-        start = time.perf_counter()
-        sender = TensorSender(
-            MESH_OF_BYTES, TransportPolicy(), shm=None, cuda=None, chunk_bytes=self.chunk_bytes
-        )
-        submit = stage_pb2.Submit(request_id="bench", is_last=True)
-        submit.inputs.tensors.append(sender.encode(src, "t", "bench", None))
-
-        def messages() -> Iterator[stage_pb2.StageInput]:
-            for msg in submit.inputs.tensors:
-                unsent = sender.take_unsent(msg)
-                if unsent is not None:
-                    yield from unsent.messages(_chunk_input)
-            for chunk in chunks.split(submit.inputs.tensors, threshold=self.chunk_bytes):
-                yield stage_pb2.StageInput(chunk=chunk)
-            yield stage_pb2.StageInput(submit=submit)
-
-        reply = self.put_chunked(messages())
-        return float(struct.unpack("d", reply)[0]) - start
-
-    def shm_handoff(self, src: torch.Tensor) -> float:
-        start = time.perf_counter()
-        msg = self.shm.put(src, "bench")
-        finished = self._ask("shm", msg.SerializeToString())
-        self.shm.release("bench")
-        return finished - start
-
-    def shm_pool(self, src: torch.Tensor) -> float:
-        start = time.perf_counter()
-        msg = self.pool.put(src, "bench")
-        finished = self._ask("shm", msg.SerializeToString())
-        self.pool.release("bench")
-        return finished - start
-
-    def shm_in_place(self, src: torch.Tensor) -> float:
-        out = self.pool.allocate("bench", src.shape, src.dtype)
-        out.copy_(src)  # the engine generating its output: not part of the hand-off
-        start = time.perf_counter()
-        msg = self.pool.share(out, "bench")
-        assert msg is not None
-        finished = self._ask("shm", msg.SerializeToString())
-        self.pool.release("bench")
-        return finished - start
-
-    def ref(self, src: torch.Tensor) -> float:
-        if src.numel() not in self.refs:
-            self.refs[src.numel()] = self.shm.put(src, "refs").SerializeToString()
-        start = time.perf_counter()
-        return self._ask("ref", self.refs[src.numel()]) - start
-
-    def cuda_ipc(self, src: torch.Tensor) -> float:
-        on_gpu = src.cuda()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        msg = self.cuda.share(on_gpu, "bench")
-        finished = self._ask("cuda_ipc", msg.SerializeToString())
-        self.cuda.release("bench")
-        return finished - start
-
-    def mp_queue(self, src: torch.Tensor) -> float:
-        self.conn.send(("queue", b""))
-        start = time.perf_counter()
-        self.queue.put(pickle.dumps(src, protocol=pickle.HIGHEST_PROTOCOL))
-        return self.conn.recv() - start
-
-    def torch_mp(self, src: torch.Tensor) -> float:
-        fresh = src.clone()  # once sent, a storage stays in shm: later sends would be free
-        self.conn.send(("torch.mp", b""))
-        start = time.perf_counter()
-        self.tmq.put(fresh)
-        return self.conn.recv() - start
-
-    def zeromq(self, src: torch.Tensor) -> float:
-        self.conn.send(("zmq", b""))
-        start = time.perf_counter()
-        header = msgpack.packb({"dtype": "float32", "shape": list(src.shape)})
-        frame = src.view(torch.uint8).numpy().data
-        self.sock.send_multipart([header, frame], copy=False)
-        return self.conn.recv() - start
 
 
 def at_chunk_size(bench: Bench, chunk_bytes: int) -> Callable[[torch.Tensor], float]:
@@ -417,26 +138,27 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+# Ratios of bandwidth at 64 MiB: (key, transport, baseline), each measured side by side.
+RATIOS = [
+    ("shm_in_place_64MiB_vs_memcpy_warm", "shm pool in place", "memcpy (warm dst)"),
+    ("shm_pool_64MiB_vs_memcpy_warm", "shm pool", "memcpy (warm dst)"),
+    ("shm_pool_64MiB_vs_memcpy_fresh", "shm pool", "memcpy (fresh dst)"),
+    ("shm_fresh_block_64MiB_vs_memcpy_warm", "shm fresh block", "memcpy (warm dst)"),
+    ("shm_pool_64MiB_vs_mp_queue", "shm pool", "mp.Queue pickle"),
+    ("mesh_bytes_64MiB_vs_zmq", "mesh bytes", "zmq + msgpack"),
+    ("mesh_bytes_64MiB_vs_mp_queue", "mesh bytes", "mp.Queue pickle"),
+]
+
+
 def targets(rows: list[dict[str, Any]]) -> dict[str, float]:
-    def rate(name: str, size: str) -> float:
-        return next((r["GB/s"] for r in rows if r["transport"] == name and r["size"] == size), 0.0)
+    def rate(name: str) -> float:
+        found = (r["GB/s"] for r in rows if r["transport"] == name and r["size"] == "64 MiB")
+        return next(found, float("nan"))
 
     ref_ms = [r["p50 ms"] for r in rows if r["transport"].startswith("ref")]
-    return {
-        "shm_in_place_64MiB_vs_memcpy_warm": rate("shm pool in place", "64 MiB")
-        / rate("memcpy (warm dst)", "64 MiB"),
-        "shm_pool_64MiB_vs_memcpy_warm": rate("shm pool", "64 MiB")
-        / rate("memcpy (warm dst)", "64 MiB"),
-        "shm_pool_64MiB_vs_memcpy_fresh": rate("shm pool", "64 MiB")
-        / rate("memcpy (fresh dst)", "64 MiB"),
-        "shm_fresh_block_64MiB_vs_memcpy_warm": rate("shm fresh block", "64 MiB")
-        / rate("memcpy (warm dst)", "64 MiB"),
-        "shm_pool_64MiB_vs_mp_queue": rate("shm pool", "64 MiB") / rate("mp.Queue pickle", "64 MiB"),
-        "mesh_bytes_64MiB_vs_zmq": rate("mesh bytes", "64 MiB") / rate("zmq + msgpack", "64 MiB"),
-        "mesh_bytes_64MiB_vs_mp_queue": rate("mesh bytes", "64 MiB")
-        / rate("mp.Queue pickle", "64 MiB"),
-        "ref_max_over_min_latency": max(ref_ms) / min(ref_ms),
-    }
+    ratios = {key: rate(way) / rate(baseline) for key, way, baseline in RATIOS}
+    ratios["ref_max_over_min_latency"] = max(ref_ms) / min(ref_ms)
+    return ratios
 
 
 def main() -> int:
