@@ -79,7 +79,9 @@ class Blob:
 
 @dataclass(frozen=True)
 class TensorOutput:
-    """Whole outputs such as an image: tensors by name, and encoded blobs."""
+    """Whole outputs such as an image: tensors by name, and encoded blobs. An
+    emitted tensor is handed over: the stage may send it later, or as the shared
+    block it lives in, so the engine must not write to it again."""
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     blobs: tuple[Blob, ...] = ()

@@ -164,6 +164,8 @@ class ShmProducer:
             for name, block in list(self._blocks.items()):
                 if block.released or not (name in wanted or (owner and block.owner == owner)):
                     continue
+                if name not in self._blocks:
+                    continue  # a finalizer that ran meanwhile (gc) returned it already
                 freed.append(name)
                 block.released = True
                 if block.views == 0:
@@ -230,7 +232,9 @@ class ShmProducer:
 
     def _recycle(self, name: str) -> None:
         """Back to the pool (renamed) or unlinked; the caller holds the lock."""
-        block = self._blocks.pop(name)
+        block = self._blocks.pop(name, None)
+        if block is None:
+            return
         pooled = block.pooled
         if pooled is None:
             HELD.discard(name)
