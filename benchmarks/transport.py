@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 import tempfile
 from collections.abc import Callable
@@ -87,12 +88,14 @@ def run(sizes: list[int], repeats: int, tmp: Path, sweep: list[int]) -> list[dic
             src = torch.rand(nbytes // 4)
             rounds = max(3, min(repeats, (1 << 30) // nbytes))
             samples: dict[str, list[float]] = {name: [] for name in ways}
+            shuffle = random.Random(nbytes)
             for i in range(rounds + 1):
-                # Each round starts one later, so no transport always runs right
-                # after the same other one (a big transfer leaves caches and the
-                # page allocator in a state the next one pays for).
+                # A new order each round, so no transport always runs right after
+                # the same other one (a big transfer leaves caches and the page
+                # allocator in a state the next one pays for).
                 names = list(ways)
-                for name in names[i % len(names) :] + names[: i % len(names)]:
+                shuffle.shuffle(names)
+                for name in names:
                     way = ways[name]
                     elapsed = way(src)
                     if i:  # round 0 warms every path up

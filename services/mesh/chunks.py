@@ -22,12 +22,15 @@ from typing import TypeVar
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 
-# 2 MiB, from benchmarks/transport.py --chunk-sweep (64 MiB through real gRPC
-# between two processes, the mesh's own encode and decode at both ends): gRPC's
-# cost per message makes 256-512 KiB chunks up to twice as slow as 1-4 MiB, and
-# 2 MiB was the fastest there; it is also the largest power of two whose chunk
-# message stays under the 4 MiB a default gRPC client accepts.
-CHUNK_BYTES = 2 << 20
+# 1 MiB, measured with benchmarks/transport.py --chunk-sweep (64 MiB through a
+# real gRPC stream between two processes, the mesh's own encode and decode at
+# both ends, transports in a new random order each round): 1, 2 and 4 MiB are
+# level within this machine's noise (1 MiB had the lowest median in 4 of 5
+# runs), 256-512 KiB pay gRPC's cost per message (10-35 % slower), and 4 MiB and
+# more gain nothing while a 4 MiB chunk no longer fits the 4 MiB message a
+# default gRPC client accepts. Smaller chunks also interleave better with other
+# requests' messages on a shared stream.
+CHUNK_BYTES = 1 << 20
 M = TypeVar("M")
 # Destinations from this size up are anonymous mappings advised to use huge pages.
 _HUGE_BYTES = 2 << 20
