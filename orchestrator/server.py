@@ -32,6 +32,7 @@ from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError
+from services.mesh.health_port import serve_health
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
@@ -237,6 +238,8 @@ class OrchestratorServer:
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving = asyncio.Event()  # every stage READY and described
         self.port = 0
@@ -296,7 +299,11 @@ class OrchestratorServer:
         await self._health.set("", SERVING if ready else NOT_SERVING)
         await self._health.set(ORCHESTRATOR_SERVICE, SERVING if ready else NOT_SERVING)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
+    ) -> int:
+        """Bind and begin following the stages. ``health_port``: also serve health
+        alone, plaintext, there (for probes that cannot do TLS)."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -318,6 +325,10 @@ class OrchestratorServer:
         await self._health.set(LIVENESS_SERVICE, SERVING)
         await server.start()
         self._server = server
+        if health_port is not None:
+            self._health_server, self.health_port = await serve_health(
+                self._health, host, health_port
+            )
         for monitor in self.monitors.values():
             monitor.on_change(self._on_change)
             await monitor.start()
@@ -346,5 +357,7 @@ class OrchestratorServer:
             await monitor.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         for client in self.clients.values():
             await client.close()
