@@ -206,7 +206,10 @@ class OrchestratorServer:
         self.authenticator = orchestrator_authenticator(self.security)
         dialing = mesh_dialing(self.security)
         addresses = {s.name: s.address or "" for s in pipeline.stages}
-        self.clients = {name: StageClient(address, dialing) for name, address in addresses.items()}
+        self.clients = {
+            name: StageClient(address, dialing, route_by_health=True)
+            for name, address in addresses.items()
+        }
         settings = WatchdogSettings  # one per stage: budgets differ
         self.monitors = {
             s.name: StageMonitor(
