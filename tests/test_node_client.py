@@ -34,7 +34,7 @@ def node_client() -> Path:
         pytest.skip(reason)
     if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
         subprocess.run(
-            ["npm", "install", "--no-audit", "--no-fund", "--loglevel", "error"],
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel", "error"],
             cwd=CLIENT,
             check=True,
             timeout=300,
