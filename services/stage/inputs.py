@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.mesh.errors import InvalidArgument
+from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.transport import TensorReceiver
 
@@ -110,8 +110,9 @@ def join(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
 class InputWindows:
     """The windows of one request that have come so far, until the last one."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, max_windows: int = 4096) -> None:
         self.request_id = request_id
+        self.max_windows = max_windows
         self.next_sequence = 0
         self._windows: list[Inputs] = []
 
@@ -131,12 +132,24 @@ class InputWindows:
             field="submit.sequence",
         )
 
+    def check_room(self) -> None:
+        """Refuse one more kept window past ``max_windows`` (runtime.max_input_windows)."""
+        if len(self._windows) >= self.max_windows:
+            raise ResourceExhausted(
+                f"inputs: request {self.request_id!r} holds {len(self._windows)} windows "
+                f"waiting for its last; at most {self.max_windows} are kept "
+                "(runtime.max_input_windows)",
+                field="inputs",
+            )
+
     def add(self, window: Inputs | None) -> None:
         """Count the window, keeping it unless None (streaming input: it went to the engine)."""
         if window is not None:
+            self.check_room()
             self._windows.append(window)
         self.next_sequence += 1
 
     def whole(self) -> Inputs:
-        """Every window so far joined (call after the last one)."""
-        return merge(self._windows) if self._windows else Inputs()
+        """Every window so far joined (call after the last one); the windows are let go."""
+        windows, self._windows = self._windows, []
+        return merge(windows) if windows else Inputs()
