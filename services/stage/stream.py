@@ -174,7 +174,9 @@ class GenerateStream:
             record = self._on_this_stream(rid)
             if record is None:
                 self._not_elsewhere(rid)
-            convert.check_size(submit, self._runtime.config.runtime.max_message_bytes)
+            limits = self._runtime.config.runtime
+            convert.check_size(submit, limits.max_message_bytes)
+            convert.check_token_count(submit, limits.max_prompt_tokens)
             convert.refuse_unknown_fields(submit)
             if record is None:
                 await self._first(submit)
