@@ -126,7 +126,9 @@ async def test_hostile_prompts_are_refused_by_size_while_health_and_running_requ
         assert "4096" in error.message and "max_prompt_tokens" in error.message
         # Refused by its size, not after tokenizing it (tens of seconds for 40 MB).
         assert took[rid] < 10.0, took
-    assert answers and all(status == health_pb2.HealthCheckResponse.SERVING for status, _ in answers)
+    assert answers and all(
+        status == health_pb2.HealthCheckResponse.SERVING for status, _ in answers
+    )
     for i, (first, result) in enumerate(zip(firsts, results, strict=True)):
         done = result[f"ok-{i}"]
         assert done.error is None and done.completed is not None
