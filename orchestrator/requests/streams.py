@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
+from services.mesh.byte_budget import InputBudget
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -70,13 +71,17 @@ class _StreamReader:
         max_bytes: int,
         owner: Principal = ANONYMOUS,
         timeout_s: float | None = None,
+        budget: InputBudget | None = None,
     ):
         self._router = router
         self._owner = owner
         self._timeout_s = timeout_s
         self._sink = sink
         self._stages = stages
-        self._chunks = ChunkAssembler(max_bytes)
+        # Unfinished chunks count against the stream's cap and, with every other
+        # client stream's, against the server's (``budget``).
+        self._account = None if budget is None else budget.account(max_bytes, "max_input_bytes")
+        self._chunks = ChunkAssembler(max_bytes, self._account)
         self.feeds: dict[str, asyncio.Queue[stage_pb2.Submit | None]] = {}  # input still open
         self.open: set[str] = set()  # started here, Done not yet seen
 
@@ -146,6 +151,12 @@ class _StreamReader:
         for rid in list(self.feeds):
             self._close_feed(rid)
 
+    def discard(self) -> None:
+        """The stream is over: chunks nobody claimed go, and their budget with them."""
+        self._chunks.discard_all()
+        if self._account is not None:
+            self._account.close()
+
 
 async def stream_requests(
     router: Router,
@@ -156,6 +167,7 @@ async def stream_requests(
     *,
     owner: Principal = ANONYMOUS,
     timeout_s: float | None = None,
+    budget: InputBudget | None = None,
 ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
     """GenerateStream: windows of several requests in, every request's events out.
 
@@ -163,7 +175,7 @@ async def stream_requests(
     has had its Done.
     """
     sink = EventSink(*watermarks)
-    reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s)
+    reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s, budget)
     reading = True
 
     async def read() -> None:
@@ -189,5 +201,6 @@ async def stream_requests(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        reader.discard()
         for rid in list(reader.open):
             router.cancel_silently(rid)

@@ -80,7 +80,7 @@ class Runtime(_Frozen):
     inline_max_bytes: int = Field(64 << 10, ge=0)
     shm: bool = True
     shm_ttl_s: float = Field(300.0, gt=0)  # a block nobody released is freed after this
-    # Request input held in memory at once (services/stage/budget.py): unfinished
+    # Request input held in memory at once (services/mesh/byte_budget.py): unfinished
     # chunks, windows waiting for their last one, inputs of running requests. Per
     # stream, and for all streams of the process together.
     max_input_bytes: int = Field(1 << 30, ge=1024)

@@ -15,6 +15,7 @@ and token ids appended, tensors of one name joined as above.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,10 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.transport import TensorReceiver
 
 _MAX_ROWS = (1 << 63) - 1  # a first dim must fit the int64 of a wire shape
+# What one window costs beyond its payload (its Inputs, dicts, tensor objects):
+# 2,000 empty windows are not free.
+WINDOW_OVERHEAD = 1024
+_ID_BYTES = 36  # a token id held in a tuple: a pointer and an int object
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,13 @@ class Inputs:
     @property
     def empty(self) -> bool:
         return not (self.text or self.messages or self.token_ids or self.tensors)
+
+
+def input_bytes(inputs: Inputs) -> int:
+    """What ``inputs`` takes in memory, near enough to budget by (O(fields), no copy)."""
+    size = WINDOW_OVERHEAD + sys.getsizeof(inputs.text) + _ID_BYTES * len(inputs.token_ids)
+    size += sum(sys.getsizeof(role) + sys.getsizeof(text) for role, text in inputs.messages)
+    return size + sum(tensor.nbytes for tensor in inputs.tensors.values())
 
 
 def decode(inputs: stage_pb2.StageInputs, receiver: TensorReceiver) -> Inputs:

@@ -25,10 +25,10 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
+from services.mesh.byte_budget import InputBudget
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
 from services.stage import observe
 from services.stage.admission import Admission
-from services.stage.budget import InputBudget
 from services.stage.config import StageConfig
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
 from services.stage.requests import InFlight, InFlightRequests, Sink
@@ -44,7 +44,7 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self.requests = InFlightRequests()
-        # Input held in memory by every stream of this process (budget.py).
+        # Input held in memory by every stream of this process (services.mesh.byte_budget).
         self.budget = InputBudget(config.runtime.max_process_input_bytes)
         self._clock = clock
         # The engine batches: it decides which requests share a step (max_batch_size

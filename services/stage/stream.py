@@ -32,9 +32,8 @@ from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.request_ids import check_request_id
 from services.stage import convert, observe
-from services.stage.budget import input_bytes
 from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
-from services.stage.inputs import Inputs, InputWindows, decode
+from services.stage.inputs import Inputs, InputWindows, decode, input_bytes
 from services.stage.requests import InFlight, InputFeed
 from services.stage.runtime import StageRuntime
 from services.stage.tensor_io import StageTensors

@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.stage_client import StageClient
+from services.stage.config import parse_stage_config
+from services.stage.server import StageServer
 from tests.helpers.stage import chat, collect, tiny_config, write_config
 
 MAX_MESSAGE = 64 << 20  # the stage's default runtime.max_message_bytes
@@ -154,3 +156,44 @@ async def test_a_prompt_under_the_bound_but_over_the_token_limit_is_still_refuse
     assert error.field == "inputs.text" and "5000 tokens, the limit is 4096" in error.message
     assert results["fine"].completed is not None and len(results["fine"].token_ids) == 4
     assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == error.code
+
+
+@pytest.fixture
+async def roomy_stage(tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path):
+    """In this process, with a token limit so high that a long text is tokenized."""
+    runtime = {"max_batch_size": 2, "max_prompt_tokens": 4_000_000}
+    server = StageServer(parse_stage_config(tiny_config("roomy", omni_cache_dir, runtime=runtime)))
+    port = await server.start("127.0.0.1", 0)
+    async with StageClient(f"127.0.0.1:{port}") as client:
+        await client.wait_ready(timeout_s=120)
+        yield client
+    await server.stop(1.0)
+
+
+async def test_tokenizing_a_long_prompt_leaves_the_event_loop_free(roomy_stage) -> None:
+    client = roomy_stage
+    health = health_pb2_grpc.HealthStub(client.channel)
+    running = client.open_stream()
+    await running.write(chat("ok", "Count to ten.", max_tokens=RUNNING_TOKENS, temperature=0.0))
+    await running.done_writing()
+    assert (await running.read()).WhichOneof("kind") == "segment"
+    call = client.open_stream()
+    # Seconds of tokenizing (a million tokens), then refused: the model's context is shorter.
+    await call.write(submit("long", text=" word" * 1_000_000))
+    await call.done_writing()
+    refused = asyncio.create_task(collect(call))
+    answered = 0
+    while not refused.done():
+        # The stage shares this event loop: a blocked loop would miss these deadlines.
+        reply = await health.Check(
+            health_pb2.HealthCheckRequest(service="omni.v1.Stage"), timeout=1.0
+        )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        answered += 1
+        await asyncio.wait({refused}, timeout=0.1)
+    error = (await refused)["long"].error
+    assert error is not None and error.field == "inputs.text"
+    assert "1000000 tokens, the model's context is" in error.message
+    assert answered >= 3  # the check was answered again and again while it tokenized
+    done = (await collect(running))["ok"]
+    assert done.completed is not None and done.completed.usage.completion_tokens == RUNNING_TOKENS

@@ -1,70 +1,54 @@
-"""The stage's one budget for request input held in memory: a cap per stream and
-a cap per process.
+"""One budget for request input a process holds in memory: a cap per stream
+and a cap per process.
 
-What a client sends is held before the engine is done with it: chunks of a
-tensor whose Submit has not come yet, the windows of a request that waits for
-its last one, and the inputs of a request while it runs. Each stream charges
-its own ``StreamAccount`` (``runtime.max_input_bytes``), and every account
-charges the process's ``InputBudget`` (``runtime.max_process_input_bytes``), so
-many streams together cannot hold more than one can. A charge that would pass
-either cap is refused with RESOURCE_EXHAUSTED naming the input, before anything
-is kept; every charge is given back when what it paid for is gone (a chunk
-resolved, a request ended on any path, a stream closed).
+What a client sends is held before it is used up: chunks of a tensor whose
+message has not come yet, the windows of a request that waits for its last one,
+the inputs of a request while it runs. Each stream charges its own
+``StreamAccount``, and every account charges the process's ``InputBudget``, so
+many streams together cannot hold more than the process allows. A charge that
+would pass either cap is refused with RESOURCE_EXHAUSTED naming the input,
+before anything is kept; every charge is given back when what it paid for is
+gone (a chunk resolved, a request ended on any path, a stream closed).
 
-Charges come from the event loop and from the threads that decode inputs, so
-the counters are guarded by one lock.
+The stage charges chunks, windows and running requests' inputs
+(services/stage/stream.py); the orchestrator charges its clients' chunks.
+Charges come from the event loop and from threads that decode inputs, so the
+counters are guarded by one lock.
 """
 
 from __future__ import annotations
 
-import logging
-import sys
 import threading
 
 from services.mesh.errors import ResourceExhausted
-from services.stage.inputs import Inputs
-
-logger = logging.getLogger(__name__)
-
-# What one buffered window costs beyond its payload (its Inputs, dicts, the
-# tensor objects): 2,000 empty windows are not free.
-WINDOW_OVERHEAD = 1024
-_ID_BYTES = 36  # a token id held in a tuple: a pointer and an int object
-
-
-def input_bytes(inputs: Inputs) -> int:
-    """What ``inputs`` takes in memory, near enough to budget by (O(fields), no copy)."""
-    size = WINDOW_OVERHEAD + sys.getsizeof(inputs.text) + _ID_BYTES * len(inputs.token_ids)
-    size += sum(sys.getsizeof(role) + sys.getsizeof(text) for role, text in inputs.messages)
-    return size + sum(tensor.nbytes for tensor in inputs.tensors.values())
 
 
 class InputBudget:
-    """The process's cap; ``held`` is what every stream holds together."""
+    """The process's cap; ``held`` is what every stream holds together. ``key`` and
+    each account's ``key`` name the settings in refusals."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, key: str = "runtime.max_process_input_bytes") -> None:
         self.limit = limit
+        self.key = key
         self.held = 0
         self._lock = threading.Lock()
 
-    def account(self, limit: int) -> StreamAccount:
+    def account(self, limit: int, key: str = "runtime.max_input_bytes") -> StreamAccount:
         """A new stream's account, capped at ``limit`` bytes."""
-        return StreamAccount(self, limit)
+        return StreamAccount(self, limit, key)
 
     def _take(self, account: StreamAccount, nbytes: int, field: str) -> None:
         with self._lock:
             if account.held + nbytes > account.limit:
                 raise ResourceExhausted(
                     f"{field}: {nbytes} more input bytes would pass this stream's cap; it "
-                    f"holds {account.held} of at most {account.limit} "
-                    "(runtime.max_input_bytes)",
+                    f"holds {account.held} of at most {account.limit} ({account.key})",
                     field=field,
                 )
             if self.held + nbytes > self.limit:
                 raise ResourceExhausted(
-                    f"{field}: {nbytes} more input bytes would pass the stage's cap; its "
-                    f"streams hold {self.held} of at most {self.limit} "
-                    "(runtime.max_process_input_bytes)",
+                    f"{field}: {nbytes} more input bytes would pass this process's cap; its "
+                    f"streams hold {self.held} of at most {self.limit} ({self.key})",
                     field=field,
                 )
             account.held += nbytes
@@ -80,8 +64,9 @@ class InputBudget:
 class StreamAccount:
     """What one Generate stream holds; ``close`` gives all of it back."""
 
-    def __init__(self, budget: InputBudget, limit: int) -> None:
+    def __init__(self, budget: InputBudget, limit: int, key: str) -> None:
         self.limit = limit
+        self.key = key
         self.held = 0
         self._budget = budget
 
