@@ -51,3 +51,34 @@ async def test_unfinished_client_chunks_are_capped_across_streams(stages) -> Non
             while await call.read() is not grpc.aio.EOF:
                 pass
         assert server.input_budget.held == 0
+
+
+def window(rid: str, sequence: int, nbytes: int) -> orchestrator_pb2.StreamInput:
+    tensor = tensor_pb2.Tensor(name="x", dtype="uint8", shape=[nbytes], raw=bytes(nbytes))
+    submit = stage_pb2.Submit(
+        request_id=rid, sequence=sequence, inputs=stage_pb2.StageInputs(tensors=[tensor])
+    )
+    return orchestrator_pb2.StreamInput(submit=submit)
+
+
+async def test_windows_waiting_for_a_paused_mesh_are_capped_per_stream(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config, max_input_bytes=8 * MIB) as (server, client):
+        server.router.pause()  # nothing reaches the stages: windows wait in the orchestrator
+        call = client.stub.GenerateStream()
+        for sequence in range(3):
+            await call.write(window("flood", sequence, 3 * MIB))
+        events = await barrier(call, "sync")
+        server.router.resume()
+        # The request ends in its own task: before or after the barrier's answer.
+        while not any(e.done.request_id == "flood" for e in events):
+            events.append(await call.read())
+        done = next(e.done for e in events if e.done.request_id == "flood")
+        assert (done.request_id, done.code_name) == ("flood", "RESOURCE_EXHAUSTED")
+        assert done.field == "submit.inputs" and "max_input_bytes" in done.message
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        assert server.input_budget.held == 0
+        ok = await client.generate("Hi", params={"max_tokens": 2}).collect()
+        assert ok.ok
