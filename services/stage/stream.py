@@ -283,6 +283,8 @@ class GenerateStream:
             self._chunks.resolve(submit.inputs.tensors, "inputs.tensors")
             return decode(submit.inputs, self._tensors.receiver)
 
+        if not submit.inputs.tensors:
+            return run()  # text, messages, ids (at most max_prompt_tokens): no thread needed
         return await asyncio.to_thread(run)
 
     @staticmethod
@@ -297,6 +299,8 @@ class GenerateStream:
             whole = apply_transform(record.transform, whole)
             return convert.engine_request(record.request_id, whole, params or record.params)
 
+        if inputs is not None and not inputs.tensors:
+            return run()  # nothing to join or copy: a thread hop would cost more
         return await asyncio.to_thread(run)
 
     async def _put_error(self, request_id: str, error: OmniError) -> None:
