@@ -29,6 +29,7 @@ from orchestrator.requests.streams import (
 )
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
+from services.mesh.byte_budget import InputBudget
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError
@@ -128,6 +129,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             server.max_input_bytes,
             owner=self._caller(context),
             timeout_s=context.time_remaining(),
+            budget=server.input_budget,
         ):
             yield event
 
@@ -188,6 +190,7 @@ class OrchestratorServer:
         security: SecuritySettings | None = None,
         max_message_bytes: int = 64 << 20,
         max_input_bytes: int = 256 << 20,
+        max_process_input_bytes: int = 1 << 30,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -201,6 +204,8 @@ class OrchestratorServer:
         # before it is read), nor more chunked input held at once on one stream.
         self.max_message_bytes = max_message_bytes
         self.max_input_bytes = max_input_bytes
+        # ... and no more chunked input held by all client streams together.
+        self.input_budget = InputBudget(max_process_input_bytes, "max_process_input_bytes")
         # The pipeline file's security section, then OMNI_* env (a mounted secret).
         self.security = security or pipeline.security.with_env()
         self.authenticator = orchestrator_authenticator(self.security)

@@ -9,13 +9,28 @@ tensor (or blob) says ``chunked``.
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 
 CHUNK_BYTES = 1 << 20
+# Refused chunk ids remembered per stream, so the rest of a refused tensor's chunks
+# are dropped quietly and its Submit learns why (bounded: a flood of ids is not kept).
+_REFUSED_KEPT = 64
+
+
+class Reservations(Protocol):
+    """A budget the chunks held also count against (the stage's per-process cap)."""
+
+    def reserve(self, nbytes: int, field: str) -> None:
+        """Charge ``nbytes`` or raise ResourceExhausted (nothing charged)."""
+        ...
+
+    def release(self, nbytes: int) -> None: ...
 
 
 def split(
@@ -71,12 +86,16 @@ class ChunkAssembler:
     """Collects the chunks of one stream until the tensors referencing them arrive.
 
     ``max_pending_bytes`` bounds the memory one stream can hold: a chunk whose
-    declared total would pass it is refused before anything is kept.
+    declared total would pass it (or ``budget``, when given) is refused before
+    anything is kept. The rest of a refused tensor's chunks are dropped, and the
+    message that refers to it gets the same RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, max_pending_bytes: int) -> None:
+    def __init__(self, max_pending_bytes: int, budget: Reservations | None = None) -> None:
         self.max_pending_bytes = max_pending_bytes
+        self._budget = budget
         self._pending: dict[str, _Pending] = {}
+        self._refused: OrderedDict[str, ResourceExhausted] = OrderedDict()
 
     @property
     def pending_bytes(self) -> int:
@@ -88,6 +107,8 @@ class ChunkAssembler:
         if not chunk.chunk_id:
             raise InvalidArgument("chunk.chunk_id: missing", field="chunk")
         pending = self._pending.get(chunk.chunk_id)
+        if pending is None and chunk.chunk_id in self._refused:
+            return  # the tensor was refused at its first chunk: said once, not per chunk
         if pending is None:
             if chunk.offset != 0:
                 raise InvalidArgument(
@@ -95,11 +116,20 @@ class ChunkAssembler:
                     "(chunks arrive in order)",
                     field="chunk",
                 )
-            if self.pending_bytes + chunk.total > self.max_pending_bytes:
-                raise ResourceExhausted(
-                    f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
-                    f"holds {self.pending_bytes} of at most {self.max_pending_bytes}"
-                )
+            try:
+                if self.pending_bytes + chunk.total > self.max_pending_bytes:
+                    raise ResourceExhausted(
+                        f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
+                        f"holds {self.pending_bytes} of at most {self.max_pending_bytes}",
+                        field="chunk",
+                    )
+                if self._budget is not None:
+                    self._budget.reserve(chunk.total, "chunk")
+            except ResourceExhausted as exc:
+                self._refused[chunk.chunk_id] = exc
+                while len(self._refused) > _REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+                raise
             pending = self._pending[chunk.chunk_id] = _Pending(chunk.total)
         elif chunk.offset != pending.received:
             raise InvalidArgument(
@@ -149,6 +179,12 @@ class ChunkAssembler:
                     field=f"{field}[{i}]",
                 )
             pending = self._pending.get(ref.chunk_id)
+            refused = self._refused.get(ref.chunk_id) if pending is None else None
+            if refused is not None:
+                raise ResourceExhausted(
+                    f"{field}[{i}].chunked: its chunks were refused ({refused.message})",
+                    field=f"{field}[{i}]",
+                )
             if pending is None or pending.received != pending.total:
                 got = "no chunks" if pending is None else f"{pending.received} of {pending.total}"
                 raise InvalidArgument(
@@ -164,7 +200,17 @@ class ChunkAssembler:
                 )
             ready.append((message, ref.chunk_id))
         for message, chunk_id in ready:
-            setattr(message, inline, b"".join(self._pending.pop(chunk_id).parts))
+            pending = self._pending.pop(chunk_id)
+            setattr(message, inline, b"".join(pending.parts))
+            if self._budget is not None:
+                # From here the bytes are the message's: the caller budgets them as input.
+                self._budget.release(pending.total)
 
     def discard_all(self) -> None:
-        self._pending.clear()
+        """Drop every unfinished tensor (the stream is gone), giving its budget back."""
+        # Detached first: a resolve still running in a decoding thread then finds
+        # its entries gone rather than releasing them a second time.
+        pending, self._pending = self._pending, {}
+        self._refused.clear()
+        if self._budget is not None:
+            self._budget.release(sum(p.total for p in pending.values()))
