@@ -8,6 +8,7 @@
 #      cgroups) and rlimits below the host's (raising them is not permitted);
 #   3. localhost/omni-base:bookworm, a minimal Debian with Python 3.11 built by
 #      debootstrap, standing in for python:3.11-slim, which cannot be pulled here.
+#   4. node and npm, if missing, for the test of the Node.js client example.
 set -euo pipefail
 
 BASE_IMAGE=${OMNI_BASE_IMAGE:-localhost/omni-base:bookworm}
@@ -25,6 +26,12 @@ if ((${#missing[@]})); then
     echo "setup-host.sh: installing podman runc debootstrap (missing: ${missing[*]})"
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null
+fi
+
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+    echo "setup-host.sh: installing nodejs npm (the Node.js client test)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm >/dev/null
 fi
 
 conf=/etc/containers/containers.conf

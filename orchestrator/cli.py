@@ -54,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--pipeline", required=True, type=Path, help="the pipeline file (YAML)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=port_number, default=50050, help="0 picks a free port")
+    serve.add_argument(
+        "--health-port",
+        type=port_number,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (probes under TLS)",
+    )
     _security_flags(serve)
     up = commands.add_parser("up", help="start every stage and the orchestrator on this machine")
     up.add_argument(
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "max_pause_s",
             )
         }
-        return serve_orchestrator(args.pipeline, args.host, args.port, flags)
+        return serve_orchestrator(args.pipeline, args.host, args.port, flags, args.health_port)
     if args.command == "up":
         from orchestrator.commands import default_pipeline, up
 

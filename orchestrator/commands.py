@@ -77,7 +77,11 @@ async def run_stage(config: Path, prompt: str, max_tokens: int) -> int:
 
 
 def serve_orchestrator(
-    pipeline_path: Path, host: str, port: int, flags: dict[str, object] | None = None
+    pipeline_path: Path,
+    host: str,
+    port: int,
+    flags: dict[str, object] | None = None,
+    health_port: int | None = None,
 ) -> int:
     """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT.
     Security: the pipeline file's section, then OMNI_* env, then ``flags``."""
@@ -100,7 +104,7 @@ def serve_orchestrator(
             print(f"omni orchestrator: {exc}", file=sys.stderr)
             return 2
         stop = stop_on_signals()
-        announce(host, await server.start(host, port))
+        announce(host, await server.start(host, port, health_port))
         await stop.wait()
         logger.info("orchestrator %s: stopping", pipeline.name)
         await server.stop()

@@ -29,9 +29,11 @@ from orchestrator.requests.streams import (
 )
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
+from services.mesh.byte_budget import InputBudget
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError
+from services.mesh.health_port import serve_health
 from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
@@ -127,6 +129,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             server.max_input_bytes,
             owner=self._caller(context),
             timeout_s=context.time_remaining(),
+            budget=server.input_budget,
         ):
             yield event
 
@@ -187,6 +190,7 @@ class OrchestratorServer:
         security: SecuritySettings | None = None,
         max_message_bytes: int = 64 << 20,
         max_input_bytes: int = 256 << 20,
+        max_process_input_bytes: int = 1 << 30,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -200,12 +204,17 @@ class OrchestratorServer:
         # before it is read), nor more chunked input held at once on one stream.
         self.max_message_bytes = max_message_bytes
         self.max_input_bytes = max_input_bytes
+        # ... and no more chunked input held by all client streams together.
+        self.input_budget = InputBudget(max_process_input_bytes, "max_process_input_bytes")
         # The pipeline file's security section, then OMNI_* env (a mounted secret).
         self.security = security or pipeline.security.with_env()
         self.authenticator = orchestrator_authenticator(self.security)
         dialing = mesh_dialing(self.security)
         addresses = {s.name: s.address or "" for s in pipeline.stages}
-        self.clients = {name: StageClient(address, dialing) for name, address in addresses.items()}
+        self.clients = {
+            name: StageClient(address, dialing, route_by_health=True)
+            for name, address in addresses.items()
+        }
         settings = WatchdogSettings  # one per stage: budgets differ
         self.monitors = {
             s.name: StageMonitor(
@@ -237,6 +246,8 @@ class OrchestratorServer:
         )
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving = asyncio.Event()  # every stage READY and described
         self.port = 0
@@ -296,7 +307,11 @@ class OrchestratorServer:
         await self._health.set("", SERVING if ready else NOT_SERVING)
         await self._health.set(ORCHESTRATOR_SERVICE, SERVING if ready else NOT_SERVING)
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
+    ) -> int:
+        """Bind and begin following the stages. ``health_port``: also serve health
+        alone, plaintext, there (for probes that cannot do TLS)."""
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -318,6 +333,10 @@ class OrchestratorServer:
         await self._health.set(LIVENESS_SERVICE, SERVING)
         await server.start()
         self._server = server
+        if health_port is not None:
+            self._health_server, self.health_port = await serve_health(
+                self._health, host, health_port
+            )
         for monitor in self.monitors.values():
             monitor.on_change(self._on_change)
             await monitor.start()
@@ -346,5 +365,7 @@ class OrchestratorServer:
             await monitor.stop()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         for client in self.clients.values():
             await client.close()

@@ -82,6 +82,9 @@ def test_installed_wheel_ships_the_examples_and_omni_up_starts_from_them(tmp_pat
     ]
 
 
-def test_the_checkout_examples_link_is_the_packaged_folder() -> None:
+def test_the_checkout_examples_links_are_the_packaged_folders() -> None:
     # README and tests say examples/pipelines/...; the files live in the package.
-    assert (REPO / "examples").resolve() == EXAMPLES.resolve()
+    # (examples/clients/ is not package data: client programs for other languages.)
+    for name in ("pipelines", "stages"):
+        assert (REPO / "examples" / name).resolve() == (EXAMPLES / name).resolve()
+    assert sorted(p.name for p in EXAMPLES.iterdir()) == ["pipelines", "stages"]

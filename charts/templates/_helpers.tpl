@@ -114,6 +114,10 @@ dns:///{{ include "omni.fullname" $root }}-{{ .name }}.{{ $root.Release.Namespac
 - name: OMNI_TLS_CA
   value: /etc/omni/tls/ca.crt
 {{- end }}
+{{- if .Values.auth.secretName }}
+- name: OMNI_MESH_TOKEN_FILE
+  value: /etc/omni/auth/mesh-token
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
@@ -159,7 +163,9 @@ capabilities:
 {{- fail "stages: expected at least one stage" -}}
 {{- end -}}
 {{- $ports := dict -}}
+{{- $offset := .Values.probes.healthPortOffset | int -}}
 {{- $_ := set $ports (toString (.Values.orchestrator.port | int)) "the orchestrator (orchestrator.port)" -}}
+{{- $_ := set $ports (toString (add .Values.orchestrator.port $offset)) "the orchestrator's health port (orchestrator.port + probes.healthPortOffset)" -}}
 {{- $podKeys := list "replicas" "nodeSelector" "tolerations" "affinity" "runtimeClassName" "shmSize" -}}
 {{- range $name, $stage := .Values.stages -}}
 {{- $port := toString ($stage.port | int) -}}
@@ -167,6 +173,14 @@ capabilities:
 {{- fail (printf "stages.%s.port: %s is already taken by %s; expected a distinct port per stage" $name $port (get $ports $port)) -}}
 {{- end -}}
 {{- $_ := set $ports $port (printf "stage %s" $name) -}}
+{{- $health := toString (add $stage.port $offset) -}}
+{{- if hasKey $ports $health -}}
+{{- fail (printf "stages.%s.port: its health port %s (port + probes.healthPortOffset) is already taken by %s; expected a distinct port per stage" $name $health (get $ports $health)) -}}
+{{- end -}}
+{{- if gt (int $health) 65535 -}}
+{{- fail (printf "stages.%s.port: its health port %s (port + probes.healthPortOffset) is above 65535; expected a lower port or offset" $name $health) -}}
+{{- end -}}
+{{- $_ := set $ports $health (printf "stage %s's health port" $name) -}}
 {{- if $stage.group -}}
 {{- if and (hasKey $root.Values.stages $stage.group) (ne $stage.group $name) -}}
 {{- $other := get $root.Values.stages $stage.group -}}

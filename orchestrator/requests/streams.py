@@ -10,8 +10,9 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
+from services.mesh.byte_budget import InputBudget, StreamAccount
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import InvalidArgument, NotFound, OmniError
+from services.mesh.errors import InvalidArgument, NotFound, OmniError, ResourceExhausted
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.request_ids import check_request_id
 from services.mesh.security import ANONYMOUS, Principal
@@ -48,8 +49,14 @@ async def single(submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.Submit]:
     yield submit
 
 
-async def _drain(queue: asyncio.Queue[stage_pb2.Submit | None]) -> AsyncIterator[stage_pb2.Submit]:
-    while (submit := await queue.get()) is not None:
+Feed = asyncio.Queue[tuple[stage_pb2.Submit, int] | None]  # (window, bytes charged)
+
+
+async def _drain(feed: Feed, account: StreamAccount | None) -> AsyncIterator[stage_pb2.Submit]:
+    while (item := await feed.get()) is not None:
+        submit, charged = item
+        if account is not None:
+            account.release(charged)  # it leaves this process for the entry stage's stream
         yield submit
 
 
@@ -70,14 +77,18 @@ class _StreamReader:
         max_bytes: int,
         owner: Principal = ANONYMOUS,
         timeout_s: float | None = None,
+        budget: InputBudget | None = None,
     ):
         self._router = router
         self._owner = owner
         self._timeout_s = timeout_s
         self._sink = sink
         self._stages = stages
-        self._chunks = ChunkAssembler(max_bytes)
-        self.feeds: dict[str, asyncio.Queue[stage_pb2.Submit | None]] = {}  # input still open
+        # Unfinished chunks count against the stream's cap and, with every other
+        # client stream's, against the server's (``budget``).
+        self._account = None if budget is None else budget.account(max_bytes, "max_input_bytes")
+        self._chunks = ChunkAssembler(max_bytes, self._account)
+        self.feeds: dict[str, Feed] = {}  # input still open
         self.open: set[str] = set()  # started here, Done not yet seen
 
     async def read(self, message: orchestrator_pb2.StreamInput) -> None:
@@ -114,10 +125,10 @@ class _StreamReader:
             self._chunks.resolve(submit.inputs.tensors, "submit.inputs.tensors")
             if not started:
                 check_stage_params(params, self._stages, "stage_params")
-                feed: asyncio.Queue[stage_pb2.Submit | None] = asyncio.Queue()
+                feed: Feed = asyncio.Queue()
                 self._router.start(
                     rid,
-                    _drain(feed),
+                    _drain(feed, self._account),
                     dict(params),
                     self._sink,
                     owner=self._owner,
@@ -132,7 +143,17 @@ class _StreamReader:
             else:
                 await self._sink.put(refusal(rid, exc))
             return
-        self.feeds[rid].put_nowait(submit)
+        # Windows wait here until the entry stage's stream takes them (a paused mesh,
+        # a slow streaming-input stage): they count against the stream's input cap.
+        charged = submit.ByteSize() if self._account is not None else 0
+        try:
+            if self._account is not None:
+                self._account.reserve(charged, "submit.inputs")
+        except ResourceExhausted as exc:
+            self._close_feed(rid)
+            self._router.fail(rid, exc)
+            return
+        self.feeds[rid].put_nowait((submit, charged))
         if submit.is_last:
             self._close_feed(rid)
 
@@ -146,6 +167,12 @@ class _StreamReader:
         for rid in list(self.feeds):
             self._close_feed(rid)
 
+    def discard(self) -> None:
+        """The stream is over: chunks nobody claimed go, and their budget with them."""
+        self._chunks.discard_all()
+        if self._account is not None:
+            self._account.close()
+
 
 async def stream_requests(
     router: Router,
@@ -156,6 +183,7 @@ async def stream_requests(
     *,
     owner: Principal = ANONYMOUS,
     timeout_s: float | None = None,
+    budget: InputBudget | None = None,
 ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
     """GenerateStream: windows of several requests in, every request's events out.
 
@@ -163,7 +191,7 @@ async def stream_requests(
     has had its Done.
     """
     sink = EventSink(*watermarks)
-    reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s)
+    reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s, budget)
     reading = True
 
     async def read() -> None:
@@ -189,5 +217,6 @@ async def stream_requests(
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        reader.discard()
         for rid in list(reader.open):
             router.cancel_silently(rid)

@@ -225,10 +225,15 @@ class StageMonitor:
             await self._client.close()
         # A fresh channel per attempt: our backoff, not the channel's own (up to 2
         # minutes), decides when a stage that was down is tried again.
-        self._client = client = StageClient(self.target.address, self._dialing)
-        health = health_pb2_grpc.HealthStub(client.channel)
+        self._client = client = StageClient(
+            self.target.address, self._dialing, route_by_health=True
+        )
+        # Health asked on the channel that routes by health: SERVING while any
+        # replica of the stage serves, so one replica starting or draining beside
+        # serving ones neither holds the stage STARTING nor turns it DOWN.
+        health = health_pb2_grpc.HealthStub(client.serving_channel)
         try:
-            await self._follow_init(client)
+            await self._follow_init_or_a_serving_replica(client, health)
         except grpc.aio.AioRpcError as exc:
             self._lost(exc)
         if self._watchdog.state == STARTING and not await self._not_serving(health, 0.0):
@@ -246,6 +251,36 @@ class StageMonitor:
             self._publish()
         await self._watch_health(health)
         return True
+
+    async def _follow_init_or_a_serving_replica(
+        self, client: StageClient, health: health_pb2_grpc.HealthStub
+    ) -> None:
+        """Follow InitStatus, which reaches one replica. With several, another may be
+        serving while that one waits (for its device, say): a replica seen SERVING on
+        two polls in a row while the stage is still STARTING makes it READY. A single
+        replica's own READY event comes first (it is sent before health turns)."""
+        follow = asyncio.create_task(self._follow_init(client))
+        serving = asyncio.create_task(self._until_a_replica_serves(health))
+        try:
+            await asyncio.wait((follow, serving), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (follow, serving):
+                task.cancel()
+            await asyncio.gather(follow, serving, return_exceptions=True)
+        if follow.done() and not follow.cancelled():
+            follow.result()  # its AioRpcError is the session's to handle
+        elif self._watchdog.state == STARTING:
+            self._watchdog.mark_ready("a replica serves (grpc health); another is starting")
+            self._publish()
+
+    async def _until_a_replica_serves(self, health: health_pb2_grpc.HealthStub) -> None:
+        seen = 0
+        while seen < 2:
+            await asyncio.sleep(self._health_poll_s)
+            if self._watchdog.state != STARTING:
+                seen = 0
+                continue
+            seen = seen + 1 if not await self._not_serving(health, 0.0) else 0
 
     async def _follow_init(self, client: StageClient) -> None:
         async for event in client.init_events():

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import mmap
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -34,6 +35,19 @@ CHUNK_BYTES = 1 << 20
 M = TypeVar("M")
 # Destinations from this size up are anonymous mappings advised to use huge pages.
 _HUGE_BYTES = 2 << 20
+# Refused chunk ids remembered per stream, so the rest of a refused tensor's chunks
+# are dropped quietly and its Submit learns why (bounded: a flood of ids is not kept).
+_REFUSED_KEPT = 64
+
+
+class Reservations(Protocol):
+    """A budget the chunks held also count against (the stage's per-process cap)."""
+
+    def reserve(self, nbytes: int, field: str) -> None:
+        """Charge ``nbytes`` or raise ResourceExhausted (nothing charged)."""
+        ...
+
+    def release(self, nbytes: int) -> None: ...
 
 
 def split(
@@ -132,12 +146,16 @@ class ChunkAssembler:
     """Collects the chunks of one stream until the tensors referencing them arrive.
 
     ``max_pending_bytes`` bounds the memory one stream can hold: a chunk whose
-    declared total would pass it is refused before anything is kept.
+    declared total would pass it (or ``budget``, when given) is refused before
+    anything is kept. The rest of a refused tensor's chunks are dropped, and the
+    message that refers to it gets the same RESOURCE_EXHAUSTED.
     """
 
-    def __init__(self, max_pending_bytes: int) -> None:
+    def __init__(self, max_pending_bytes: int, budget: Reservations | None = None) -> None:
         self.max_pending_bytes = max_pending_bytes
+        self._budget = budget
         self._pending: dict[str, _Pending] = {}
+        self._refused: OrderedDict[str, ResourceExhausted] = OrderedDict()
 
     @property
     def pending_bytes(self) -> int:
@@ -149,6 +167,8 @@ class ChunkAssembler:
         if not chunk.chunk_id:
             raise InvalidArgument("chunk.chunk_id: missing", field="chunk")
         pending = self._pending.get(chunk.chunk_id)
+        if pending is None and chunk.chunk_id in self._refused:
+            return  # the tensor was refused at its first chunk: said once, not per chunk
         if pending is None:
             if chunk.offset != 0:
                 raise InvalidArgument(
@@ -156,11 +176,20 @@ class ChunkAssembler:
                     "(chunks arrive in order)",
                     field="chunk",
                 )
-            if self.pending_bytes + chunk.total > self.max_pending_bytes:
-                raise ResourceExhausted(
-                    f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
-                    f"holds {self.pending_bytes} of at most {self.max_pending_bytes}"
-                )
+            try:
+                if self.pending_bytes + chunk.total > self.max_pending_bytes:
+                    raise ResourceExhausted(
+                        f"chunk: {chunk.chunk_id} needs {chunk.total} bytes; this stream already "
+                        f"holds {self.pending_bytes} of at most {self.max_pending_bytes}",
+                        field="chunk",
+                    )
+                if self._budget is not None:
+                    self._budget.reserve(chunk.total, "chunk")
+            except ResourceExhausted as exc:
+                self._refused[chunk.chunk_id] = exc
+                while len(self._refused) > _REFUSED_KEPT:
+                    self._refused.popitem(last=False)
+                raise
             pending = _Pending(chunk.total, _destination(chunk.total))
             self._pending[chunk.chunk_id] = pending
         elif chunk.offset != pending.received:
@@ -213,15 +242,28 @@ class ChunkAssembler:
             self._complete(ref, f"{field}[{i}]")
             ready.append((message, ref.chunk_id))
         for message, chunk_id in ready:
-            setattr(message, inline, bytes(self._pending.pop(chunk_id).buffer))
+            pending = self._pending.pop(chunk_id)
+            setattr(message, inline, bytes(pending.buffer))
+            if self._budget is not None:
+                # From here the bytes are the message's: the caller budgets them as input.
+                self._budget.release(pending.total)
 
     def take(self, ref: tensor_pb2.ChunkRef, field: str) -> Buffer:
-        """The assembled bytes of ``ref``, handed over (no copy) and forgotten here."""
+        """The assembled bytes of ``ref``, handed over (no copy) and forgotten here;
+        from now on they are the caller's to budget, as resolved bytes are."""
         self._complete(ref, field)
-        return self._pending.pop(ref.chunk_id).buffer
+        pending = self._pending.pop(ref.chunk_id)
+        if self._budget is not None:
+            self._budget.release(pending.total)
+        return pending.buffer
 
     def _complete(self, ref: tensor_pb2.ChunkRef, field: str) -> _Pending:
         pending = self._pending.get(ref.chunk_id)
+        refused = self._refused.get(ref.chunk_id) if pending is None else None
+        if refused is not None:
+            raise ResourceExhausted(
+                f"{field}.chunked: its chunks were refused ({refused.message})", field=field
+            )
         if pending is None or pending.received != pending.total:
             got = "no chunks" if pending is None else f"{pending.received} of {pending.total}"
             raise InvalidArgument(
@@ -237,4 +279,10 @@ class ChunkAssembler:
         return pending
 
     def discard_all(self) -> None:
-        self._pending.clear()
+        """Drop every unfinished tensor (the stream is gone), giving its budget back."""
+        # Detached first: a resolve still running in a decoding thread then finds
+        # its entries gone rather than releasing them a second time.
+        pending, self._pending = self._pending, {}
+        self._refused.clear()
+        if self._budget is not None:
+            self._budget.release(sum(p.total for p in pending.values()))

@@ -22,17 +22,28 @@ from services.mesh.security import PLAINTEXT, Dialing
 # headless Service, ``ipv4:a:p,b:p``) gets a connection to each, and every call (one
 # request's Generate stream) goes to the next ready one. pick_first, gRPC's default,
 # would pin every request to the first address. One address: the same as pick_first.
-SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
 KEEPALIVE_S = 10.0  # idle seconds before a ping; an unanswered ping fails the calls
+READINESS_SERVICE = "omni.v1.Stage"  # the health name a stage turns SERVING when READY
 
 
-def channel_options(keepalive_s: float = KEEPALIVE_S) -> list[tuple[str, int | str]]:
+def service_config(health_service: str | None = None) -> str:
+    """round_robin; with ``health_service``, gRPC's client-side health checking too:
+    the channel watches that name on every replica and picks only those SERVING."""
+    config: dict[str, object] = {"loadBalancingConfig": [{"round_robin": {}}]}
+    if health_service is not None:
+        config["healthCheckConfig"] = {"serviceName": health_service}
+    return json.dumps(config)
+
+
+def channel_options(
+    keepalive_s: float = KEEPALIVE_S, health_service: str | None = None
+) -> list[tuple[str, int | str]]:
     """Options of every channel of ours: no message size limit, keepalive on."""
     interval_ms = max(int(keepalive_s * 1000), 1000)
     return [
         ("grpc.max_receive_message_length", -1),
         ("grpc.max_send_message_length", -1),
-        ("grpc.service_config", SERVICE_CONFIG),
+        ("grpc.service_config", service_config(health_service)),
         ("grpc.keepalive_time_ms", interval_ms),
         ("grpc.keepalive_timeout_ms", interval_ms),
         # gRPC >= 1.6x times an unanswered ping out by this, not keepalive_timeout_ms.
@@ -46,18 +57,38 @@ CHANNEL_OPTIONS = channel_options()
 
 
 class StageClient:
-    """A channel to one stage: ``host:port``, or any gRPC target naming its replicas."""
+    """A channel to one stage: ``host:port``, or any gRPC target naming its replicas.
+
+    ``route_by_health`` (the orchestrator's): new Generate streams go on a second
+    channel that picks only replicas whose readiness is SERVING, so a replica that
+    is starting, waiting for its device or draining gets no new request, while
+    InitStatus, health, Describe, Abort and ReleaseTensors keep the plain channel,
+    which reaches a replica in any state (a draining one still frees its blocks).
+    """
 
     def __init__(
-        self, address: str, dialing: Dialing = PLAINTEXT, *, keepalive_s: float = KEEPALIVE_S
+        self,
+        address: str,
+        dialing: Dialing = PLAINTEXT,
+        *,
+        keepalive_s: float = KEEPALIVE_S,
+        route_by_health: bool = False,
     ) -> None:
         self.address = address
         self.channel = dialing.channel(address, channel_options(keepalive_s))
         self.stub = stage_pb2_grpc.StageStub(self.channel)
+        self.serving_channel = (
+            dialing.channel(address, channel_options(keepalive_s, READINESS_SERVICE))
+            if route_by_health
+            else self.channel
+        )
+        self._serving_stub = stage_pb2_grpc.StageStub(self.serving_channel)
         self.metadata = dialing.metadata
 
     async def close(self) -> None:
         await self.channel.close()
+        if self.serving_channel is not self.channel:
+            await self.serving_channel.close()
 
     async def __aenter__(self) -> StageClient:
         return self
@@ -98,7 +129,7 @@ class StageClient:
     def open_stream(self, timeout_s: float | None = None) -> grpc.aio.StreamStreamCall:
         """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate.
         ``timeout_s``: its deadline (the orchestrator passes on its client's)."""
-        return self.stub.Generate(timeout=timeout_s, metadata=self.metadata)
+        return self._serving_stub.Generate(timeout=timeout_s, metadata=self.metadata)
 
     async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:
         """One request on its own stream; yields its events through the final one."""

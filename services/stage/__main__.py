@@ -42,7 +42,7 @@ def _environment() -> None:
         raise ConfigError(str(exc)) from None
 
 
-async def serve(config_path: str, host: str, port: int) -> int:
+async def serve(config_path: str, host: str, port: int, health_port: int | None = None) -> int:
     _environment()
     config = load_stage_config(config_path)
     try:
@@ -55,7 +55,7 @@ async def serve(config_path: str, host: str, port: int) -> int:
     except ValueError as exc:  # OMNI_PROMETHEUS_PORT
         raise ConfigError(str(exc)) from None
     stop = stop_on_signals()
-    announce(host, await server.start(host, port))
+    announce(host, await server.start(host, port, health_port))
     waits = [asyncio.create_task(stop.wait()), asyncio.create_task(server.failed.wait())]
     await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for wait in waits:
@@ -81,12 +81,17 @@ def main(argv: list[str] | None = None) -> int:
     serve_cmd.add_argument(
         "--port", type=port_number, default=50051, help="port to bind; 0 picks a free one"
     )
+    serve_cmd.add_argument(
+        "--health-port",
+        type=port_number,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (probes under TLS)",
+    )
     args = parser.parse_args(argv)
     die_with_parent()
     configure_logging()
     keep_freed_memory()  # tensors in and out reuse warm buffers
     try:
-        return asyncio.run(serve(args.config, args.host, args.port))
+        return asyncio.run(serve(args.config, args.host, args.port, args.health_port))
     except ConfigError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 2

@@ -83,7 +83,13 @@ class Runtime(_Frozen):
     shm_ttl_s: float = Field(300.0, gt=0)  # a block nobody released is freed after this
     # Released shared blocks kept (pre-faulted, renamed) for later requests, in bytes.
     shm_pool_bytes: int = Field(256 << 20, ge=0)
-    max_input_bytes: int = Field(1 << 30, ge=1024)  # chunked input tensors held at once
+    # Request input held in memory at once (services/mesh/byte_budget.py): unfinished
+    # chunks, windows waiting for their last one, inputs of running requests. Per
+    # stream, and for all streams of the process together.
+    max_input_bytes: int = Field(1 << 30, ge=1024)
+    max_process_input_bytes: int = Field(2 << 30, ge=1024)
+    # Windows one request may have buffered before its last (each costs objects too).
+    max_input_windows: int = Field(4096, ge=1)
     chunk_bytes: int = Field(CHUNK_BYTES, ge=1024)  # inline tensors above this go as chunks
 
     @property

@@ -44,6 +44,17 @@ def check_size(submit: stage_pb2.Submit, limit: int) -> None:
         )
 
 
+def check_token_count(submit: stage_pb2.Submit, limit: int) -> None:
+    """Refuse more token ids in one Submit than any prompt may have, before they are
+    turned into Python ints (36 bytes each: 64 MiB of ids would take gigabytes)."""
+    count = len(submit.inputs.token_ids)
+    if count > limit:
+        raise InvalidArgument(
+            f"inputs.token_ids: {count} ids, the limit is {limit} (runtime.max_prompt_tokens)",
+            field="inputs.token_ids",
+        )
+
+
 def _refuse_unknown_fields(msg: Message, field: str) -> None:
     # A client built from a newer contract may set fields this stage does not
     # know; silently ignoring a parameter would change results without a word.

@@ -15,17 +15,22 @@ and token ids appended, tensors of one name joined as above.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import InvalidArgument
+from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.transport import TensorReceiver
 
 _MAX_ROWS = (1 << 63) - 1  # a first dim must fit the int64 of a wire shape
+# What one window costs beyond its payload (its Inputs, dicts, tensor objects):
+# 2,000 empty windows are not free.
+WINDOW_OVERHEAD = 1024
+_ID_BYTES = 36  # a token id held in a tuple: a pointer and an int object
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,13 @@ class Inputs:
     @property
     def empty(self) -> bool:
         return not (self.text or self.messages or self.token_ids or self.tensors)
+
+
+def input_bytes(inputs: Inputs) -> int:
+    """What ``inputs`` takes in memory, near enough to budget by (O(fields), no copy)."""
+    size = WINDOW_OVERHEAD + sys.getsizeof(inputs.text) + _ID_BYTES * len(inputs.token_ids)
+    size += sum(sys.getsizeof(role) + sys.getsizeof(text) for role, text in inputs.messages)
+    return size + sum(tensor.nbytes for tensor in inputs.tensors.values())
 
 
 def decode(
@@ -114,8 +126,9 @@ def join(name: str, parts: Sequence[torch.Tensor]) -> torch.Tensor:
 class InputWindows:
     """The windows of one request that have come so far, until the last one."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, max_windows: int = 4096) -> None:
         self.request_id = request_id
+        self.max_windows = max_windows
         self.next_sequence = 0
         self._windows: list[Inputs] = []
 
@@ -135,12 +148,24 @@ class InputWindows:
             field="submit.sequence",
         )
 
+    def check_room(self) -> None:
+        """Refuse one more kept window past ``max_windows`` (runtime.max_input_windows)."""
+        if len(self._windows) >= self.max_windows:
+            raise ResourceExhausted(
+                f"inputs: request {self.request_id!r} holds {len(self._windows)} windows "
+                f"waiting for its last; at most {self.max_windows} are kept "
+                "(runtime.max_input_windows)",
+                field="inputs",
+            )
+
     def add(self, window: Inputs | None) -> None:
         """Count the window, keeping it unless None (streaming input: it went to the engine)."""
         if window is not None:
+            self.check_room()
             self._windows.append(window)
         self.next_sequence += 1
 
     def whole(self) -> Inputs:
-        """Every window so far joined (call after the last one)."""
-        return merge(self._windows) if self._windows else Inputs()
+        """Every window so far joined (call after the last one); the windows are let go."""
+        windows, self._windows = self._windows, []
+        return merge(windows) if windows else Inputs()

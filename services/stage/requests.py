@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass, field
 
 from services.engines.base import EngineRequest, SamplingParams
+from services.mesh.byte_budget import Hold
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.stage.events import StageEvent
@@ -60,6 +61,8 @@ class InFlight:
     transform: str
     params: SamplingParams
     windows: InputWindows
+    # Its input bytes on the stream's budget, given back when it leaves the registry.
+    held: Hold | None = None
     feed: InputFeed | None = None  # streaming input: later windows go here
     task: asyncio.Task[None] | None = None  # None until its input is admitted
     input_done: bool = False  # its last window (is_last) has come
@@ -97,6 +100,9 @@ class InFlightRequests:
         self._idle.clear()
 
     def remove(self, record: InFlight) -> None:
+        # Every path a request ends by comes through here: its input budget goes back.
+        if record.held is not None:
+            record.held.release()
         if self._records.get(record.request_id) is record:
             del self._records[record.request_id]
         if not any(r.task is not None for r in self._records.values()):

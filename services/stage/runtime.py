@@ -25,6 +25,7 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
+from services.mesh.byte_budget import InputBudget
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
 from services.stage import observe
 from services.stage.admission import Admission
@@ -43,6 +44,8 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self.requests = InFlightRequests()
+        # Input held in memory by every stream of this process (services.mesh.byte_budget).
+        self.budget = InputBudget(config.runtime.max_process_input_bytes)
         self._clock = clock
         # The engine batches: it decides which requests share a step (max_batch_size
         # of them, within its KV plan) and queues the rest itself. Admission only
@@ -61,10 +64,14 @@ class StageRuntime:
         """Requests running or queued for a run slot (not those still sending windows)."""
         return len(self.requests)
 
-    def prepare(self, request: EngineRequest) -> EngineRequest:
-        """Stage defaults filled in and the engine's own checks passed."""
+    async def prepare(self, request: EngineRequest) -> EngineRequest:
+        """Stage defaults filled in and the engine's own checks passed.
+
+        In a thread: an engine's check may tokenize or template a prompt, which
+        takes CPU in proportion to it; the event loop (health, every other
+        request's events) must keep turning meanwhile."""
         prepared = replace(request, params=self.config.apply_defaults(request.params))
-        self.engine.check(prepared)
+        await asyncio.to_thread(self.engine.check, prepared)
         return prepared
 
     def check_open(self) -> None:
@@ -77,7 +84,7 @@ class StageRuntime:
         if not self.ready:
             raise Unavailable(f"stage {name} is not ready: {self.not_ready_reason}")
 
-    def start(
+    async def start(
         self,
         record: InFlight,
         request: EngineRequest,
@@ -90,7 +97,10 @@ class StageRuntime:
         request's segment sequence (``runtime.streaming_input``).
         """
         self.check_open()
-        first = self.prepare(request)
+        first = await self.prepare(request)
+        if self.requests.live(record.request_id) is not record:
+            return  # ended while its check ran (Abort, the stage draining): nothing to start
+        self.check_open()
         task = asyncio.create_task(
             self._run(record, first, more), name=f"request-{record.request_id}"
         )

@@ -23,6 +23,7 @@ from services.engines.base import WritesIntoBlocks
 from services.engines.registry import engine_class
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError, abort_rpc
+from services.mesh.health_port import serve_health
 from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
@@ -174,19 +175,24 @@ class StageServer:
             self.engine.use_output_blocks(self.tensors)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._bus: InitBus | None = None
         self._startup: asyncio.Task[bool] | None = None
         self._watch: asyncio.Task[None] | None = None
         self.failed = asyncio.Event()  # the engine died: the process should exit non-zero
         self.port = 0
+        self.health_port: int | None = None
 
     @property
     def bus(self) -> InitBus:
         assert self._bus is not None, "start() first"
         return self._bus
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Bind at once (health NOT_SERVING), then bring the engine up in the background."""
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
+    ) -> int:
+        """Bind at once (health NOT_SERVING), then bring the engine up in the background.
+        ``health_port``: also serve health alone, plaintext, there (for probes)."""
         self._bus = InitBus(self.config.name, asyncio.get_running_loop())
         limit = self.config.runtime.max_message_bytes
         # The transport admits twice the stage's own limit so that a message a
@@ -216,6 +222,10 @@ class StageServer:
         await self._set_health(ready=False, alive=True)
         await server.start()
         self._server = server
+        if health_port is not None:
+            self._health_server, self.health_port = await serve_health(
+                self._health, host, health_port
+            )
         self.tensors.start()
         logger.info("stage %s listening on %s:%d", self.config.name, host, self.port)
         self._startup = asyncio.create_task(self._bring_up(), name="stage-startup")
@@ -268,6 +278,8 @@ class StageServer:
         drained = await self.runtime.drain(grace)
         if self._server is not None:
             await self._server.stop(1.0)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         await asyncio.to_thread(self.engine.close)
         await self.tensors.close()
         return drained

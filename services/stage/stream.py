@@ -32,7 +32,7 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.request_ids import check_request_id
 from services.stage import convert, observe
 from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
-from services.stage.inputs import Inputs, InputWindows, decode
+from services.stage.inputs import Inputs, InputWindows, decode, input_bytes
 from services.stage.requests import InFlight, InputFeed
 from services.stage.runtime import StageRuntime
 from services.stage.tensor_io import StageTensors
@@ -64,7 +64,10 @@ class GenerateStream:
         self._runtime = runtime
         self._requests = runtime.requests
         self._tensors = tensors
-        self._chunks = ChunkAssembler(runtime.config.runtime.max_input_bytes)
+        limits = runtime.config.runtime
+        # One account for all this stream holds: unfinished chunks and its requests' inputs.
+        self._account = runtime.budget.account(limits.max_input_bytes)
+        self._chunks = ChunkAssembler(limits.max_input_bytes, self._account)
         self._out: asyncio.Queue[object] = asyncio.Queue(runtime.config.runtime.output_queue_size)
         self._reading = True
         self._ended = False
@@ -89,6 +92,9 @@ class GenerateStream:
             reader.cancel()
             self._runtime.drop_stream(self)
             await asyncio.gather(reader, return_exceptions=True)
+            # Its requests gave their bytes back as they left; chunks nobody claimed go now.
+            self._chunks.discard_all()
+            self._account.close()
         if self._fatal is not None:
             raise self._fatal
 
@@ -164,13 +170,11 @@ class GenerateStream:
         try:
             check_request_id(rid, "submit.request_id")
             record = self._on_this_stream(rid)
-            if record is None and self._requests.live(rid) is not None:
-                raise InvalidArgument(
-                    f"submit.request_id: {rid!r} is already in flight on stage "
-                    f"{self._runtime.config.name} (on another stream)",
-                    field="submit.request_id",
-                )
-            convert.check_size(submit, self._runtime.config.runtime.max_message_bytes)
+            if record is None:
+                self._not_elsewhere(rid)
+            limits = self._runtime.config.runtime
+            convert.check_size(submit, limits.max_message_bytes)
+            convert.check_token_count(submit, limits.max_prompt_tokens)
             convert.refuse_unknown_fields(submit)
             if record is None:
                 await self._first(submit)
@@ -178,6 +182,14 @@ class GenerateStream:
                 await self._next(record, submit)
         except OmniError as exc:
             await self._refuse(rid, exc)
+
+    def _not_elsewhere(self, rid: str) -> None:
+        if self._requests.live(rid) is not None:
+            raise InvalidArgument(
+                f"submit.request_id: {rid!r} is already in flight on stage "
+                f"{self._runtime.config.name} (on another stream)",
+                field="submit.request_id",
+            )
 
     async def _refuse(self, request_id: str, error: OmniError) -> None:
         """One final event for ``request_id``: ending it if it is in flight here."""
@@ -197,15 +209,20 @@ class GenerateStream:
             )
         check_transform(submit.transform)
         supported, engine = runtime.engine.supported_params, runtime.config.engine
-        inputs = self._decode(submit)
+        params = convert.sampling_params(submit.params, supported, engine)
+        inputs = await self._decode(submit)
+        self._not_elsewhere(rid)  # again: another stream may have taken the id meanwhile
+        held = self._account.hold()
+        held.add(input_bytes(inputs), "inputs")  # nothing kept yet if this is refused
         record = InFlight(
             request_id=rid,
             stream=self,
             sink=lambda event: self._emit(record, event),
             consumer=submit.consumer if submit.HasField("consumer") else None,
             transform=submit.transform,
-            params=convert.sampling_params(submit.params, supported, engine),
-            windows=InputWindows(rid),
+            params=params,
+            windows=InputWindows(rid, runtime.config.runtime.max_input_windows),
+            held=held,
             trace_context=dict(submit.trace_context),
         )
         streaming = not submit.is_last and runtime.config.runtime.streaming_input
@@ -214,11 +231,12 @@ class GenerateStream:
         if submit.is_last:
             record.input_done = True
             self._requests.add(record)
-            runtime.start(record, self._request(record, inputs))
+            await runtime.start(record, await self._request(record, inputs))
         elif streaming:
             record.feed = InputFeed()
             self._requests.add(record)
-            runtime.start(record, self._request(record, inputs), more=record.feed.windows())
+            more = record.feed.windows()
+            await runtime.start(record, await self._request(record, inputs), more=more)
         else:
             self._requests.add(record)
 
@@ -233,34 +251,56 @@ class GenerateStream:
                 field="submit.sequence",
             )
         record.windows.expect(submit.sequence)
-        inputs = self._decode(submit)
+        if record.feed is None:
+            record.windows.check_room()  # before decoding what could not be kept
+        inputs = await self._decode(submit)
         if record.feed is not None:
+            # Not charged: the feed holds at most a few windows, and holds the sender back.
             if not inputs.empty:  # an empty last window only ends the input
                 runtime = self._runtime
                 supported, engine = runtime.engine.supported_params, runtime.config.engine
                 params = convert.sampling_params(submit.params, supported, engine)
-                window = self._request(record, inputs, params)
-                await record.feed.put(self._runtime.prepare(window))
+                window = await self._request(record, inputs, params)
+                await record.feed.put(await self._runtime.prepare(window))
             record.windows.add(None)
             if submit.is_last:
                 record.input_done = True
                 await record.feed.close()
             return
+        assert record.held is not None
+        record.held.add(input_bytes(inputs), "inputs")
         record.windows.add(inputs)
         if submit.is_last:
             record.input_done = True
-            self._runtime.start(record, self._request(record, record.windows.whole()))
+            await self._runtime.start(record, await self._request(record, None))
 
-    def _decode(self, submit: stage_pb2.Submit) -> Inputs:
-        return decode(submit.inputs, self._tensors.receiver, self._chunks)
+    async def _decode(self, submit: stage_pb2.Submit) -> Inputs:
+        """Tensors decoded (chunked ones taken whole from this stream's assembler,
+        refs opened, pieces joined: copies of up to ``max_input_bytes``): in a
+        thread, while this stream's reader waits, so no other stream does."""
+
+        def run() -> Inputs:
+            return decode(submit.inputs, self._tensors.receiver, self._chunks)
+
+        if not submit.inputs.tensors:
+            return run()  # text, messages, ids (at most max_prompt_tokens): no thread needed
+        return await asyncio.to_thread(run)
 
     @staticmethod
-    def _request(
-        record: InFlight, inputs: Inputs, params: SamplingParams | None = None
+    async def _request(
+        record: InFlight, inputs: Inputs | None, params: SamplingParams | None = None
     ) -> EngineRequest:
-        """The engine's request: whole inputs, then the request's transform."""
-        whole = apply_transform(record.transform, inputs)
-        return convert.engine_request(record.request_id, whole, params or record.params)
+        """The engine's request: whole inputs (``None``: the request's windows joined),
+        then the request's transform; in a thread, as joining and transforms copy tensors."""
+
+        def run() -> EngineRequest:
+            whole = record.windows.whole() if inputs is None else inputs
+            whole = apply_transform(record.transform, whole)
+            return convert.engine_request(record.request_id, whole, params or record.params)
+
+        if inputs is not None and not inputs.tensors:
+            return run()  # nothing to join or copy: a thread hop would cost more
+        return await asyncio.to_thread(run)
 
     async def _put_error(self, request_id: str, error: OmniError) -> None:
         stage = self._runtime.config.name

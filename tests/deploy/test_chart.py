@@ -43,7 +43,11 @@ GROUP = {
     "groups": {"pair": {"shmSize": "2Gi", "cudaIpc": True, "nodeSelector": {"pool": "a"}}},
 }
 REPLICAS = {"stages": {"thinker": {"replicas": 3}, "renderer": {"replicas": 2}}}
-TLS = {"tls": {"secretName": "omni-tls"}, "otel": {"endpoint": "http://otel-collector:4317"}}
+TLS = {
+    "tls": {"secretName": "omni-tls"},
+    "auth": {"secretName": "omni-auth"},
+    "otel": {"endpoint": "http://otel-collector:4317"},
+}
 VARIANTS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "gpu": GPU,
@@ -164,8 +168,11 @@ def test_stage_addresses_are_the_rendered_services(variant: str) -> None:
             for c in deployment["spec"]["template"]["spec"]["containers"]
             if c["name"] == stage.name
         ]
-        assert [p["containerPort"] for p in container["ports"]] == [int(port)]
+        # The gRPC port, and the plaintext health-only port the probes dial.
+        health = str(int(port) + 1000)
+        assert [p["containerPort"] for p in container["ports"]] == [int(port), int(health)]
         assert flag(container, "--port") == port and flag(container, "--host") == "0.0.0.0"
+        assert flag(container, "--health-port") == health
         assert flag(container, "--config") == f"/etc/omni/stages/{stage.name}.yaml"
         # The stage file it reads is valid for the stage service itself.
         parse_stage_config(yaml.safe_load(stage_files[f"{stage.name}.yaml"]), stage.name)
@@ -241,7 +248,10 @@ def test_probes_ask_the_right_services_within_the_watchdog_budget() -> None:
     values = helm_python.Chart.load(CHART_DIR).values
     pipeline = parse_pipeline(config_file(docs, "omni-pipeline", "pipeline.yaml"), "rendered")
     for name, (container, _spec) in containers(docs).items():
-        port = container["ports"][0]["containerPort"]
+        # Probes dial the plaintext health-only port, which a TLS secret leaves alone.
+        port = int(flag(container, "--health-port"))
+        assert port == int(flag(container, "--port")) + values["probes"]["healthPortOffset"]
+        assert port in [p["containerPort"] for p in container["ports"]]
         startup, live, ready = (
             container[k] for k in ("startupProbe", "livenessProbe", "readinessProbe")
         )
@@ -274,8 +284,23 @@ def test_tls_secret_and_otlp_endpoint_reach_every_container() -> None:
         assert mounts["tls"]["mountPath"] == "/etc/omni/tls" and mounts["tls"]["readOnly"]
         (tls,) = [v for v in spec["volumes"] if v["name"] == "tls"]
         assert tls["secret"]["secretName"] == "omni-tls"
+        # Tokens: every container has the mesh token; only the orchestrator the
+        # client tokens (a stage's volume projects the mesh-token key alone).
+        assert env["OMNI_MESH_TOKEN_FILE"] == "/etc/omni/auth/mesh-token", name
+        assert mounts["auth"]["mountPath"] == "/etc/omni/auth" and mounts["auth"]["readOnly"]
+        (auth,) = [v for v in spec["volumes"] if v["name"] == "auth"]
+        assert auth["secret"]["secretName"] == "omni-auth"
+        if name == "orchestrator":
+            assert env["OMNI_TOKENS_FILE"] == "/etc/omni/auth/tokens.yaml"
+            assert "items" not in auth["secret"]
+        else:
+            assert "OMNI_TOKENS_FILE" not in env, name
+            assert auth["secret"]["items"] == [{"key": "mesh-token", "path": "mesh-token"}]
     for container, _ in containers(render()).values():
-        assert not any(e["name"].startswith(("OMNI_TLS", "OTEL")) for e in container["env"])
+        assert not any(
+            e["name"].startswith(("OMNI_TLS", "OTEL", "OMNI_MESH_TOKEN", "OMNI_TOKENS"))
+            for e in container["env"]
+        )
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -345,6 +370,14 @@ REFUSED = [
     # cross-references the templates check
     ({"stages": {"renderer": {"port": 50051}}}, "stages.thinker.port: 50051 is already taken"),
     ({"orchestrator": {"port": 50051}}, "stages.thinker.port: 50051 is already taken"),
+    (
+        {"stages": {"renderer": {"port": 51051}}},
+        "health port 51051 (port + probes.healthPortOffset) is already taken by stage renderer",
+    ),
+    (
+        {"stages": {"renderer": {"port": 65000}}},
+        "health port 66000 (port + probes.healthPortOffset) is above 65535",
+    ),
     (merge(GROUP, {"stages": {"thinker": {"replicas": 2}}}), "stages.thinker.replicas"),
     (merge(GROUP, {"groups": {"pair": {"replicas": 2}}}), "groups.pair.replicas"),
     ({"groups": {"lonely": {}}}, "groups.lonely: no stage names this group"),

@@ -140,13 +140,6 @@ async def test_orchestrator_routes_over_replicas_and_survives_losing_one(
             await replica.stop(1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known limitation: a replica that is up but not READY (starting, waiting for its "
-    "device, draining) gets its share of requests and makes the stage's monitor flap; "
-    "fix: route by client-side health (healthCheckConfig on omni.v1.Stage) and judge a "
-    "stage READY when any replica serves",
-)
 async def test_a_replica_that_is_not_ready_gets_no_requests(
     tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
 ) -> None:

@@ -267,3 +267,16 @@ def test_check_names_the_bad_field(engine: DiffusersEngine, rq: EngineRequest, f
     with pytest.raises(InvalidArgument) as caught:
         engine.check(rq)
     assert caught.value.field == field
+
+
+async def test_a_text_prompt_too_long_to_fit_is_refused_before_the_pipeline_tokenizes_it(
+    engine: DiffusersEngine,
+) -> None:
+    # max_prompt_tokens 4096 by default; no token of the byte tokenizer covers 100 chars.
+    with pytest.raises(InvalidArgument) as caught:
+        engine.check(request(text="x" * 2_000_000))
+    assert caught.value.field == "inputs.text"
+    assert "4096" in caught.value.message and "without tokenizing" in caught.value.message
+    long_but_fine = request(text="a red cube " * 2000, num_inference_steps=1)
+    engine.check(long_but_fine)  # cut to the encoder's length by the pipeline, as before
+    assert isinstance((await collect(engine.generate(long_but_fine)))[-1], FinishOutput)

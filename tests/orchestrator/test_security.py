@@ -22,6 +22,8 @@ from services.mesh.certs import MeshCA
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.security import Dialing, SecuritySettings, client_dialing, mesh_dialing
 from services.mesh.stage_client import StageClient, chat_submit
+from services.stage.config import load_stage_config
+from services.stage.server import StageServer
 from tests.helpers.grpcurl import GRPCURL
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import Stages
@@ -248,3 +250,54 @@ async def test_grpcurl_with_cacert_and_bearer_token(mesh: Mesh) -> None:
         )
     finally:
         await server.stop(1.0)
+
+
+async def test_probe_ports_serve_plaintext_health_and_nothing_else(
+    mesh: Mesh, omni_cache_dir: Path
+) -> None:
+    """Under mTLS a stage's main port refuses a plaintext caller, as Kubernetes' gRPC
+    probes are; its --health-port answers them, with health and no other method."""
+    cert = mesh.ca.issue("probed")
+    config = tiny_config("probed", omni_cache_dir, runtime={"torch_threads": 1})
+    config["security"] = {
+        "tls_cert": str(cert.cert),
+        "tls_key": str(cert.key),
+        "tls_ca": str(mesh.ca.ca),
+    }
+    stage = StageServer(load_stage_config(write_config(mesh.folder / "probed.yaml", config)))
+    port = await stage.start("127.0.0.1", 0, health_port=0)
+    orchestrator = OrchestratorServer(_pipeline(mesh, "talker"), security=mesh.settings())
+    await orchestrator.start("127.0.0.1", 0, health_port=0)
+    try:
+        assert await stage.wait_ready()
+        await orchestrator.wait_ready(timeout_s=60)
+        assert stage.health_port not in (None, port)
+        for probe_port, ready_name in (
+            (stage.health_port, "omni.v1.Stage"),
+            (orchestrator.health_port, "omni.v1.Orchestrator"),
+        ):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{probe_port}") as channel:
+                health_stub = health_pb2_grpc.HealthStub(channel)
+                for service in (ready_name, "liveness"):
+                    reply = await health_stub.Check(
+                        health_pb2.HealthCheckRequest(service=service), timeout=5
+                    )
+                    assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
+                for method in (
+                    "/omni.v1.Stage/Describe",
+                    "/omni.v1.Orchestrator/Describe",
+                    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await channel.unary_unary(method)(b"", timeout=5)
+                    assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, method
+        # The main port itself still takes no plaintext caller.
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="liveness"), timeout=5
+                )
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await orchestrator.stop()
+        await stage.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from services.engines.base import EngineRequest
 from services.engines.diffusers.config import DiffusersArgs
+from services.engines.prompt_size import PromptBound
 from services.mesh.errors import InvalidArgument
 
 MAX_STEPS = 1000
@@ -11,10 +12,20 @@ PROMPT_EMBEDS = "prompt_embeds"
 _EMBEDS_FIELD = f"inputs.tensors.{PROMPT_EMBEDS}"
 
 
-def check_request(request: EngineRequest, args: DiffusersArgs, embed_dim: int | None) -> None:
+def check_request(
+    request: EngineRequest,
+    args: DiffusersArgs,
+    embed_dim: int | None,
+    bound: PromptBound | None = None,
+) -> None:
     """Raise ``InvalidArgument`` unless ``request`` can run; ``embed_dim`` is the width
-    the denoiser's cross-attention expects (None: not known, not checked)."""
+    the denoiser's cross-attention expects (None: not known, not checked). ``bound``
+    refuses a text prompt too long to be worth tokenizing: a pipeline cuts the prompt
+    to its text encoder's length, but tokenizes all of it first (to warn of the cut),
+    on the one thread every request of the stage waits for."""
     _check_inputs(request, embed_dim)
+    if bound is not None and request.text is not None:
+        bound.check_text("inputs.text", request.text)
     params = request.params
     steps = params.num_inference_steps
     if steps is not None and not 1 <= steps <= MAX_STEPS:

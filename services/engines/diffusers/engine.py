@@ -38,6 +38,7 @@ from services.engines.diffusers.loading import (
     model_bytes,
     native_size,
 )
+from services.engines.prompt_size import PromptBound, longest_token_chars
 from services.mesh.errors import Cancelled, FailedPrecondition, InitFailed
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class DiffusersEngine:
         self._lock = threading.Lock()  # guards _waiting (event loop and worker)
         self._waiting: list[Member] = []  # in arrival order
         self._members: dict[str, Member] = {}  # by request id: waiting or running
+        self._prompt_bound: PromptBound | None = None  # None: the pipeline has no tokenizer
 
     @property
     def pipeline(self) -> DiffusionPipeline:
@@ -76,6 +78,14 @@ class DiffusersEngine:
     def load(self, model_path: Path | None) -> ModelInfo:
         pipe, description = load_pipeline(self._settings, self._args, model_path)
         self._pipe = pipe
+        tokenizers = [
+            tokenizer
+            for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
+            if (tokenizer := getattr(pipe, name, None)) is not None
+        ]
+        if tokenizers:
+            chars = max(longest_token_chars(tokenizer) for tokenizer in tokenizers)
+            self._prompt_bound = PromptBound(self._settings.max_prompt_tokens, chars)
         size = model_bytes(pipe)
         logger.info("loaded %s on %s: %d bytes", description, self._settings.device, size)
         return ModelInfo(model_bytes=size, kv=None, description=description)
@@ -93,7 +103,7 @@ class DiffusersEngine:
 
     def check(self, request: EngineRequest) -> None:
         embed_dim = None if self._pipe is None else cross_attention_dim(self._pipe)
-        check_request(request, self._args, embed_dim)
+        check_request(request, self._args, embed_dim, self._prompt_bound)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         self.check(request)

@@ -27,6 +27,7 @@ from services.engines.base import (
     ModelInfo,
     SamplingParams,
 )
+from services.engines.prompt_size import longest_token_chars
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import (
@@ -85,6 +86,7 @@ class TransformersEngine:
             max_positions=config.max_position_embeddings,
             vocab_size=int(getattr(embeddings, "num_embeddings", config.vocab_size)),
             hidden_size=config.hidden_size,
+            token_chars=longest_token_chars(tokenizer),
         )
         self._eos_ids = _eos_ids(model, tokenizer)
         self._model, self._tokenizer = model, tokenizer
@@ -152,7 +154,12 @@ class TransformersEngine:
         self._plan(request)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        plan = self._plan(request)
+        # Tokenizing and chat templating take CPU in proportion to the prompt: in a
+        # thread, so the event loop (health, other requests' events) keeps turning.
+        # Concurrent use of the tokenizer is safe: with no truncation or padding
+        # asked for, encoding never reconfigures the Rust tokenizer (the one thing
+        # that raises "Already borrowed" across threads).
+        plan = await asyncio.to_thread(self._plan, request)
         rid = request.request_id
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()

@@ -15,6 +15,7 @@ import torch
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
 from services.engines.base import EngineRequest
+from services.engines.prompt_size import PromptBound
 from services.engines.text_defaults import SamplingDefaults, max_new_tokens
 from services.engines.transformers.sampling import Sampling
 from services.mesh.errors import InvalidArgument
@@ -34,6 +35,13 @@ class Limits:
     # The stage's KV plan in tokens (pages * page_size); None without a plan.
     kv_tokens: int | None = None
     page_size: int = 16
+    # The most characters one token stands for (prompt_size.longest_token_chars):
+    # the text a prompt may have before tokenizing it is pointless.
+    token_chars: int = 1
+
+    @property
+    def prompt_bound(self) -> PromptBound:
+        return PromptBound(self.max_prompt_tokens, self.token_chars)
 
 
 @dataclass(frozen=True)
@@ -135,17 +143,25 @@ def _prompt(
         found = ", ".join(given) or "none"
         _bad("inputs", f"exactly one of {_INPUTS} is required (found: {found})")
     field = given[0]
+    # Sizes first: a prompt that cannot fit is refused before it costs tokenizing
+    # (or a scan of its ids), whatever its size.
+    bound = limits.prompt_bound
     if request.text:
+        bound.check_text(field, request.text)
         ids = tokenizer(request.text)["input_ids"]
         return field, tuple(ids), None
     if request.messages:
+        bound.check_messages(field, request.messages)
         return field, _chat(request.messages, tokenizer), None
     if request.token_ids:
+        bound.check_count(field, len(request.token_ids))
         bad = [t for t in request.token_ids if not 0 <= t < limits.vocab_size]
         if bad:
             _bad(field, f"ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
         return field, tuple(request.token_ids), None
     embeds = request.tensors[EMBEDS]
+    if embeds.dim() >= 1:
+        bound.check_count(field, embeds.shape[0], "embedding rows")
     if embeds.dim() != 2 or embeds.shape[1] != limits.hidden_size or not embeds.is_floating_point():
         _bad(
             field,

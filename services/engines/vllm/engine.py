@@ -22,6 +22,7 @@ from services.engines.base import (
     ModelInfo,
     TokenOutput,
 )
+from services.engines.prompt_size import longest_token_chars
 from services.engines.vllm import intake
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.sizing import kv_geometry, model_bytes
@@ -84,6 +85,7 @@ class VllmEngine:
             vocab_size=model_config.get_vocab_size(),
             hidden_size=model_config.get_hidden_size(),
             prompt_embeds_enabled=self._args.prompt_embeds_enabled,
+            token_chars=longest_token_chars(self._tokenizer),
         )
         tp = vllm_config.parallel_config.tensor_parallel_size
         size = model_bytes(model_config.hf_config, model_config.dtype, tp, Path(model_path))
@@ -103,7 +105,8 @@ class VllmEngine:
         self._plan(request)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        plan = self._plan(request)
+        # Tokenizing and templating cost CPU in proportion to the prompt: off the loop.
+        plan = await asyncio.to_thread(self._plan, request)
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineRequest, SamplingParams
+from services.engines.prompt_size import PromptBound
 from services.engines.text_defaults import SamplingDefaults, max_new_tokens
 from services.mesh.errors import InvalidArgument
 
@@ -29,6 +30,8 @@ class Limits:
     vocab_size: int
     hidden_size: int
     prompt_embeds_enabled: bool
+    # The most characters one token stands for (prompt_size.longest_token_chars).
+    token_chars: int = 1
 
 
 @dataclass(frozen=True)
@@ -88,10 +91,13 @@ def _prompt(
             field="inputs",
         )
     field = given[0]
+    # Sizes first: a prompt that cannot fit is refused before it costs tokenizing.
+    bound = PromptBound(limits.max_prompt_tokens, limits.token_chars)
     if field == _EMBEDS_FIELD:
         embeds = _embeds(request.tensors[EMBEDS], limits)
         return {EMBEDS: embeds}, embeds.shape[0], field
     if field == "inputs.token_ids":
+        bound.check_count(field, len(request.token_ids))
         ids = list(request.token_ids)
         bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
         if bad is not None:
@@ -99,6 +105,7 @@ def _prompt(
                 f"token id {bad} is outside the vocabulary of {limits.vocab_size}", field=field
             )
     elif field == "inputs.messages":
+        bound.check_messages(field, request.messages)
         chat = [{"role": role, "content": content} for role, content in request.messages]
         try:
             text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
@@ -110,6 +117,7 @@ def _prompt(
         # The template already holds any BOS it wants.
         ids = tokenizer(str(text), add_special_tokens=False).input_ids
     else:
+        bound.check_text(field, request.text or "")
         ids = tokenizer(request.text).input_ids
     return {"prompt_token_ids": ids}, len(ids), field
 

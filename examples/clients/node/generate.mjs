@@ -1,0 +1,94 @@
+// Omni Mesh from Node.js: ask the orchestrator one prompt and print what each
+// output stage streams back, using the repository's .proto files as they are.
+//
+//   npm install && node generate.mjs [--address 127.0.0.1:50050] [--max-tokens N] PROMPT
+//
+// Env: OMNI_TOKEN (a bearer token), OMNI_CACERT (a CA file: TLS). With --json the
+// last line of stdout is the whole result as JSON (status, then per stage its
+// token ids and text), for scripts.
+import fs from "node:fs";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+import { parseArgs } from "node:util";
+
+import grpc from "@grpc/grpc-js";
+import protoLoader from "@grpc/proto-loader";
+
+function protosDir() {
+  // The protos/ folder of the checkout this file lives in (examples/ may be a link).
+  let dir = path.dirname(fs.realpathSync(fileURLToPath(import.meta.url)));
+  while (dir !== path.dirname(dir)) {
+    if (fs.existsSync(path.join(dir, "protos", "omni", "v1", "orchestrator.proto"))) {
+      return path.join(dir, "protos");
+    }
+    dir = path.dirname(dir);
+  }
+  throw new Error("cannot find protos/omni/v1/orchestrator.proto above this file");
+}
+
+const { values, positionals } = parseArgs({
+  options: {
+    address: { type: "string", default: "127.0.0.1:50050" },
+    "max-tokens": { type: "string" },
+    temperature: { type: "string" },
+    json: { type: "boolean", default: false },
+  },
+  allowPositionals: true,
+});
+const prompt = positionals.join(" ") || "Describe a red apple.";
+
+const definition = protoLoader.loadSync(
+  ["omni/v1/orchestrator.proto", "grpc/health/v1/health.proto"],
+  // int64 token ids as numbers (they are vocabulary indices); enums by name.
+  { includeDirs: [protosDir()], keepCase: true, longs: Number, enums: String, defaults: true, oneofs: true },
+);
+const loaded = grpc.loadPackageDefinition(definition);
+const credentials = process.env.OMNI_CACERT
+  ? grpc.credentials.createSsl(fs.readFileSync(process.env.OMNI_CACERT))
+  : grpc.credentials.createInsecure();
+const orchestrator = new loaded.omni.v1.Orchestrator(values.address, credentials);
+const health = new loaded.grpc.health.v1.Health(values.address, credentials);
+const metadata = new grpc.Metadata();
+if (process.env.OMNI_TOKEN) metadata.set("authorization", `Bearer ${process.env.OMNI_TOKEN}`);
+
+function check(service) {
+  return new Promise((resolve, reject) =>
+    health.check({ service }, (err, reply) => (err ? reject(err) : resolve(reply.status))),
+  );
+}
+
+const readiness = await check("omni.v1.Orchestrator");
+if (readiness !== "SERVING") {
+  console.error(`the orchestrator at ${values.address} is ${readiness}`);
+  process.exit(3);
+}
+
+const params = {};
+if (values["max-tokens"] !== undefined) params.max_tokens = Number(values["max-tokens"]);
+if (values.temperature !== undefined) params.temperature = Number(values.temperature);
+const request = { inputs: { messages: [{ role: "user", content: prompt }] }, params };
+
+const stages = {};
+let done = null;
+const call = orchestrator.generate(request, metadata);
+call.on("data", (event) => {
+  if (event.kind === "done") {
+    done = event.done;
+    return;
+  }
+  if (event.kind !== "segment") return; // progress, completed, tensor chunks
+  const stage = (stages[event.stage] ??= { token_ids: [], text: "", segments: 0 });
+  stage.token_ids.push(...event.segment.token_ids);
+  stage.text += event.segment.text_delta;
+  stage.segments += 1;
+  if (!values.json && event.segment.text_delta) process.stdout.write(event.segment.text_delta);
+});
+await new Promise((resolve, reject) => {
+  call.on("end", resolve);
+  call.on("error", reject);
+});
+if (!values.json) process.stdout.write("\n");
+if (done === null) throw new Error("the stream ended without a Done");
+if (values.json) console.log(JSON.stringify({ done, stages }));
+else if (done.code !== 0) console.error(`${done.code_name}: ${done.message}`);
+process.exit(done.code === 0 ? 0 : 1);

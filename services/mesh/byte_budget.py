@@ -1,0 +1,104 @@
+"""One budget for request input a process holds in memory: a cap per stream
+and a cap per process.
+
+What a client sends is held before it is used up: chunks of a tensor whose
+message has not come yet, the windows of a request that waits for its last one,
+the inputs of a request while it runs. Each stream charges its own
+``StreamAccount``, and every account charges the process's ``InputBudget``, so
+many streams together cannot hold more than the process allows. A charge that
+would pass either cap is refused with RESOURCE_EXHAUSTED naming the input,
+before anything is kept; every charge is given back when what it paid for is
+gone (a chunk resolved, a request ended on any path, a stream closed).
+
+The stage charges chunks, windows and running requests' inputs
+(services/stage/stream.py); the orchestrator charges its clients' chunks.
+Charges come from the event loop and from threads that decode inputs, so the
+counters are guarded by one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from services.mesh.errors import ResourceExhausted
+
+
+class InputBudget:
+    """The process's cap; ``held`` is what every stream holds together. ``key`` and
+    each account's ``key`` name the settings in refusals."""
+
+    def __init__(self, limit: int, key: str = "runtime.max_process_input_bytes") -> None:
+        self.limit = limit
+        self.key = key
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def account(self, limit: int, key: str = "runtime.max_input_bytes") -> StreamAccount:
+        """A new stream's account, capped at ``limit`` bytes."""
+        return StreamAccount(self, limit, key)
+
+    def _take(self, account: StreamAccount, nbytes: int, field: str) -> None:
+        with self._lock:
+            if account.held + nbytes > account.limit:
+                raise ResourceExhausted(
+                    f"{field}: {nbytes} more input bytes would pass this stream's cap; it "
+                    f"holds {account.held} of at most {account.limit} ({account.key})",
+                    field=field,
+                )
+            if self.held + nbytes > self.limit:
+                raise ResourceExhausted(
+                    f"{field}: {nbytes} more input bytes would pass this process's cap; its "
+                    f"streams hold {self.held} of at most {self.limit} ({self.key})",
+                    field=field,
+                )
+            account.held += nbytes
+            self.held += nbytes
+
+    def _give(self, account: StreamAccount, nbytes: int) -> None:
+        with self._lock:
+            nbytes = min(nbytes, account.held)
+            account.held -= nbytes
+            self.held -= nbytes
+
+
+class StreamAccount:
+    """What one Generate stream holds; ``close`` gives all of it back."""
+
+    def __init__(self, budget: InputBudget, limit: int, key: str) -> None:
+        self.limit = limit
+        self.key = key
+        self.held = 0
+        self._budget = budget
+
+    def reserve(self, nbytes: int, field: str) -> None:
+        """Charge ``nbytes`` or raise ResourceExhausted naming ``field`` (nothing charged)."""
+        self._budget._take(self, nbytes, field)
+
+    def release(self, nbytes: int) -> None:
+        self._budget._give(self, nbytes)
+
+    def hold(self) -> Hold:
+        """A request's share of this account, given back at once when it ends."""
+        return Hold(self)
+
+    def close(self) -> None:
+        if self.held:
+            self._budget._give(self, self.held)
+
+
+class Hold:
+    """The input bytes one request holds: its buffered windows, then its whole input
+    while it runs. ``release`` (when the request leaves the registry) gives all back."""
+
+    def __init__(self, account: StreamAccount) -> None:
+        self.held = 0
+        self._account = account
+
+    def add(self, nbytes: int, field: str) -> None:
+        self._account.reserve(nbytes, field)
+        self.held += nbytes
+
+    def release(self) -> None:
+        held, self.held = self.held, 0
+        if held:
+            self._account.release(held)

@@ -1,0 +1,84 @@
+"""The orchestrator's front door holds a bounded amount of clients' chunked input:
+per stream and for all streams together, given back when a stream ends."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
+from tests.orchestrator.conftest import orchestrator, pipeline
+
+MIB = 1 << 20
+
+
+def first_chunk(chunk_id: str, total: int) -> orchestrator_pb2.StreamInput:
+    chunk = tensor_pb2.TensorChunk(chunk_id=chunk_id, offset=0, data=bytes(MIB), total=total)
+    return orchestrator_pb2.StreamInput(chunk=chunk)
+
+
+async def barrier(call, rid: str) -> list[orchestrator_pb2.GenerateEvent]:
+    """Every event until the stream has handled what was written before (a Cancel of
+    an unknown id is answered in order)."""
+    await call.write(orchestrator_pb2.StreamInput(cancel=stage_pb2.Cancel(request_id=rid)))
+    events = []
+    while True:
+        event = await call.read()
+        assert event is not grpc.aio.EOF
+        events.append(event)
+        if event.WhichOneof("kind") == "done" and event.done.request_id == rid:
+            return events
+
+
+async def test_unfinished_client_chunks_are_capped_across_streams(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    options = {"max_input_bytes": 8 * MIB, "max_process_input_bytes": 12 * MIB}
+    async with orchestrator(config, **options) as (server, client):
+        first = client.stub.GenerateStream()
+        await first.write(first_chunk("a", 7 * MIB))
+        await barrier(first, "sync-a")
+        assert server.input_budget.held == 7 * MIB
+        second = client.stub.GenerateStream()
+        await second.write(first_chunk("b", 7 * MIB))
+        events = await barrier(second, "sync-b")
+        refusal = events[0].done
+        assert (refusal.request_id, refusal.code_name) == ("", "RESOURCE_EXHAUSTED")
+        assert "max_process_input_bytes" in refusal.message
+        assert server.input_budget.held == 7 * MIB
+        ok = await client.generate("Hi", params={"max_tokens": 2}).collect()
+        assert ok.ok
+        for call in (first, second):
+            await call.done_writing()
+            while await call.read() is not grpc.aio.EOF:
+                pass
+        assert server.input_budget.held == 0
+
+
+def window(rid: str, sequence: int, nbytes: int) -> orchestrator_pb2.StreamInput:
+    tensor = tensor_pb2.Tensor(name="x", dtype="uint8", shape=[nbytes], raw=bytes(nbytes))
+    submit = stage_pb2.Submit(
+        request_id=rid, sequence=sequence, inputs=stage_pb2.StageInputs(tensors=[tensor])
+    )
+    return orchestrator_pb2.StreamInput(submit=submit)
+
+
+async def test_windows_waiting_for_a_paused_mesh_are_capped_per_stream(stages) -> None:
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config, max_input_bytes=8 * MIB) as (server, client):
+        server.router.pause()  # nothing reaches the stages: windows wait in the orchestrator
+        call = client.stub.GenerateStream()
+        for sequence in range(3):
+            await call.write(window("flood", sequence, 3 * MIB))
+        events = await barrier(call, "sync")
+        server.router.resume()
+        # The request ends in its own task: before or after the barrier's answer.
+        while not any(e.done.request_id == "flood" for e in events):
+            events.append(await call.read())
+        done = next(e.done for e in events if e.done.request_id == "flood")
+        assert (done.request_id, done.code_name) == ("flood", "RESOURCE_EXHAUSTED")
+        assert done.field == "submit.inputs" and "max_input_bytes" in done.message
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+        assert server.input_budget.held == 0
+        ok = await client.generate("Hi", params={"max_tokens": 2}).collect()
+        assert ok.ok

@@ -1,0 +1,106 @@
+"""A client in another language: the Node.js example (examples/clients/node), on
+@grpc/grpc-js with our .proto files loaded as they are, against a real orchestrator
+over a real stage process. What Node receives must be what the Python client
+receives for the same request (greedy: the same tokens, in order)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.client import AsyncClient
+from tests.helpers.stage import tiny_config
+from tests.orchestrator.conftest import Stages, orchestrator, pipeline
+
+REPO = Path(__file__).resolve().parents[1]
+CLIENT = REPO / "examples" / "clients" / "node"
+
+
+@pytest.fixture(scope="module")
+def node_client() -> Path:
+    """The example with its npm dependencies installed (once per checkout)."""
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        reason = f"{' and '.join(missing)} not installed: the Node.js client is not tried"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel", "error"],
+            cwd=CLIENT,
+            check=True,
+            timeout=300,
+        )
+    return CLIENT / "generate.mjs"
+
+
+@pytest.fixture(scope="module")
+async def one_stage(
+    tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path, smollm2_gguf: Path
+) -> AsyncIterator[Stages]:
+    stages = Stages(tmp_path_factory.mktemp("node"))
+    runtime = {"torch_threads": 1, "max_batch_size": 2}
+    try:
+        await stages.start({"thinker": tiny_config("thinker", omni_cache_dir, runtime=runtime)})
+        yield stages
+    finally:
+        await stages.stop()
+
+
+async def _node(script: Path, *args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        "node",
+        str(script),
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 120)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_node_client_gets_what_the_python_client_gets(
+    node_client: Path, one_stage: Stages
+) -> None:
+    async with orchestrator(pipeline(one_stage, ["thinker"], [])) as (server, client):
+        address = f"127.0.0.1:{server.port}"
+        prompt, params = "Name three colours.", {"max_tokens": 12, "temperature": 0.0}
+        expected = await client.generate(prompt, params=params).collect()
+        assert expected.ok, expected.done
+        code, out, err = await _node(
+            node_client, "--json", "--address", address, "--max-tokens", "12",
+            "--temperature", "0", prompt,
+        )  # fmt: skip
+        assert code == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result["done"]["code_name"] == "OK"
+        thinker = result["stages"]["thinker"]
+        assert thinker["token_ids"] == expected.stages["thinker"].token_ids
+        assert len(thinker["token_ids"]) == 12
+        assert thinker["text"] == expected.stages["thinker"].text
+
+
+async def test_node_client_sees_a_refusal_as_a_done_naming_the_field(
+    node_client: Path, one_stage: Stages
+) -> None:
+    async with orchestrator(pipeline(one_stage, ["thinker"], [])) as (server, _client):
+        address = f"127.0.0.1:{server.port}"
+        code, out, err = await _node(
+            node_client, "--json", "--address", address, "--temperature=-1", "hi"
+        )
+        assert code == 1, err
+        done = json.loads(out.strip().splitlines()[-1])["done"]
+        assert done["code_name"] == "INVALID_ARGUMENT"
+        assert done["field"] == "params.temperature" and done["stage"] == "thinker"
+        # The mesh goes on: the Python client is served after the refusal.
+        async with AsyncClient(address) as python:
+            assert (await python.generate("hi", params={"max_tokens": 2}).collect()).ok
