@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,14 +112,33 @@ async def test_a_cancelled_member_leaves_the_batch_running(
     engine: DiffusersEngine, unet_batches: list[int]
 ) -> None:
     long = {"num_inference_steps": 12, "preview_every": 1}
-    blocker = asyncio.create_task(collect(engine, request("block", "x", num_inference_steps=2)))
-    keep = asyncio.create_task(collect(engine, request("keep", "a cube", seed=1, **long)))
-    victim = engine.generate(request("victim", "a ball", seed=2, **long))
-    first = await asyncio.wait_for(anext(victim), timeout=30)
-    assert isinstance(first, ProgressOutput)
-    await victim.aclose()
-    events = await keep
-    await blocker
+    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    blocker_running, released = threading.Event(), threading.Event()
+
+    def hold_the_blocker(_module: Any, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:
+        # The blocker's first pass waits (on the worker) until keep and victim are
+        # both in line, so the two share the next call however loaded the machine is.
+        if released.is_set():
+            return
+        blocker_running.set()
+        give_up = time.monotonic() + 30
+        while len(engine._waiting) < 2 and time.monotonic() < give_up:
+            time.sleep(0.005)
+        released.set()
+
+    handle = unet.register_forward_pre_hook(hold_the_blocker, with_kwargs=True)
+    try:
+        blocker = asyncio.create_task(collect(engine, request("block", "x", num_inference_steps=2)))
+        assert await asyncio.to_thread(blocker_running.wait, 30)
+        keep = asyncio.create_task(collect(engine, request("keep", "a cube", seed=1, **long)))
+        victim = engine.generate(request("victim", "a ball", seed=2, **long))
+        first = await asyncio.wait_for(anext(victim), timeout=30)
+        assert isinstance(first, ProgressOutput)
+        await victim.aclose()
+        events = await keep
+        await blocker
+    finally:
+        handle.remove()
     assert isinstance(events[-1], FinishOutput) and events[-1].reason == "done"
     assert [e.step for e in events if isinstance(e, ProgressOutput)] == list(range(1, 13))
     assert 2 in unet_batches  # keep and victim shared the call after the blocker
