@@ -49,6 +49,32 @@ class InputFeed:
             yield request
 
 
+class OutputCredit:
+    """How many outputs a request may still send before it waits for a Credit
+    (per-request flow control, ``Submit.credit``). While it waits, the request's
+    engine outputs are not pulled: it pauses, and the stream's others go on."""
+
+    def __init__(self, outputs: int) -> None:
+        self._left = outputs
+        self._granted = asyncio.Event()
+
+    @property
+    def left(self) -> int:
+        return self._left
+
+    def grant(self, outputs: int) -> None:
+        self._left += outputs
+        if self._left > 0:
+            self._granted.set()
+
+    async def spend(self) -> None:
+        """Take one output's credit, waiting for a grant when there is none."""
+        while self._left <= 0:
+            self._granted.clear()
+            await self._granted.wait()
+        self._left -= 1
+
+
 @dataclass(eq=False)
 class InFlight:
     """One request in this stage, from its first Submit to its final event."""
@@ -69,6 +95,8 @@ class InFlight:
     final: bool = False  # its final event is on its way: nothing may end it again
     # Its trace context from the orchestrator (Submit.trace_context), for its spans.
     trace_context: Mapping[str, str] = field(default_factory=dict)
+    credit: OutputCredit | None = None  # None: no per-request flow control
+    deadline: asyncio.TimerHandle | None = None  # ends it at Submit.timeout_ms
 
 
 class InFlightRequests:
@@ -97,6 +125,8 @@ class InFlightRequests:
         self._idle.clear()
 
     def remove(self, record: InFlight) -> None:
+        if record.deadline is not None:
+            record.deadline.cancel()
         if self._records.get(record.request_id) is record:
             del self._records[record.request_id]
         if not any(r.task is not None for r in self._records.values()):
