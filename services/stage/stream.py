@@ -13,7 +13,11 @@ whole RPC with INVALID_ARGUMENT (``UndecodableInput``).
 The stream ends when the client has half-closed and every request it started
 has reported its final event. Outputs go through a bounded queue, so a client
 that stops reading holds its requests' producers (and HTTP/2 flow control
-holds the client's writes in turn).
+holds the client's writes in turn). A request whose first Submit sets a credit
+(the orchestrator's, on its long-lived shared streams) is also held alone: it
+sends Segments and Progress only while it has credit, and the Credits the
+client sends as it takes them resume it. ``Submit.timeout_ms`` ends one
+request DEADLINE_EXCEEDED; ``Submit.input_ended`` is a half-close for one request.
 """
 
 from __future__ import annotations
