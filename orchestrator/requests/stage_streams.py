@@ -219,7 +219,10 @@ class _Stream:
         request = self._requests.get(rid)
         if request is None:
             closing = self.closing.get(rid)
-            if closing is None:
+            if closing is None and kind == "error" and output.error.field == "cancel.request_id":
+                # A Cancel that crossed its request's final event: nothing was left to stop.
+                logger.debug("stage %s: request %r had ended before its Cancel", self.stage, rid)
+            elif closing is None:
                 logger.warning(
                     "stage %s: %s for request %r, which is not on this stream: dropped",
                     self.stage,

@@ -24,7 +24,11 @@ Sink = Callable[[StageEvent], Awaitable[None]]
 
 class InputFeed:
     """The input windows of one streaming-input request, bounded so a client that
-    sends faster than the engine consumes is held back by flow control."""
+    sends faster than the engine consumes is held back by flow control. Unbounded
+    (``depth=0``) for a request under credit on a shared stream: there a full feed
+    would stop the stream's reader for every request; what it holds is then bounded
+    by what the producing stage emits for the request (an input credit would bound
+    it tighter)."""
 
     def __init__(self, depth: int = 4) -> None:
         self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)

@@ -249,7 +249,9 @@ class GenerateStream:
             self._requests.add(record)
             runtime.start(record, self._request(record, inputs))
         elif streaming:
-            record.feed = InputFeed()
+            # A request under credit may pause with its feed full: the stream's
+            # reader must not wait on it, or no Credit (its own included) gets read.
+            record.feed = InputFeed(depth=0 if record.credit is not None else 4)
             self._requests.add(record)
             runtime.start(record, self._request(record, inputs), more=record.feed.windows())
         else:

@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2
 from orchestrator.client import Result
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_streams import CREDIT
+from orchestrator.requests.stage_streams import CREDIT, pool_size
 from orchestrator.requests.streams import single
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
@@ -28,14 +28,23 @@ from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
 from tests.orchestrator.test_stage_loss import orchestrator_health, wait_for
 
+STAGES = ("thinker", "talker")
+
 
 @pytest.fixture(scope="module")
 async def stages(omni_cache_dir: Path, smollm2_gguf: Path):
     runtime = {"torch_threads": 1, "max_batch_size": 4, "max_queue_size": 16}
-    servers = {
-        name: StageServer(parse_stage_config(tiny_config(name, omni_cache_dir, runtime=runtime)))
-        for name in ("thinker", "talker")
+    configs = {name: tiny_config(name, omni_cache_dir, runtime=runtime) for name in STAGES}
+    # Echoes each input window's tokens as it comes (a streaming decoder).
+    configs["decoder"] = {
+        "name": "decoder",
+        "engine": "tests.helpers.engines:ScriptedEngine",
+        "load_format": "dummy",
+        "cache_dir": str(omni_cache_dir),
+        "segmenting": {"max_segment_tokens": 2, "min_flush_interval_ms": 0},
+        "runtime": {**runtime, "streaming_input": True},
     }
+    servers = {name: StageServer(parse_stage_config(c)) for name, c in configs.items()}
     addresses = {}
     try:
         for name, server in servers.items():
@@ -47,15 +56,13 @@ async def stages(omni_cache_dir: Path, smollm2_gguf: Path):
         await asyncio.gather(*(s.stop(1.0) for s in servers.values()))
 
 
-def chain(addresses: dict[str, str]):
+def chain(addresses: dict[str, str], to: str = "talker", outputs: tuple[str, ...] = STAGES):
     return parse_pipeline(
         {
             "name": "chain",
-            "stages": [{"name": n, "address": a} for n, a in addresses.items()],
-            "edges": [
-                {"from": "thinker", "to": "talker", "window": 4, "transform": "tokens"},
-            ],
-            "outputs": ["thinker", "talker"],
+            "stages": [{"name": n, "address": addresses[n]} for n in ("thinker", to)],
+            "edges": [{"from": "thinker", "to": to, "window": 4, "transform": "tokens"}],
+            "outputs": list(outputs),
         },
         "chain.yaml",
     )
@@ -63,7 +70,8 @@ def chain(addresses: dict[str, str]):
 
 def opened(servers: dict[str, StageServer]) -> dict[str, int]:
     counts = {}
-    for name, server in servers.items():
+    for name in STAGES:
+        server = servers[name]
         assert server.servicer is not None
         counts[name] = server.servicer.streams_opened
     return counts
@@ -147,6 +155,40 @@ async def test_a_slow_request_pauses_alone_on_the_shared_stream(stages) -> None:
         # The pause above was the credit's: A had far more to send than that.
         assert CREDIT < len(sequences)
         assert server.router.streams.opened == {"thinker": 1, "talker": 1}
+
+
+async def test_a_paused_streaming_input_request_does_not_stop_its_stream(stages) -> None:
+    """The decoder takes A's windows as they come but A's client reads nothing: A
+    pauses on the decoder with windows still arriving, and B goes through the
+    same decoder stream meanwhile."""
+    servers, addresses = stages
+    config = chain(addresses, to="decoder", outputs=("decoder",))
+    async with orchestrator(config) as (server, _client):
+        router = server.router
+        slow = EventSink(2, 1)
+        router.start("A", single(chat_submit("A", "Write at length.", max_tokens=200)), {}, slow)
+        thinker, decoder = servers["thinker"].runtime.requests, servers["decoder"].runtime.requests
+
+        async def paused() -> bool:
+            record = decoder.live("A")
+            # Every window of A has been sent on (the thinker is done with it).
+            sent = thinker.live("A") is None
+            return (
+                sent
+                and record is not None
+                and record.credit is not None
+                and (record.credit.left == 0)
+            )
+
+        await wait_for(paused, 60)
+        fast = EventSink(1024, 256)
+        router.start("B", single(chat_submit("B", "Hi", max_tokens=12)), {}, fast)
+        b = await asyncio.wait_for(until_done(fast), 60)
+        assert b.ok, b.done
+        assert len(b.stages["decoder"].token_ids) == 12  # every token of B, echoed
+        a = await asyncio.wait_for(until_done(slow), 120)
+        assert a.ok, a.done
+        assert len(a.stages["decoder"].token_ids) == 200
 
 
 async def test_cancel_of_one_request_leaves_the_others_running(stages) -> None:
@@ -250,3 +292,9 @@ async def test_a_killed_stage_fails_the_requests_on_its_stream_then_a_new_one_op
         if second is not None:
             second.terminate()
             await second.wait()
+
+
+def test_a_stage_gets_one_stream_per_replica_address_its_target_names() -> None:
+    assert pool_size("127.0.0.1:50051") == 1
+    assert pool_size("ipv4:127.0.0.1:5000,127.0.0.2:5000") == 2
+    assert pool_size("dns:///omni-thinker.ns.svc.cluster.local:50051") == 4
