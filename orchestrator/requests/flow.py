@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 Describe = Callable[[str], stage_pb2.StageDescription | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
+_SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
 
 
 def transform_needs(
@@ -96,7 +97,8 @@ class RequestFlow:
         self._chunk_bytes = chunk_bytes
         self._refs = refs
         self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
-        self.shared_from: set[str] = set()  # stages that may have handed over shared blocks
+        self._may_share: set[str] = set()  # stages told who consumes: they may use shm
+        self._refs_from: set[str] = set()  # stages whose segments carried shared refs
         self.active_stages: set[str] = set()
         self._completed: set[str] = set()  # stages that gave their Completed
         self.blocked_s: dict[str, float] = {}
@@ -122,6 +124,12 @@ class RequestFlow:
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
         return done
+
+    @property
+    def shared_from(self) -> set[str]:
+        """Stages that may still hold shared blocks for this request: those that
+        sent refs, and those that did not finish (refs may have been on their way)."""
+        return {s for s in self._may_share if s in self._refs_from or s not in self._completed}
 
     def _expired(self) -> orchestrator_pb2.Done:
         """The client's deadline passed: named after the first stage still working."""
@@ -157,7 +165,7 @@ class RequestFlow:
                 setattr(submit.params, param, True)
             if consumer is not None:
                 submit.consumer.CopyFrom(consumer)
-                self.shared_from.add(stage)
+                self._may_share.add(stage)
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
@@ -243,6 +251,9 @@ class RequestFlow:
                 code = errors.status_code(error.code)
                 message = f"stage {stage}: {error.code_name}: {error.message}"
                 raise StageFailed(stage, code, message, error.field)
+            if kind == "segment" and stage in self._may_share:
+                if any(t.WhichOneof("data") in _SHARED for t in output.segment.tensors):
+                    self._refs_from.add(stage)
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
