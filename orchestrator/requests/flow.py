@@ -1,12 +1,15 @@
 """One request's journey through the pipeline's stages.
 
-Every stage the request reaches gets its own Generate stream (multiplexed on the
-stage's one channel): cancelling the flow cancels those streams, and the stages
-then drop the request, queued or running. Each edge keeps the request's window
-state; windows go to the consuming stage as soon as they are complete. Above an
-edge's high watermark the flow stops reading the upstream stream until the
-downstream has taken it back under the low one: HTTP/2 flow control then holds
-the upstream stage.
+The request shares each stage's long-lived Generate stream with the others
+(``stage_streams``): stopping the flow sends the stage a Cancel for it, and the
+stage drops it, queued or running. Each edge keeps the request's window state;
+windows go to the consuming stage as soon as they are complete. Above an edge's
+high watermark (or while its client reads slowly) the flow stops taking the
+upstream's outputs until the downstream has taken it back under the low one:
+its credit runs out and the upstream stage pauses this request alone. The
+client's deadline is the flow's: when it passes, the stages still working are
+cancelled and the request ends DEADLINE_EXCEEDED (the stages are told the time
+left on each first Submit too).
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from orchestrator.pipeline import Edge, Topology
 from orchestrator.requests import observe
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
+from orchestrator.requests.stage_streams import RequestStream, StageStreams, StreamBroken
 from services.mesh import chunks, errors, telemetry
-from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import OmniError
+from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.ref_reader import RefReader
 from services.mesh.stage_client import StageClient
@@ -35,6 +38,7 @@ logger = logging.getLogger(__name__)
 Describe = Callable[[str], stage_pb2.StageDescription | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
+_SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
 
 
 def transform_needs(
@@ -52,9 +56,6 @@ def transform_needs(
     return None
 
 
-MAX_CHUNKED_BYTES = 4 << 30  # a chunked tensor larger than this from a stage is refused
-
-
 class StageFailed(OmniError):
     """A stage ended the request with an error, or the stage itself went away."""
 
@@ -70,6 +71,7 @@ class RequestFlow:
         request_id: str,
         topology: Topology,
         clients: Mapping[str, StageClient],
+        streams: StageStreams,
         sink: EventSink,
         entry_inputs: AsyncIterator[stage_pb2.Submit],
         stage_params: Mapping[str, stage_pb2.GenerationParams],
@@ -84,6 +86,7 @@ class RequestFlow:
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
         self._topology = topology
         self._clients = clients
+        self._streams = streams
         self._sink = sink
         self._entry_inputs = entry_inputs
         self._params = stage_params
@@ -94,8 +97,10 @@ class RequestFlow:
         self._chunk_bytes = chunk_bytes
         self._refs = refs
         self._client_hidden: dict[str, bool] = {}  # did the client itself ask for them?
-        self.shared_from: set[str] = set()  # stages that may have handed over shared blocks
+        self._may_share: set[str] = set()  # stages told who consumes: they may use shm
+        self._refs_from: set[str] = set()  # stages whose segments carried shared refs
         self.active_stages: set[str] = set()
+        self._completed: set[str] = set()  # stages that gave their Completed
         self.blocked_s: dict[str, float] = {}
         self.bytes_in: dict[str, int] = {}  # wire bytes read from each stage
 
@@ -103,18 +108,38 @@ class RequestFlow:
         """Drive the request to its end; never raises except on cancellation."""
         began = self._clock()
         done = errors.done(self.request_id)
+        left = None if self.deadline is None else self.deadline - time.monotonic()
         try:
-            async with asyncio.TaskGroup() as tasks:
-                for stage in self._topology.order:
-                    tasks.create_task(self._stage(stage), name=f"{self.request_id}@{stage}")
+            async with asyncio.timeout(left):
+                async with asyncio.TaskGroup() as tasks:
+                    for stage in self._topology.order:
+                        tasks.create_task(self._stage(stage), name=f"{self.request_id}@{stage}")
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
             done = errors.done(self.request_id, first, first.stage)
+        except* TimeoutError:
+            done = self._expired()
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
         return done
+
+    @property
+    def shared_from(self) -> set[str]:
+        """Stages that may still hold shared blocks for this request: those that
+        sent refs, and those that did not finish (refs may have been on their way)."""
+        return {s for s in self._may_share if s in self._refs_from or s not in self._completed}
+
+    def _expired(self) -> orchestrator_pb2.Done:
+        """The client's deadline passed: named after the first stage still working."""
+        working = [s for s in self._topology.order if s not in self._completed] or [
+            self._topology.order[-1]
+        ]
+        error = DeadlineExceeded(
+            f"request {self.request_id}: the deadline passed while stage {working[0]} was working"
+        )
+        return errors.done(self.request_id, error, working[0])
 
     def _lane(self, edge: Edge) -> Lane:
         lane = self._lanes.get(edge.to)
@@ -140,7 +165,7 @@ class RequestFlow:
                 setattr(submit.params, param, True)
             if consumer is not None:
                 submit.consumer.CopyFrom(consumer)
-                self.shared_from.add(stage)
+                self._may_share.add(stage)
             yield submit
 
     async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
@@ -178,71 +203,69 @@ class RequestFlow:
 
     async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
-        # The client's deadline, if it set one, bounds the stage calls too.
-        timeout = None if self.deadline is None else max(self.deadline - time.monotonic(), 0.001)
-        call = client.open_stream(timeout)
+        channel = await self._streams.join(stage, self.request_id)
         self.active_stages.add(stage)
-        writer = asyncio.create_task(self._write(stage, call))
+        writer = asyncio.create_task(self._write(stage, channel))
         try:
-            await self._read(stage, call)
+            await self._read(stage, channel)
             await writer
         except StageFailed:
             raise
         except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
             raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
-        except grpc.aio.AioRpcError as exc:
+        except StreamBroken as exc:
             raise StageFailed(
                 stage,
-                exc.code()
-                if exc.code() != grpc.StatusCode.CANCELLED
-                else grpc.StatusCode.UNAVAILABLE,
-                f"stage {stage} at {client.address} failed: {exc.code().name}: {exc.details()}",
+                exc.code,
+                f"stage {stage} at {client.address} failed: {exc.code.name}: {exc.details}",
             ) from None
         finally:
             writer.cancel()
-            call.cancel()
+            channel.close()
             await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
 
-    async def _write(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, stage: str, channel: RequestStream) -> None:
+        first, ended = True, False
         async for submit in self._inputs(stage):
+            if first and self.deadline is not None:  # what is left of it, for the stage
+                submit.timeout_ms = max(int((self.deadline - time.monotonic()) * 1e3), 1)
+            first, ended = False, submit.is_last
             for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
-                await call.write(stage_pb2.StageInput(chunk=chunk))
-            await call.write(stage_pb2.StageInput(submit=submit))
-        await call.done_writing()
+                await channel.write(stage_pb2.StageInput(chunk=chunk))
+            await channel.write(stage_pb2.StageInput(submit=submit))
+        if not first and not ended:  # the client stopped before its last window
+            end = stage_pb2.Submit(request_id=self.request_id, input_ended=True)
+            await channel.write(stage_pb2.StageInput(submit=end))
 
-    async def _read(self, stage: str, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, stage: str, channel: RequestStream) -> None:
         lanes = [self._lane(edge) for edge in self._topology.children[stage]]
         is_output = stage in self._outputs
-        assembler = ChunkAssembler(MAX_CHUNKED_BYTES)
-        while (output := await call.read()) is not grpc.aio.EOF:
+        while True:
+            output = await channel.read()
             self.bytes_in[stage] = self.bytes_in.get(stage, 0) + output.ByteSize()
             observe.outputs(stage, output)
             kind = output.WhichOneof("kind")
-            if kind == "chunk":
-                assembler.add(output.chunk)
-                continue
             if kind == "error":
                 error = output.error
                 code = errors.status_code(error.code)
                 message = f"stage {stage}: {error.code_name}: {error.message}"
                 raise StageFailed(stage, code, message, error.field)
-            if kind == "segment":
-                assembler.resolve(output.segment.tensors, "segment.tensors")
-                assembler.resolve_blobs(output.segment.blobs, "segment.blobs")
+            if kind == "segment" and stage in self._may_share:
+                if any(t.WhichOneof("data") in _SHARED for t in output.segment.tensors):
+                    self._refs_from.add(stage)
             if is_output:
                 await self._to_client(stage, output)
             if kind == "segment":
                 for lane in lanes:
                     await lane.put(lane.windows.add(output.segment))
             elif kind == "completed":
+                self._completed.add(stage)
                 for lane in lanes:
                     await lane.put(lane.windows.finish())
                     lane.close()
                 return
-        raise StageFailed(
-            stage, grpc.StatusCode.UNAVAILABLE, f"stage {stage} ended its stream before completing"
-        )
+            channel.taken(output)  # handed on: the stage may send another
 
     async def _to_client(self, stage: str, output: stage_pb2.StageOutput) -> None:
         event = _event(stage, output)

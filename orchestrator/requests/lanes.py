@@ -2,8 +2,9 @@
 to the downstream stage's stream, with the edge's watermarks.
 
 Above ``high`` items in flight the upstream reader waits until the downstream
-writer has taken the count back to ``low``; while it waits it reads nothing
-from the upstream stream, so HTTP/2 flow control holds the upstream stage.
+writer has taken the count back to ``low``; while it waits it takes nothing of
+the request's upstream outputs and grants no credit, so the upstream stage
+pauses this request (and only it) once its credit is spent.
 Only windows already complete count: a full-trigger edge (window -1) holds its
 items in the window state, not here, and can never wait on itself.
 """

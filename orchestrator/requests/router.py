@@ -17,6 +17,7 @@ from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.requests import observe
 from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
+from orchestrator.requests.stage_streams import StageStreams
 from services.mesh import errors
 from services.mesh.chunks import CHUNK_BYTES
 from services.mesh.errors import (
@@ -65,6 +66,7 @@ class Router:
         self._max_pause_s = max_pause_s
         self._paused_at: float | None = None
         self._clients = clients
+        self.streams = StageStreams(clients)  # every request's streams to the stages
         self._readiness = readiness
         self._clock = clock
         self._describe = describe
@@ -125,7 +127,7 @@ class Router:
         timeout_s: float | None = None,
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
-        ``timeout_s``: the client's deadline, passed on to the stage calls."""
+        ``timeout_s``: the client's deadline, enforced per request and passed on to the stages."""
         if request_id in self._running:
             raise InvalidArgument(
                 f"request_id: {request_id!r} is already in flight", field="request_id"
@@ -134,6 +136,7 @@ class Router:
             request_id,
             self._topology,
             self._clients,
+            self.streams,
             sink,
             entry_inputs,
             stage_params,
@@ -274,6 +277,7 @@ class Router:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.streams.close()
 
 
 class _Refused(Exception):

@@ -1,7 +1,7 @@
 """The bounded buffer between a request's stages and its client.
 
-Above ``high`` pending events, producers wait (so the orchestrator stops
-reading the stages' streams and HTTP/2 flow control holds the stages), except
+Above ``high`` pending events, producers wait (so the request's flow stops
+taking its stages' outputs and its credit holds them, request by request), except
 that a new preview replaces a pending preview of the same stage and request:
 previews may be coalesced, every other event is delivered.
 """

@@ -128,7 +128,8 @@ class StageClient:
 
     def open_stream(self, timeout_s: float | None = None) -> grpc.aio.StreamStreamCall:
         """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate.
-        ``timeout_s``: its deadline (the orchestrator passes on its client's)."""
+        ``timeout_s``: its deadline (the orchestrator's long-lived shared streams
+        have none: each request's rides on its Submit, ``timeout_ms``)."""
         return self._serving_stub.Generate(timeout=timeout_s, metadata=self.metadata)
 
     async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:

@@ -25,7 +25,11 @@ Sink = Callable[[StageEvent], Awaitable[None]]
 
 class InputFeed:
     """The input windows of one streaming-input request, bounded so a client that
-    sends faster than the engine consumes is held back by flow control."""
+    sends faster than the engine consumes is held back by flow control. Unbounded
+    (``depth=0``) for a request under credit on a shared stream: there a full feed
+    would stop the stream's reader for every request; what it holds is then bounded
+    by what the producing stage emits for the request (an input credit would bound
+    it tighter)."""
 
     def __init__(self, depth: int = 4) -> None:
         self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
@@ -50,6 +54,32 @@ class InputFeed:
             yield request
 
 
+class OutputCredit:
+    """How many outputs a request may still send before it waits for a Credit
+    (per-request flow control, ``Submit.credit``). While it waits, the request's
+    engine outputs are not pulled: it pauses, and the stream's others go on."""
+
+    def __init__(self, outputs: int) -> None:
+        self._left = outputs
+        self._granted = asyncio.Event()
+
+    @property
+    def left(self) -> int:
+        return self._left
+
+    def grant(self, outputs: int) -> None:
+        self._left += outputs
+        if self._left > 0:
+            self._granted.set()
+
+    async def spend(self) -> None:
+        """Take one output's credit, waiting for a grant when there is none."""
+        while self._left <= 0:
+            self._granted.clear()
+            await self._granted.wait()
+        self._left -= 1
+
+
 @dataclass(eq=False)
 class InFlight:
     """One request in this stage, from its first Submit to its final event."""
@@ -72,6 +102,8 @@ class InFlight:
     final: bool = False  # its final event is on its way: nothing may end it again
     # Its trace context from the orchestrator (Submit.trace_context), for its spans.
     trace_context: Mapping[str, str] = field(default_factory=dict)
+    credit: OutputCredit | None = None  # None: no per-request flow control
+    deadline: asyncio.TimerHandle | None = None  # ends it at Submit.timeout_ms
 
 
 class InFlightRequests:
@@ -103,6 +135,8 @@ class InFlightRequests:
         # Every path a request ends by comes through here: its input budget goes back.
         if record.held is not None:
             record.held.release()
+        if record.deadline is not None:
+            record.deadline.cancel()
         if self._records.get(record.request_id) is record:
             del self._records[record.request_id]
         if not any(r.task is not None for r in self._records.values()):

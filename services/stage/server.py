@@ -69,12 +69,14 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         self._runtime = runtime
         self._bus = bus
         self._tensors = tensors
+        self.streams_opened = 0  # Generate calls taken, ever (an orchestrator keeps a few)
 
     async def Generate(
         self,
         request_iterator: AsyncIterator[stage_pb2.StageInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.StageOutput]:
+        self.streams_opened += 1
         stream = GenerateStream(self._runtime, self._tensors)
         try:
             async for output in stream.run(request_iterator):
@@ -176,6 +178,7 @@ class StageServer:
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
+        self.servicer: StageServicer | None = None  # once started
         self._bus: InitBus | None = None
         self._startup: asyncio.Task[bool] | None = None
         self._watch: asyncio.Task[None] | None = None
@@ -213,7 +216,7 @@ class StageServer:
                 AuthInterceptor(stage_authenticator(security), MESH_ONLY),
             ],
         )
-        servicer = StageServicer(self.runtime, self._bus, self.tensors)
+        servicer = self.servicer = StageServicer(self.runtime, self._bus, self.tensors)
         add_stage_servicer(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(SERVICE_NAMES, server)

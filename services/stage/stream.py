@@ -13,7 +13,11 @@ whole RPC with INVALID_ARGUMENT (``UndecodableInput``).
 The stream ends when the client has half-closed and every request it started
 has reported its final event. Outputs go through a bounded queue, so a client
 that stops reading holds its requests' producers (and HTTP/2 flow control
-holds the client's writes in turn).
+holds the client's writes in turn). A request whose first Submit sets a credit
+(the orchestrator's, on its long-lived shared streams) is also held alone: it
+sends Segments and Progress only while it has credit, and the Credits the
+client sends as it takes them resume it. ``Submit.timeout_ms`` ends one
+request DEADLINE_EXCEEDED; ``Submit.input_ended`` is a half-close for one request.
 """
 
 from __future__ import annotations
@@ -27,13 +31,19 @@ import torch
 
 from services.engines.base import EngineRequest, SamplingParams
 from services.mesh.chunks import ChunkAssembler
-from services.mesh.errors import Cancelled, InvalidArgument, NotFound, OmniError
+from services.mesh.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    OmniError,
+)
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.request_ids import check_request_id
 from services.stage import convert, observe
-from services.stage.events import CompletedOut, ErrorOut, SegmentOut, StageEvent
+from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
 from services.stage.inputs import Inputs, InputWindows, decode, input_bytes
-from services.stage.requests import InFlight, InputFeed
+from services.stage.requests import InFlight, InputFeed, OutputCredit
 from services.stage.runtime import StageRuntime
 from services.stage.tensor_io import StageTensors
 from services.stage.transforms import apply_transform, check_transform
@@ -72,6 +82,7 @@ class GenerateStream:
         self._reading = True
         self._ended = False
         self._fatal: OmniError | None = None
+        self._expiring: set[asyncio.Task[None]] = set()
 
     async def run(
         self, inputs: AsyncIterator[stage_pb2.StageInput | UndecodableInput]
@@ -118,21 +129,26 @@ class GenerateStream:
                     await self._refuse(rid, OmniError("internal error handling this input"))
             # The client stopped sending: what came is all there is.
             for record in self._requests.of_stream(self):
-                if record.final or record.input_done:
-                    continue
-                if record.feed is not None:
-                    record.input_done = True
-                    await record.feed.close()
-                else:
-                    missing = InvalidArgument(
-                        f"submit.is_last: the stream ended before request {record.request_id!r}"
-                        " sent its last window",
-                        field="submit.is_last",
-                    )
-                    await self._runtime.end(record, missing)
+                await self._input_ended(record)
         finally:
             self._reading = False
             await self._maybe_end()
+
+    async def _input_ended(self, record: InFlight) -> None:
+        """No more input for ``record``: a streaming-input request runs on what
+        came; any other still waiting for its last window ends INVALID_ARGUMENT."""
+        if record.final or record.input_done:
+            return
+        if record.feed is not None:
+            record.input_done = True
+            await record.feed.close()
+        else:
+            missing = InvalidArgument(
+                f"submit.is_last: the input of request {record.request_id!r} ended before"
+                " its last window",
+                field="submit.is_last",
+            )
+            await self._runtime.end(record, missing)
 
     async def _handle(self, message: stage_pb2.StageInput) -> None:
         kind = message.WhichOneof("kind")
@@ -145,9 +161,15 @@ class GenerateStream:
                 await self._put_error("", exc)
         elif kind == "cancel":
             await self._cancel(message.cancel.request_id)
+        elif kind == "credit":
+            # An id not in flight here: the Credit crossed its final event.
+            record = self._on_this_stream(message.credit.request_id)
+            if record is not None and record.credit is not None:
+                record.credit.grant(message.credit.outputs)
         else:
             await self._put_error(
-                "", InvalidArgument("input: expected submit, chunk or cancel", field="input")
+                "",
+                InvalidArgument("input: expected submit, chunk, cancel or credit", field="input"),
             )
 
     async def _cancel(self, request_id: str) -> None:
@@ -167,6 +189,11 @@ class GenerateStream:
 
     async def _submit(self, submit: stage_pb2.Submit) -> None:
         rid = submit.request_id
+        if submit.input_ended:
+            record = self._on_this_stream(rid)
+            if record is not None:
+                await self._input_ended(record)
+            return
         try:
             check_request_id(rid, "submit.request_id")
             record = self._on_this_stream(rid)
@@ -224,7 +251,12 @@ class GenerateStream:
             windows=InputWindows(rid, runtime.config.runtime.max_input_windows),
             held=held,
             trace_context=dict(submit.trace_context),
+            credit=OutputCredit(submit.credit) if submit.credit else None,
         )
+        if submit.timeout_ms:
+            record.deadline = asyncio.get_running_loop().call_later(
+                submit.timeout_ms / 1e3, self._expire, record, submit.timeout_ms
+            )
         streaming = not submit.is_last and runtime.config.runtime.streaming_input
         # Kept only while the request waits for the rest of its input.
         record.windows.add(None if submit.is_last or streaming else inputs)
@@ -233,7 +265,9 @@ class GenerateStream:
             self._requests.add(record)
             await runtime.start(record, await self._request(record, inputs))
         elif streaming:
-            record.feed = InputFeed()
+            # A request under credit may pause with its feed full: the stream's
+            # reader must not wait on it, or no Credit (its own included) gets read.
+            record.feed = InputFeed(depth=0 if record.credit is not None else 4)
             self._requests.add(record)
             more = record.feed.windows()
             await runtime.start(record, await self._request(record, inputs), more=more)
@@ -274,6 +308,15 @@ class GenerateStream:
             record.input_done = True
             await self._runtime.start(record, await self._request(record, None))
 
+    def _expire(self, record: InFlight, timeout_ms: int) -> None:
+        error = DeadlineExceeded(
+            f"request {record.request_id}: its deadline ({timeout_ms} ms) passed on stage "
+            f"{self._runtime.config.name}"
+        )
+        task = asyncio.create_task(self._runtime.end(record, error))
+        self._expiring.add(task)
+        task.add_done_callback(self._expiring.discard)
+
     async def _decode(self, submit: stage_pb2.Submit) -> Inputs:
         """Tensors decoded (chunked ones taken whole from this stream's assembler,
         refs opened, pieces joined: copies of up to ``max_input_bytes``): in a
@@ -309,6 +352,8 @@ class GenerateStream:
 
     async def _emit(self, record: InFlight, event: StageEvent) -> None:
         rid = record.request_id
+        if record.credit is not None and isinstance(event, SegmentOut | ProgressOut):
+            await record.credit.spend()  # out of credit: the request pauses here
         consumer = record.consumer
 
         def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:

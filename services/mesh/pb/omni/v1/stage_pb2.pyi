@@ -97,7 +97,7 @@ class GenerationParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., return_hidden_states: _Optional[bool] = ..., num_inference_steps: _Optional[int] = ..., guidance_scale: _Optional[float] = ..., height: _Optional[int] = ..., width: _Optional[int] = ..., preview_every: _Optional[int] = ..., return_png: _Optional[bool] = ..., extra: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer", "trace_context")
+    __slots__ = ("request_id", "inputs", "params", "sequence", "is_last", "transform", "consumer", "trace_context", "credit", "timeout_ms", "input_ended")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +113,9 @@ class Submit(_message.Message):
     TRANSFORM_FIELD_NUMBER: _ClassVar[int]
     CONSUMER_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_ENDED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: StageInputs
     params: GenerationParams
@@ -121,7 +124,18 @@ class Submit(_message.Message):
     transform: str
     consumer: _tensor_pb2.NodeIdentity
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    credit: int
+    timeout_ms: int
+    input_ended: bool
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[StageInputs, _Mapping]] = ..., params: _Optional[_Union[GenerationParams, _Mapping]] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., transform: _Optional[str] = ..., consumer: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., credit: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., input_ended: _Optional[bool] = ...) -> None: ...
+
+class Credit(_message.Message):
+    __slots__ = ("request_id", "outputs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outputs: int
+    def __init__(self, request_id: _Optional[str] = ..., outputs: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("request_id",)
@@ -130,14 +144,16 @@ class Cancel(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class StageInput(_message.Message):
-    __slots__ = ("submit", "cancel", "chunk")
+    __slots__ = ("submit", "cancel", "chunk", "credit")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
     submit: Submit
     cancel: Cancel
     chunk: _tensor_pb2.TensorChunk
-    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
+    credit: Credit
+    def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("request_id", "sequence", "is_last", "token_ids", "text_delta", "tensors", "blobs")

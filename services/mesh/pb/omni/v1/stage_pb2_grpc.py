@@ -78,9 +78,13 @@ class StageServicer:
     """
 
     def Generate(self, request_iterator, context):
-        """Bidirectional: Submit, TensorChunk and Cancel in; Segment, Progress,
-        TensorChunk, Completed and Error out. Several requests may share one
-        stream; an Error ends one request, never the stream.
+        """Bidirectional: Submit, TensorChunk, Cancel and Credit in; Segment,
+        Progress, TensorChunk, Completed and Error out. Several requests may share
+        one stream (the orchestrator keeps one long-lived stream per stage
+        connection and multiplexes every request on it); an Error ends one
+        request, never the stream. Flow control is per request when the first
+        Submit sets a credit (see Submit.credit, Credit), so one slow consumer
+        does not hold the others; a per-request deadline is Submit.timeout_ms.
 
         Final events: on one stream a request_id names one request from its first
         Submit (sequence 0) to its final event, exactly one Completed or Error.
