@@ -1,7 +1,7 @@
 """Long-lived Generate streams to the stages, shared by every request.
 
 Each stage gets a small pool of streams (one per replica address its target
-names, else one), opened together on first use and kept open: a request's
+names, else one), each opened at its first turn and kept open: a request's
 Submits, Credits and Cancels for that stage go on one of them, and a reader per
 stream hands each output to its request by id. Opening a stream per request
 per stage cost more than the messages themselves (issue 11).
@@ -277,7 +277,7 @@ class StageStreams:
 
     def __init__(self, clients: Mapping[str, StageClient]) -> None:
         self._clients = clients
-        self._pools: dict[str, list[_Stream]] = {}
+        self._pools: dict[str, list[_Stream | None]] = {}
         self._turn: dict[str, int] = {}
         self._retired: set[_Stream] = set()
         self.opened: dict[str, int] = {}  # streams opened per stage, ever
@@ -285,8 +285,8 @@ class StageStreams:
     async def join(self, stage: str, request_id: str) -> RequestStream:
         """``request_id``'s share of one of ``stage``'s streams."""
         pool = self._pool(stage)
-        for stream in pool:  # an id reused at once: its cancelled namesake ends first
-            closing = stream.closing.get(request_id)
+        for slot in pool:  # an id reused at once: its cancelled namesake ends first
+            closing = None if slot is None else slot.closing.get(request_id)
             if closing is not None:
                 try:
                     await asyncio.wait_for(closing.wait(), CLOSING_WAIT_S)
@@ -294,19 +294,23 @@ class StageStreams:
                     logger.warning("stage %s: request %r reused before its end", stage, request_id)
         turn = self._turn[stage] = (self._turn.get(stage, -1) + 1) % len(pool)
         stream = pool[turn]
-        if stream.broken is not None or time.monotonic() - stream.opened_at > MAX_AGE_S:
+        if stream is None:
+            stream = pool[turn] = self._open(stage)
+        elif stream.broken is not None or time.monotonic() - stream.opened_at > MAX_AGE_S:
             if stream.broken is None:
                 stream.retire()
                 self._retired.add(stream)
             stream = pool[turn] = self._open(stage)
         return stream.join(request_id)
 
-    def _pool(self, stage: str) -> list[_Stream]:
+    def _pool(self, stage: str) -> list[_Stream | None]:
         pool = self._pools.get(stage)
         if pool is None:
-            # All at once, so round_robin spreads them over the replicas in turn.
+            # Each slot opens at its first turn, not all at once: round_robin then
+            # picks each stream among the replicas ready by then (the first request
+            # may come when one replica's health is known and another's not yet).
             size = pool_size(self._clients[stage].address)
-            pool = self._pools[stage] = [self._open(stage) for _ in range(size)]
+            pool = self._pools[stage] = [None] * size
         return pool
 
     def _open(self, stage: str) -> _Stream:
@@ -315,7 +319,8 @@ class StageStreams:
         return _Stream(stage, self._clients[stage])
 
     async def close(self) -> None:
-        streams = [s for pool in self._pools.values() for s in pool] + list(self._retired)
+        streams = [s for pool in self._pools.values() for s in pool if s is not None]
+        streams += list(self._retired)
         self._pools.clear()
         self._retired.clear()
         await asyncio.gather(*(s.close() for s in streams))

@@ -83,6 +83,10 @@ class StageClient:
             else self.channel
         )
         self._serving_stub = stage_pb2_grpc.StageStub(self.serving_channel)
+        if route_by_health:
+            # Connect and learn every replica's health now, not at the first request:
+            # by then round_robin knows all the replicas that serve.
+            self.serving_channel.get_state(try_to_connect=True)
         self.metadata = dialing.metadata
 
     async def close(self) -> None:
