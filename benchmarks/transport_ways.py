@@ -27,12 +27,14 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.mesh import chunks, tensors
+from services.mesh.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, serializer
 from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler
 from services.mesh.malloc import keep_freed_memory
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.shm import ShmProducer, open_tensor, sweep
 from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
 from services.stage.inputs import decode
+from services.stage.stream import UndecodableInput, read_input
 
 MESH_OF_BYTES = "benchbytes"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -102,13 +104,15 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         return struct.pack("d", time.perf_counter())
 
     async def put_chunked(
-        messages: AsyncIterator[stage_pb2.StageInput], context: grpc.aio.ServicerContext
+        messages: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput],
+        context: grpc.aio.ServicerContext,
     ) -> bytes:
         # What a stage does with a Submit whose tensors came as chunks on its stream.
         assembler = ChunkAssembler(1 << 40)
         receiver = TensorReceiver(MESH_OF_BYTES, allow_refs=False)
         async for message in messages:
-            if message.HasField("chunk"):
+            assert not isinstance(message, UndecodableInput), message.reason
+            if isinstance(message, ChunkFrame) or message.HasField("chunk"):
                 assembler.add(message.chunk)
                 continue
             inputs = decode(message.submit.inputs, receiver, chunks=assembler)
@@ -120,7 +124,7 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         handlers = {
             "Put": grpc.unary_unary_rpc_method_handler(put),
             "PutChunked": grpc.stream_unary_rpc_method_handler(
-                put_chunked, request_deserializer=stage_pb2.StageInput.FromString
+                put_chunked, request_deserializer=read_input
             ),
         }
         server.add_generic_rpc_handlers(
@@ -132,11 +136,6 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         await server.wait_for_termination()
 
     asyncio.run(main())
-
-
-def _chunk_input() -> tuple[stage_pb2.StageInput, tensor_pb2.TensorChunk]:
-    message = stage_pb2.StageInput()
-    return message, message.chunk
 
 
 # --- producer side -----------------------------------------------------------------
@@ -162,7 +161,7 @@ class Bench:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=OPTIONS)
         self.put = self.channel.unary_unary(SINK)
         self.put_chunked = self.channel.stream_unary(
-            CHUNKED_SINK, request_serializer=stage_pb2.StageInput.SerializeToString
+            CHUNKED_SINK, request_serializer=serializer(stage_pb2.StageInput.SerializeToString)
         )
         self.chunk_bytes = CHUNK_BYTES
         self.shm = ShmProducer(self.mesh, pool_bytes=0)
@@ -213,8 +212,9 @@ class Bench:
 
     def mesh_bytes(self, src: torch.Tensor) -> float:
         """The mesh's bytes path for a consumer on another node: a stage's encode and
-        chunk cutting (``StageTensors.chunk_outputs``), one real gRPC stream, and the
-        consuming stage's assembly and decode (``GenerateStream._decode``)."""
+        chunk cutting (``StageTensors.chunk_outputs``) with the mesh's serializer
+        (chunks encoded by hand, ``chunk_wire``), one real gRPC stream, and the
+        consuming stage's deserializer (``read_input``), assembly and decode."""
         start = time.perf_counter()
         sender = TensorSender(
             MESH_OF_BYTES, TransportPolicy(), shm=None, cuda=None, chunk_bytes=self.chunk_bytes
@@ -222,13 +222,14 @@ class Bench:
         submit = stage_pb2.Submit(request_id="bench", is_last=True)
         submit.inputs.tensors.append(sender.encode(src, "t", "bench", None))
 
-        def messages() -> Iterator[stage_pb2.StageInput]:
+        def messages() -> Iterator[stage_pb2.StageInput | EncodedChunk]:
             for msg in submit.inputs.tensors:
                 unsent = sender.take_unsent(msg)
                 if unsent is not None:
-                    yield from unsent.messages(_chunk_input)
-            for chunk in chunks.split(submit.inputs.tensors, threshold=self.chunk_bytes):
-                yield stage_pb2.StageInput(chunk=chunk)
+                    yield from unsent.frames(STAGE_INPUT_CHUNK)
+            yield from chunks.split_encoded(
+                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self.chunk_bytes
+            )
             yield stage_pb2.StageInput(submit=submit)
 
         reply = self.put_chunked(messages())

@@ -19,6 +19,10 @@ from services.stage.server import StageServer
 
 TRUNCATED = b"\xff\xff\xff"  # not protobuf at all
 BAD_UTF8 = b"\x0a\x05\x0a\x03\xff\xfe\xfd"  # field 1: bad UTF-8 where a string is
+# StageInput.chunk frames the hand decoder (chunk_wire) turns away: the regular
+# parser refuses them too. Bad UTF-8 in chunk_id; a payload running past the frame.
+BAD_CHUNK_ID = b"\x1a\x05\x0a\x03\xff\xfe\xfd"
+CUT_CHUNK = b"\x1a\x07\x0a\x01x\x1a\x09ab"
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +77,8 @@ async def test_an_undecodable_frame_is_invalid_argument(
 ) -> None:
     async with grpc.aio.insecure_channel(servers[server]) as channel:
         frames = (TRUNCATED,) if method.endswith("Describe") else (TRUNCATED, BAD_UTF8)
+        if method == "omni.v1.Stage/Generate":
+            frames += (BAD_CHUNK_ID, CUT_CHUNK)
         for frame in frames:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await call(channel, f"/{method}", kind, frame)

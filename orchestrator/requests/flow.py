@@ -27,6 +27,7 @@ from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_streams import RequestStream, StageStreams, StreamBroken
 from services.mesh import chunks, errors, telemetry
+from services.mesh.chunk_wire import STAGE_INPUT_CHUNK
 from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.ref_reader import RefReader
@@ -231,8 +232,10 @@ class RequestFlow:
             if first and self.deadline is not None:  # what is left of it, for the stage
                 submit.timeout_ms = max(int((self.deadline - time.monotonic()) * 1e3), 1)
             first, ended = False, submit.is_last
-            for chunk in chunks.split(submit.inputs.tensors, threshold=self._chunk_bytes):
-                await channel.write(stage_pb2.StageInput(chunk=chunk))
+            for frame in chunks.split_encoded(
+                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+            ):
+                await channel.write(frame)
             await channel.write(stage_pb2.StageInput(submit=submit))
         if not first and not ended:  # the client stopped before its last window
             end = stage_pb2.Submit(request_id=self.request_id, input_ended=True)

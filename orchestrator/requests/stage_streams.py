@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from services.mesh.chunk_wire import EncodedChunk
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
@@ -79,9 +80,13 @@ class RequestStream:
         """Outputs that came for this request and its flow has not read yet."""
         return self._queue.qsize()
 
-    async def write(self, message: stage_pb2.StageInput) -> None:
+    async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
         """Send on the shared stream; the first Submit carries the request's credit."""
-        if message.WhichOneof("kind") == "submit" and not self._sent:
+        if (
+            isinstance(message, stage_pb2.StageInput)
+            and message.WhichOneof("kind") == "submit"
+            and not self._sent
+        ):
             message.submit.credit = CREDIT
         self._sent = True
         await self._stream.write(message)
@@ -126,7 +131,7 @@ class _Stream:
         self.broken: StreamBroken | None = None
         self._call = client.open_stream()
         self._outbox: asyncio.Queue[
-            tuple[stage_pb2.StageInput, asyncio.Future[None] | None] | None
+            tuple[stage_pb2.StageInput | EncodedChunk, asyncio.Future[None] | None] | None
         ] = asyncio.Queue()
         self._requests: dict[str, RequestStream] = {}
         # Cancelled requests whose final event has not come back yet.
@@ -140,7 +145,7 @@ class _Stream:
         self._requests[request_id] = request
         return request
 
-    async def write(self, message: stage_pb2.StageInput) -> None:
+    async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
         if self.broken is not None:
             raise self.broken
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()

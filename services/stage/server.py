@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.engines.base import WritesIntoBlocks
 from services.engines.registry import engine_class
+from services.mesh.chunk_wire import ChunkFrame, EncodedChunk, serializer
 from services.mesh.decoding import DecodingInterceptor, request_names
 from services.mesh.errors import OmniError, abort_rpc
 from services.mesh.health_port import serve_health
@@ -37,7 +38,7 @@ from services.stage.config import StageConfig
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
 from services.stage.startup import start_up
-from services.stage.stream import GenerateStream, read_input
+from services.stage.stream import GenerateStream, UndecodableInput, read_input
 from services.stage.tensor_io import StageTensors
 from services.stage.transforms import TRANSFORMS
 
@@ -73,9 +74,9 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def Generate(
         self,
-        request_iterator: AsyncIterator[stage_pb2.StageInput],
+        request_iterator: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[stage_pb2.StageOutput]:
+    ) -> AsyncIterator[stage_pb2.StageOutput | EncodedChunk]:
         self.streams_opened += 1
         stream = GenerateStream(self._runtime, self._tensors)
         try:
@@ -129,14 +130,16 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 
 def add_stage_servicer(servicer: StageServicer, server: grpc.aio.Server) -> None:
-    """As the generated ``add_StageServicer_to_server``, with one change: Generate
-    reads frames with ``read_input``, so a frame that does not decode ends the
-    RPC with INVALID_ARGUMENT instead of gRPC's UNKNOWN."""
+    """As the generated ``add_StageServicer_to_server``, with two changes to
+    Generate: it reads frames with ``read_input``, so a frame that does not decode
+    ends the RPC with INVALID_ARGUMENT instead of gRPC's UNKNOWN, and both ways a
+    TensorChunk frame is encoded and read by hand (``chunk_wire``)."""
     handlers = {
         "Generate": grpc.stream_stream_rpc_method_handler(
             servicer.Generate,
             request_deserializer=read_input,
-            response_serializer=stage_pb2.StageOutput.SerializeToString,
+            # Chunks (EncodedChunk) are written straight from the tensor's memory.
+            response_serializer=serializer(stage_pb2.StageOutput.SerializeToString),
         ),
         "InitStatus": grpc.unary_stream_rpc_method_handler(
             servicer.InitStatus,

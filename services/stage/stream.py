@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from services.engines.base import EngineRequest, SamplingParams
+from services.mesh.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, decode_chunk
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import (
     Cancelled,
@@ -60,9 +61,13 @@ class UndecodableInput:
         self.reason = reason
 
 
-def read_input(frame: bytes) -> stage_pb2.StageInput | UndecodableInput:
-    """Generate's request deserializer: a bad frame becomes a value the stream
-    answers with INVALID_ARGUMENT, not an exception gRPC reports as UNKNOWN."""
+def read_input(frame: bytes) -> stage_pb2.StageInput | ChunkFrame | UndecodableInput:
+    """Generate's request deserializer: a chunk is read by hand (its payload a view
+    of the frame, ``chunk_wire``); a bad frame becomes a value the stream answers
+    with INVALID_ARGUMENT, not an exception gRPC reports as UNKNOWN."""
+    chunk = decode_chunk(frame, STAGE_INPUT_CHUNK)
+    if chunk is not None:
+        return chunk
     try:
         return stage_pb2.StageInput.FromString(frame)
     except Exception as exc:  # DecodeError, bad UTF-8 in a string field, …
@@ -85,8 +90,8 @@ class GenerateStream:
         self._expiring: set[asyncio.Task[None]] = set()
 
     async def run(
-        self, inputs: AsyncIterator[stage_pb2.StageInput | UndecodableInput]
-    ) -> AsyncIterator[stage_pb2.StageOutput]:
+        self, inputs: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput]
+    ) -> AsyncIterator[stage_pb2.StageOutput | EncodedChunk]:
         """The stream's outputs; raises OmniError when the RPC itself must fail."""
         reader = asyncio.create_task(self._read(inputs), name="generate-reader")
         try:
@@ -94,7 +99,7 @@ class GenerateStream:
                 item = await self._out.get()
                 if item is _END:
                     break
-                assert isinstance(item, stage_pb2.StageOutput)
+                assert isinstance(item, stage_pb2.StageOutput | EncodedChunk)
                 yield item
             if self._fatal is None:
                 await reader
@@ -109,7 +114,9 @@ class GenerateStream:
         if self._fatal is not None:
             raise self._fatal
 
-    async def _read(self, inputs: AsyncIterator[stage_pb2.StageInput | UndecodableInput]) -> None:
+    async def _read(
+        self, inputs: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput]
+    ) -> None:
         try:
             async for message in inputs:
                 if isinstance(message, UndecodableInput):
@@ -125,7 +132,11 @@ class GenerateStream:
                 except Exception:
                     # A bug handling one message must not end the stream for the others.
                     logger.exception("stage %s: input message failed", self._runtime.config.name)
-                    rid = message.submit.request_id if message.HasField("submit") else ""
+                    rid = (
+                        message.submit.request_id
+                        if isinstance(message, stage_pb2.StageInput) and message.HasField("submit")
+                        else ""
+                    )
                     await self._refuse(rid, OmniError("internal error handling this input"))
             # The client stopped sending: what came is all there is.
             for record in self._requests.of_stream(self):
@@ -150,15 +161,17 @@ class GenerateStream:
             )
             await self._runtime.end(record, missing)
 
-    async def _handle(self, message: stage_pb2.StageInput) -> None:
+    async def _handle(self, message: stage_pb2.StageInput | ChunkFrame) -> None:
         kind = message.WhichOneof("kind")
-        if kind == "submit":
-            await self._submit(message.submit)
-        elif kind == "chunk":
+        if kind == "chunk":
             try:
                 self._chunks.add(message.chunk)
             except OmniError as exc:
                 await self._put_error("", exc)
+        elif isinstance(message, ChunkFrame):
+            raise AssertionError("a ChunkFrame holds a chunk")
+        elif kind == "submit":
+            await self._submit(message.submit)
         elif kind == "cancel":
             await self._cancel(message.cancel.request_id)
         elif kind == "credit":

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from services.mesh import chunks
+from services.mesh.chunk_wire import STAGE_OUTPUT_CHUNK, EncodedChunk
 from services.mesh.cuda_ipc import CudaIpcProducer
 from services.mesh.errors import ResourceExhausted
 from services.mesh.node import mesh_id
@@ -85,20 +86,18 @@ class StageTensors:
         except ResourceExhausted:
             return torch.empty(tuple(shape), dtype=dtype)  # /dev/shm is full: encode copes
 
-    def chunk_outputs(
-        self, segment: stage_pb2.Segment, threshold: int
-    ) -> Iterator[stage_pb2.StageOutput]:
+    def chunk_outputs(self, segment: stage_pb2.Segment, threshold: int) -> Iterator[EncodedChunk]:
         """The TensorChunk messages that go before ``segment`` on its stream: the
-        bytes of tensors ``encode`` left chunked, cut as they are sent, then any
-        other raw tensor or blob over ``threshold``."""
+        bytes of tensors ``encode`` left chunked, then any other raw tensor or blob
+        over ``threshold``; each is written from those bytes as it is sent
+        (``chunk_wire``: the Generate response serializer encodes it by hand)."""
         for msg in segment.tensors:
             unsent = self.sender.take_unsent(msg)
             if unsent is not None:
-                yield from unsent.messages(_chunk_output)
-        for chunk in chunks.split(segment.tensors, threshold=threshold):
-            yield stage_pb2.StageOutput(chunk=chunk)
-        for chunk in chunks.split_blobs(segment.blobs, threshold=threshold):
-            yield stage_pb2.StageOutput(chunk=chunk)
+                yield from unsent.frames(STAGE_OUTPUT_CHUNK)
+        yield from chunks.split_encoded(
+            segment.tensors, segment.blobs, STAGE_OUTPUT_CHUNK, threshold=threshold
+        )
 
     def release(self, owner: str | None, names: list[str]) -> int:
         return self.sender.release(owner, names)
@@ -112,8 +111,3 @@ class StageTensors:
             self._shm.close()
         if self._cuda is not None:
             self._cuda.close()
-
-
-def _chunk_output() -> tuple[stage_pb2.StageOutput, tensor_pb2.TensorChunk]:
-    output = stage_pb2.StageOutput()
-    return output, output.chunk
