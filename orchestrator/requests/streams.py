@@ -92,9 +92,10 @@ class _StreamReader:
         elif kind == "cancel":
             rid = message.cancel.request_id
             if not self._router.abort([rid], self._owner)[0]:
-                await self._sink.put(
-                    refusal(rid, NotFound(f"cancel.request_id: no request {rid!r} in flight"))
+                missing = NotFound(
+                    f"cancel.request_id: no request {rid!r} in flight", field="cancel.request_id"
                 )
+                await self._sink.put(refusal(rid, missing))
         else:
             error = InvalidArgument("input: expected submit, chunk or cancel", field="input")
             await self._sink.put(refusal("", error))
