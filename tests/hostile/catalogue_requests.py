@@ -35,6 +35,20 @@ from tests.hostile.senders import (
     at_orchestrator,
 )
 
+
+def max_tokens_on_the_wire(value: int) -> stage_pb2.StageInput:
+    """A Submit whose params.max_tokens varint is ``value``, whatever int32 can hold."""
+    varint = bytearray()
+    while True:
+        varint.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            break
+    params = b"\x08" + bytes(varint)
+    body = submit().submit.SerializeToString() + b"\x1a" + bytes([len(params)]) + params
+    return stage_pb2.StageInput.FromString(b"\x0a" + bytes([len(body)]) + body)
+
+
 NAN = float("nan")
 FLOATS_4x64 = bytes(4 * 64 * 4)
 
@@ -161,6 +175,12 @@ REQUESTS = [
             ("a parameter the engine lacks", "num_inference_steps", 4),
         )
     ],
+    Case(
+        "max_tokens 2^31 on the wire (an int32 field)",
+        stage([max_tokens_on_the_wire(1 << 31)]),
+        "INVALID_ARGUMENT",
+        "params.max_tokens",
+    ),
     Case(
         "unknown extra key",
         stage([with_extra(submit(), frobnicate=1)]),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,5 +143,8 @@ async def mesh(
     finally:
         await orchestrator.stop(1.0)
         await stage.stop(1.0)
-    # Nothing left behind: every block the stage made is gone with it.
+    # Nothing left behind: every block the stage made is gone with it, and both ports.
     assert not own_blocks()
+    for port in (stage.port, orchestrator.port):
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"
