@@ -1,13 +1,15 @@
-"""Property-based fuzz of Stage.Generate with arbitrary StageInput messages (built
-from the contract's descriptors, see strategies.py) and raw byte frames, on one
-real stage server for the whole run.
+"""Property-based fuzz of Stage.Generate (StageInput) and Orchestrator.GenerateStream
+(StreamInput) with arbitrary messages (built from the contract's descriptors, see
+strategies.py) and raw byte frames, on one real stage and orchestrator for the
+whole module.
 
-Invariants, whatever arrives: each request id gets exactly one final event (a
-request whose id it shares with nothing else on the stream) or at most one per
-Submit (windows of one id); no final event is UNKNOWN or INTERNAL, or shows a
-Python class or traceback; the stream ends OK, or INVALID_ARGUMENT exactly when
-a frame was no StageInput; the stream's ordinary request completes in full; and
-a control request on a fresh stream completes afterwards.
+Invariants, whatever arrives: each request id gets exactly one final event
+(Completed/Error, or Done) when no other message shares it, and at most one per
+Submit when they do (windows of one id); no final event is UNKNOWN or INTERNAL,
+or shows a Python class or traceback; the stream ends OK, or INVALID_ARGUMENT
+exactly when a frame was no message of the method (never hangs); the stream's
+ordinary request completes in full; and a control request on a fresh stream
+completes afterwards.
 
 Bounded for CI: a fixed number of examples, each with a timeout, and a
 wall-clock budget after which the remaining examples are skipped. Examples are
@@ -35,7 +37,7 @@ from services.mesh.stage_client import chat_submit
 from tests.hostile.conftest import Mesh
 from tests.hostile.strategies import WORDS, messages
 
-BUDGET_S = float(os.environ.get("OMNI_FUZZ_BUDGET_S", "20"))  # per test (three)
+BUDGET_S = float(os.environ.get("OMNI_FUZZ_BUDGET_S", "15"))  # per test (four)
 EXAMPLES = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "120"))
 ORDINARY_TOKENS = 3
 BAD_CODES = {"UNKNOWN", "INTERNAL", "DATA_LOSS"}
@@ -281,6 +283,77 @@ async def test_fuzz_orchestrator_stream_inputs(mesh: Mesh) -> None:
     )
     ran = await fuzz(mesh, st.lists(frame, min_size=1, max_size=4), unique_ids=True, at_stage=False)
     assert ran >= 10
+
+
+async def generate_once(mesh: Mesh, frame: bytes) -> tuple[str, list[Final]]:
+    """One Orchestrator.Generate with ``frame`` as its request: status and Dones."""
+    finals: list[Final] = []
+    metadata = (("authorization", f"Bearer {mesh.tokens['alice']}"),)
+    async with grpc.aio.insecure_channel(mesh.address) as channel:
+        call = channel.unary_stream(
+            "/omni.v1.Orchestrator/Generate",
+            response_deserializer=orchestrator_pb2.GenerateEvent.FromString,
+        )(frame, metadata=metadata, timeout=30)
+        try:
+            async for event in call:
+                if event.WhichOneof("kind") == "done":
+                    done = event.done
+                    finals.append(Final(done.request_id, done.code_name, done.field, done.message))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED, "the call hung"
+            return exc.code().name, finals
+    return "OK", finals
+
+
+def _request(item: Any) -> bytes:
+    """A GenerateRequest's frame: bytes as they are, long generations cut short."""
+    if isinstance(item, bytes):
+        return item
+    for params in [item.params, *item.stage_params.values()]:
+        if 32 < params.max_tokens <= 100_000:
+            params.max_tokens = 32
+    return item.SerializeToString()
+
+
+async def test_fuzz_orchestrator_generate_requests(mesh: Mesh) -> None:
+    runner = Runner(asyncio.get_running_loop())
+    plausible = PLAUSIBLE.map(
+        lambda m: orchestrator_pb2.GenerateRequest(
+            request_id=m.submit.request_id, inputs=m.submit.inputs, params=m.submit.params
+        )
+    )
+    requests = st.one_of(
+        messages(orchestrator_pb2.GenerateRequest.DESCRIPTOR), plausible, st.binary(max_size=40)
+    )
+
+    @FUZZ
+    @given(item=requests)
+    def one(item: Any) -> None:
+        if runner.over_budget() and not runner.failing:
+            return
+        runner.examples += 1
+        frame = _request(item)
+        try:
+            decodable = True
+            try:
+                orchestrator_pb2.GenerateRequest.FromString(frame)
+            except (DecodeError, UnicodeDecodeError, ValueError):
+                decodable = False
+            status, finals = runner.run(generate_once(mesh, frame))
+            assert status == ("OK" if decodable else "INVALID_ARGUMENT"), status
+            assert len(finals) == (1 if decodable else 0), finals
+            for final in finals:
+                assert final.code not in BAD_CODES, final
+                assert "<class" not in final.message and "Traceback" not in final.message
+            runner.run(control(mesh, f"control-generate-{runner.examples}"))
+        except BaseException:
+            runner.failing = True
+            raise
+
+    await asyncio.to_thread(one)
+    logger.info("fuzz: %d requests in the budget of %ss", runner.examples, BUDGET_S)
+    await mesh.serving()
+    assert runner.examples >= 10
 
 
 def _windowed(message: stage_pb2.StageInput, seq: int, last: bool) -> stage_pb2.StageInput:
