@@ -125,12 +125,14 @@ class Router:
         *,
         owner: Principal = ANONYMOUS,
         timeout_s: float | None = None,
+        id_field: str = "request_id",
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
-        ``timeout_s``: the client's deadline, enforced per request and passed on to the stages."""
+        ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
+        ``id_field``: where the client's message holds the id (named if refused)."""
         if request_id in self._running:
             raise InvalidArgument(
-                f"request_id: {request_id!r} is already in flight", field="request_id"
+                f"{id_field}: {request_id!r} is already in flight", field=id_field
             )
         flow = RequestFlow(
             request_id,

@@ -103,9 +103,10 @@ class _StreamReader:
         elif kind == "cancel":
             rid = message.cancel.request_id
             if not self._router.abort([rid], self._owner)[0]:
-                await self._sink.put(
-                    refusal(rid, NotFound(f"cancel.request_id: no request {rid!r} in flight"))
+                missing = NotFound(
+                    f"cancel.request_id: no request {rid!r} in flight", field="cancel.request_id"
                 )
+                await self._sink.put(refusal(rid, missing))
         else:
             error = InvalidArgument("input: expected submit, chunk or cancel", field="input")
             await self._sink.put(refusal("", error))
@@ -133,6 +134,7 @@ class _StreamReader:
                     self._sink,
                     owner=self._owner,
                     timeout_s=self._timeout_s,
+                    id_field="submit.request_id",
                 )
                 self.feeds[rid] = feed
                 self.open.add(rid)
@@ -193,27 +195,32 @@ async def stream_requests(
     sink = EventSink(*watermarks)
     reader = _StreamReader(router, sink, stages, max_input_bytes, owner, timeout_s, budget)
     reading = True
+    failed: list[Exception] = []
 
     async def read() -> None:
         nonlocal reading
         try:
             async for message in inputs:
                 await reader.read(message)
+        except Exception as exc:  # raised again by the handler, where the RPC ends
+            failed.append(exc)
         finally:
             reading = False
             reader.close()
-            if not reader.open:
+            if failed or not reader.open:
                 await sink.close()
 
     task = asyncio.create_task(read())
     try:
-        while (event := await sink.get()) is not None:
+        while (event := await sink.get()) is not None and not failed:
             yield event
             if event.WhichOneof("kind") == "done":
                 reader.open.discard(event.done.request_id)
                 if not reading and not reader.open:
                     break
-        await task  # an undecodable frame ends the RPC with its status
+        await task
+        if failed:  # an undecodable frame: the RPC ends now, its requests with it
+            raise failed[0]
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -5,7 +5,9 @@ Left to itself, gRPC reports a request deserializer's exception as UNKNOWN with
 the Python exception's class in the message. ``DecodingInterceptor`` wraps each
 handler: its deserializer returns an ``Undecodable`` marker instead of raising,
 and its behaviour aborts the call on one (for streaming requests, when the
-marker is reached, after the frames before it were handled).
+marker is reached, after the frames before it were handled: the behaviour gets
+``UndecodableFrame`` from its request iterator and the call ends when that
+comes out of it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
+class UndecodableFrame(Exception):
+    """Raised to a streaming behaviour where its requests reach a frame that does
+    not decode; the interceptor ends the RPC with INVALID_ARGUMENT when it comes
+    out of the behaviour. Aborting where the frame is read instead would abort from
+    whatever task reads the requests, racing the handler's own writes (a call
+    aborted so while it wrote a reply never ended)."""
+
+    def __init__(self, bad: Undecodable) -> None:
+        super().__init__(bad.reason)
+        self.bad = bad
+
+
 async def _refuse(context: grpc.aio.ServicerContext, message: str, bad: Undecodable) -> None:
     await context.abort(
         grpc.StatusCode.INVALID_ARGUMENT, _FRAME.format(message=message, reason=bad.reason)
@@ -66,25 +80,31 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     decode = lenient(handler.request_deserializer)
     serialize = handler.response_serializer
 
-    async def frames(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> Any:
+    async def frames(requests: AsyncIterator[Any]) -> Any:
         async for request in requests:
             if isinstance(request, Undecodable):
-                await _refuse(context, message, request)
+                raise UndecodableFrame(request)
             yield request
 
     if handler.request_streaming and handler.response_streaming:
         inner_ss = handler.stream_stream
 
         async def stream_stream(requests: AsyncIterator[Any], context: Any) -> Any:
-            async for reply in _replies(inner_ss(frames(requests, context), context)):
-                yield reply
+            try:
+                async for reply in _replies(inner_ss(frames(requests), context)):
+                    yield reply
+            except UndecodableFrame as exc:
+                await _refuse(context, message, exc.bad)
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
     if handler.request_streaming:
         inner_su = handler.stream_unary
 
         async def stream_unary(requests: AsyncIterator[Any], context: Any) -> Any:
-            return await inner_su(frames(requests, context), context)
+            try:
+                return await inner_su(frames(requests), context)
+            except UndecodableFrame as exc:
+                await _refuse(context, message, exc.bad)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
     if handler.response_streaming:

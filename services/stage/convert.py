@@ -75,7 +75,7 @@ def sampling_params(
             values[name] = getattr(params, name)
     if params.stop:
         values["stop"] = tuple(params.stop)
-    extra = json_format.MessageToDict(params.extra) if params.HasField("extra") else {}
+    extra = _extra(params) if params.HasField("extra") else {}
     asked = [*values, *(f"extra.{key}" for key in extra)]
     refused = [name for name in asked if name not in supported]
     if refused:
@@ -86,6 +86,15 @@ def sampling_params(
             field=field,
         )
     return SamplingParams(**values, extra=extra)  # type: ignore[arg-type]
+
+
+def _extra(params: stage_pb2.GenerationParams) -> dict[str, object]:
+    try:
+        return json_format.MessageToDict(params.extra)
+    except ValueError as exc:  # NaN or inf numbers, a Value with no kind: no JSON for them
+        raise InvalidArgument(
+            f"params.extra: expected JSON values ({exc})", field="params.extra"
+        ) from None
 
 
 def refuse_unknown_fields(submit: stage_pb2.Submit) -> None:

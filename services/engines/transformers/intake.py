@@ -168,6 +168,10 @@ def _prompt(
             f"expected floats of shape [seq, {limits.hidden_size}], "
             f"got {embeds.dtype} of shape {list(embeds.shape)}",
         )
+    if not bool(torch.isfinite(embeds.float()).all()):  # float8 has no isfinite of its own
+        # A NaN or inf row makes every logit NaN: sampling from it fails, and the
+        # batch it shares a step with must not fail with it.
+        _bad(field, "expected finite values (found NaN or inf)")
     return field, (), embeds
 
 

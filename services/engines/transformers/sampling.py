@@ -24,7 +24,9 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
     """The next token id from ``logits`` [vocab] (float32)."""
     if sampling.greedy:
         return int(logits.argmax())
-    logits = logits / sampling.temperature
+    # Scaled from the top logit down: a tiny temperature then sends the others to
+    # -inf (a greedy pick) rather than every logit to +-inf and the softmax to NaN.
+    logits = (logits - logits.max()) / sampling.temperature
     if 0 < sampling.top_k < logits.numel():
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -251,9 +251,17 @@ class StepLoop:
         for n, i in enumerate(which):
             sequence = rows[i]
             sampling = sequence.plan.sampling
-            token = (
-                greedy[n] if sampling.greedy else sample(logits[i], sampling, sequence.generator)
-            )
+            try:
+                token = (
+                    greedy[n]
+                    if sampling.greedy
+                    else sample(logits[i], sampling, sequence.generator)
+                )
+            except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
+                logger.exception("request %s: sampling failed", sequence.request_id)
+                sequence.finished = True
+                sequence.deliver(exc)
+                continue
             row = None
             if states is not None and sequence.plan.return_hidden_states:
                 # A copy, so the event does not pin the whole batch's activations.
