@@ -43,6 +43,10 @@ _FINAL = ("completed", "error")
 _CREDITED = ("segment", "progress")
 
 
+# Errors for a control message that crossed its request's final event on the wire.
+_CROSSING = frozenset({"cancel.request_id", "submit.input_ended"})
+
+
 class StreamBroken(Exception):
     """The shared stream a request was on broke: the stage (or the path to it) is gone."""
 
@@ -224,8 +228,9 @@ class _Stream:
         request = self._requests.get(rid)
         if request is None:
             closing = self.closing.get(rid)
-            if closing is None and kind == "error" and output.error.field == "cancel.request_id":
-                # A Cancel that crossed its request's final event: nothing was left to stop.
+            crossed = kind == "error" and output.error.field in _CROSSING
+            if closing is None and crossed:
+                # A Cancel (or end of input) that crossed its request's final event.
                 logger.debug("stage %s: request %r had ended before its Cancel", self.stage, rid)
             elif closing is None:
                 logger.warning(

@@ -206,6 +206,12 @@ class GenerateStream:
             record = self._on_this_stream(rid)
             if record is not None:
                 await self._input_ended(record)
+            else:  # as an unknown Cancel: its one final event says so
+                error = NotFound(
+                    f"submit.input_ended: no request {rid!r} in flight on this stream",
+                    field="submit.input_ended",
+                )
+                await self._put_error(rid, error)
             return
         try:
             check_request_id(rid, "submit.request_id")

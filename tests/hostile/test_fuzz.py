@@ -41,6 +41,8 @@ BUDGET_S = float(os.environ.get("OMNI_FUZZ_BUDGET_S", "15"))  # per test (four)
 EXAMPLES = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "120"))
 ORDINARY_TOKENS = 3
 BAD_CODES = {"UNKNOWN", "INTERNAL", "DATA_LOSS"}
+# A Cancel or end of input for an id not in flight is answered NOT_FOUND naming these.
+CROSSING_FIELDS = {"cancel.request_id", "submit.input_ended"}
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
@@ -200,8 +202,8 @@ def check(
     for final in finals:
         assert final.code not in BAD_CODES, final
         assert "<class" not in final.message and "Traceback" not in final.message, final
-        # A Cancel that crossed its request's end is answered NOT_FOUND after it.
-        crossed = final.code == "NOT_FOUND" and final.field == "cancel.request_id"
+        # A Cancel (or end of input) that crossed its request's end is answered NOT_FOUND.
+        crossed = final.code == "NOT_FOUND" and final.field in CROSSING_FIELDS
         if unique_ids or not crossed:
             counts[final.request_id] += 1
     if sent.undecodable:
