@@ -33,8 +33,8 @@ from services.mesh.malloc import keep_freed_memory
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.shm import ShmProducer, open_tensor, sweep
 from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.stage.frames import UndecodableInput, read_input
 from services.stage.inputs import decode
-from services.stage.stream import UndecodableInput, read_input
 
 MESH_OF_BYTES = "benchbytes"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

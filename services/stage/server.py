@@ -35,10 +35,11 @@ from services.mesh.security import (
     stage_authenticator,
 )
 from services.stage.config import StageConfig
+from services.stage.frames import UndecodableInput, read_input
 from services.stage.init_bus import InitBus
 from services.stage.runtime import StageRuntime
 from services.stage.startup import start_up
-from services.stage.stream import GenerateStream, UndecodableInput, read_input
+from services.stage.stream import GenerateStream
 from services.stage.tensor_io import StageTensors
 from services.stage.transforms import TRANSFORMS
 

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator
 import torch
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, decode_chunk
+from services.mesh.chunk_wire import ChunkFrame, EncodedChunk
 from services.mesh.chunks import ChunkAssembler
 from services.mesh.errors import (
     Cancelled,
@@ -43,6 +43,7 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.request_ids import check_request_id
 from services.stage import convert, observe
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
+from services.stage.frames import UndecodableInput
 from services.stage.inputs import Inputs, InputWindows, decode, input_bytes
 from services.stage.requests import InFlight, InputFeed, OutputCredit
 from services.stage.runtime import StageRuntime
@@ -52,26 +53,6 @@ from services.stage.transforms import apply_transform, check_transform
 logger = logging.getLogger(__name__)
 
 _END = object()
-
-
-class UndecodableInput:
-    """What the request deserializer gives for a frame that is no StageInput."""
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def read_input(frame: bytes) -> stage_pb2.StageInput | ChunkFrame | UndecodableInput:
-    """Generate's request deserializer: a chunk is read by hand (its payload a view
-    of the frame, ``chunk_wire``); a bad frame becomes a value the stream answers
-    with INVALID_ARGUMENT, not an exception gRPC reports as UNKNOWN."""
-    chunk = decode_chunk(frame, STAGE_INPUT_CHUNK)
-    if chunk is not None:
-        return chunk
-    try:
-        return stage_pb2.StageInput.FromString(frame)
-    except Exception as exc:  # DecodeError, bad UTF-8 in a string field, …
-        return UndecodableInput(str(exc) or "malformed protobuf")
 
 
 class GenerateStream:
