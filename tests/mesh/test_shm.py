@@ -8,8 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,31 +18,11 @@ from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
 from services.mesh.shm_refs import BLOCK_NAME
+from tests.helpers.shm_blocks import blocks_of
 
 SECRET = "0123456789abcdef" * 2  # the form of a block name's secret, for hand-made names
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def blocks_of(mesh: str) -> list[str]:
-    return sorted(n for n in os.listdir(SHM_ROOT) if n.startswith(f"omni-{mesh}-"))
-
-
-@pytest.fixture
-def mesh() -> Iterator[str]:
-    """A mesh id no other test (or engineer) uses; its leftovers are removed after."""
-    mesh_id = f"t{uuid.uuid4().hex[:12]}"
-    try:
-        yield mesh_id
-    finally:
-        for name in blocks_of(mesh_id):
-            (SHM_ROOT / name).unlink(missing_ok=True)
-
-
-@pytest.fixture
-def producer(mesh: str) -> Iterator[ShmProducer]:
-    with ShmProducer(mesh) as shm:
-        yield shm
 
 
 SAMPLES = {

@@ -7,12 +7,9 @@ name each time, bounded, unlinked at close and swept once their process dies.
 from __future__ import annotations
 
 import gc
-import os
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,33 +18,14 @@ import torch
 from services.mesh.errors import FailedPrecondition
 from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
 from services.mesh.shm_pool import MIN_CLASS, size_class
+from tests.helpers.shm_blocks import blocks_of
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
-def blocks_of(mesh: str) -> list[str]:
-    return sorted(n for n in os.listdir(SHM_ROOT) if n.startswith(f"omni-{mesh}-"))
-
-
 def inodes_of(mesh: str) -> set[int]:
     return {(SHM_ROOT / n).stat().st_ino for n in blocks_of(mesh)}
-
-
-@pytest.fixture
-def mesh() -> Iterator[str]:
-    mesh_id = f"p{uuid.uuid4().hex[:12]}"
-    try:
-        yield mesh_id
-    finally:
-        for name in blocks_of(mesh_id):
-            (SHM_ROOT / name).unlink(missing_ok=True)
-
-
-@pytest.fixture
-def producer(mesh: str) -> Iterator[ShmProducer]:
-    with ShmProducer(mesh) as shm:
-        yield shm
 
 
 def floats(nbytes: int, value: float) -> torch.Tensor:
