@@ -157,7 +157,9 @@ class StageClient:
                 await call.done_writing()
             except grpc.aio.AioRpcError:
                 # The stage ended the call before taking the request (it refused the
-                # caller, say): the write fails generically, the call's status says why.
+                # caller, say): the write fails generically, the call's status says why
+                # (unless grpcio's aio client let the write's INTERNAL overwrite it,
+                # grpc/grpc#36066: then INTERNAL is all there is to report).
                 raise await _ended(call) from None
             async for output in call:
                 yield output

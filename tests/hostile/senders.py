@@ -50,6 +50,15 @@ async def on_stage(
     async with mesh.stage(who) as stage:
         call = stage.open_stream(timeout_s=60)
         outputs: list[stage_pb2.StageOutput] = []
+        if who is None:
+            # A stranger is refused on its metadata, before any message is read. Its
+            # verdict is taken first: a write that races the refusal fails inside
+            # grpcio's client as INTERNAL "Internal error from Core" and hides it (grpc/grpc#36066).
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                return Outcome(exc.code().name, exc.details() or "")
+            raise AssertionError(f"a stranger's stream was answered: {first}")
         try:
             await call.write(_ordinary(ordinary))
             for message in messages:
