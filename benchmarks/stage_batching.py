@@ -1,7 +1,7 @@
 """Batching inside a stage: N concurrent requests against the same N one after another.
 
     python benchmarks/stage_batching.py [--levels 1 2 4 8] [--max-tokens 32] [--rounds 2]
-        [--threads 1] [--equality-prompts 32] [--images] [--out FILE]
+        [--threads N] [--no-packed-weights] [--equality-prompts 32] [--images] [--out FILE]
 
 Everything goes through a real stage process's Stage.Generate stream (one stream
 per request, as separate clients would open them):
@@ -46,23 +46,31 @@ PROMPTS = [f"Write a long paragraph about {t}." for t in TOPICS] + [
 ]
 
 
-def llm_stage(max_batch: int, threads: int) -> dict[str, Any]:
+def runtime(max_batch: int, threads: int | None) -> dict[str, Any]:
+    keys: dict[str, Any] = {"max_batch_size": max_batch, "max_queue_size": 64}
+    if threads is not None:  # else the stage's default: torch's, one per core
+        keys["torch_threads"] = threads
+    return keys
+
+
+def llm_stage(max_batch: int, threads: int | None, packed: bool) -> dict[str, Any]:
     return {
         "name": "batching-llm",
         "engine": "transformers",
         "model": SMOLLM2,
-        "runtime": {"max_batch_size": max_batch, "max_queue_size": 64, "torch_threads": threads},
+        "engine_args": {"packed_weights": packed},
+        "runtime": runtime(max_batch, threads),
         "segmenting": {"max_segment_tokens": 16, "min_flush_interval_ms": 50},
     }
 
 
-def image_stage(max_batch: int, threads: int) -> dict[str, Any]:
+def image_stage(max_batch: int, threads: int | None) -> dict[str, Any]:
     return {
         "name": "batching-images",
         "engine": "diffusers",
         "load_format": "dummy",
         "engine_args": {"sample_size": 32, "num_inference_steps": 8},
-        "runtime": {"max_batch_size": max_batch, "max_queue_size": 64, "torch_threads": threads},
+        "runtime": runtime(max_batch, threads),
     }
 
 
@@ -202,16 +210,28 @@ async def main() -> int:
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="side-by-side rounds per level")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads of the stage")
+    parser.add_argument(
+        "--threads", type=int, help="torch threads of the stage (default: the stage's own)"
+    )
+    parser.add_argument(
+        "--packed-weights",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the transformers engine's packed_weights (oneDNN-packed linears)",
+    )
     parser.add_argument("--equality-prompts", type=int, default=32)
     parser.add_argument("--images", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     top = max(args.levels)
-    payload: dict[str, Any] = {"threads": args.threads, "max_tokens": args.max_tokens}
+    payload: dict[str, Any] = {
+        "threads": args.threads,
+        "packed_weights": args.packed_weights,
+        "max_tokens": args.max_tokens,
+    }
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        stage, client = await with_stage(llm_stage(top, args.threads), tmp)
+        stage, client = await with_stage(llm_stage(top, args.threads, args.packed_weights), tmp)
         try:
             await one(client, chat_submit("warm", PROMPTS[0], max_tokens=4, temperature=0.0))
             rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens, args.rounds)

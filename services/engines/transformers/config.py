@@ -34,11 +34,21 @@ class TransformersArgs:
     # How long an idle engine waits after a request arrives for others sent with
     # it, so that they share their first step (costs a lone request this much TTFT).
     gather_ms: float = 10.0
+    # Pack the linear weights for oneDNN once at load (CPU, float32 only): batched
+    # decode steps then cost far less than one step per request (packed_linear.py).
+    packed_weights: bool = True
 
     @classmethod
     def from_settings(cls, settings: EngineSettings) -> TransformersArgs:
         args = dict(settings.engine_args)
-        known = {"dtype", "defaults", "config_overrides", "prefill_tokens", "gather_ms"}
+        known = {
+            "dtype",
+            "defaults",
+            "config_overrides",
+            "prefill_tokens",
+            "gather_ms",
+            "packed_weights",
+        }
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"engine_args: unknown keys {unknown} for the transformers engine")
@@ -60,7 +70,11 @@ class TransformersArgs:
         gather_ms = args.get("gather_ms", 10.0)
         if isinstance(gather_ms, bool) or not isinstance(gather_ms, int | float) or gather_ms < 0:
             raise ValueError("engine_args.gather_ms: expected a number >= 0")
+        packed_weights = args.get("packed_weights", True)
+        if not isinstance(packed_weights, bool):
+            raise ValueError("engine_args.packed_weights: expected true or false")
         return cls(
+            packed_weights=packed_weights,
             prefill_tokens=prefill_tokens,
             gather_ms=float(gather_ms),
             dtype=_DTYPES[dtype_name],

@@ -28,6 +28,7 @@ from transformers import (
 
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
 from services.engines.transformers.config import TransformersArgs
+from services.engines.transformers.packed_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ def load_model(model_path: Path, settings: EngineSettings, args: TransformersArg
             folder, dtype=args.dtype, device_map=settings.device
         )
     model.eval()
+    if args.packed_weights:
+        pack_linears(model)
     info = model_info(model, description=f"{type(model).__name__} from {model_path.name}")
     logger.info(
         "loaded %s (%s, %s, %.1f MiB)",
