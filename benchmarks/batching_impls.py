@@ -1,6 +1,7 @@
 """Which batching loop the transformers engine should use, measured on this CPU.
 
-    python benchmarks/batching_impls.py [--rounds 3] [--max-tokens 32] [--threads 1]
+    python benchmarks/batching_impls.py [--rounds 3] [--max-tokens 32] [--threads N]
+        [--no-packed-weights]
 
 Side by side, in-process, SmolLM2-135M greedy, N prompts at once (N = 1, 4, 8):
 
@@ -11,6 +12,8 @@ Side by side, in-process, SmolLM2-135M greedy, N prompts at once (N = 1, 4, 8):
 - ``hf-generate``: plain ``model.generate`` on one left-padded batch (static
   batching: the ceiling the issue quotes).
 
+All three run the engine's model: with its linear weights packed for oneDNN
+(``engine_args.packed_weights``, the default) unless ``--no-packed-weights``.
 Prints aggregate tokens/s per implementation and batch size; rounds alternate
 the implementations so drift on a shared machine hits all of them.
 """
@@ -93,14 +96,21 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     cache = _cache_dir()
     path = fetch_model(SMOLLM2, cache, _Quiet()).path
-    engine = TransformersEngine(EngineSettings(cache_dir=cache, max_batch_size=8))
+    settings = EngineSettings(
+        cache_dir=cache,
+        max_batch_size=8,
+        engine_args={"packed_weights": args.packed_weights},
+    )
+    engine = TransformersEngine(settings)
     engine.load(path)
     engine.warmup()
     model, tokenizer = engine.model, engine.tokenizer
@@ -141,7 +151,15 @@ async def main() -> int:
         for (name, n), rates in samples.items()
     ]
     print(table(rows, ["impl", "batch", "tokens/s (median)", "min", "max", "vs its batch 1"]))
-    path = write_json("batching_impls", {"rows": rows, "threads": args.threads}, args.out)
+    path = write_json(
+        "batching_impls",
+        {
+            "rows": rows,
+            "threads": torch.get_num_threads(),
+            "packed_weights": args.packed_weights,
+        },
+        args.out,
+    )
     print(f"wrote {path}")
     return 0
 

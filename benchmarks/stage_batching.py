@@ -1,7 +1,8 @@
 """Batching inside a stage: N concurrent requests against the same N one after another.
 
     python benchmarks/stage_batching.py [--levels 1 2 4 8] [--max-tokens 32] [--rounds 2]
-        [--threads N] [--no-packed-weights] [--equality-prompts 32] [--images] [--out FILE]
+        [--threads N] [--no-packed-weights] [--equality-prompts 32] [--no-text] [--no-images]
+        [--out FILE]
 
 Everything goes through a real stage process's Stage.Generate stream (one stream
 per request, as separate clients would open them):
@@ -205,6 +206,40 @@ async def with_stage(config: dict[str, Any], tmp: Path) -> tuple[StageProcess, S
     return stage, client
 
 
+async def text_part(args: argparse.Namespace, tmp: Path, payload: dict[str, Any]) -> list[Any]:
+    top = max(args.levels)
+    stage, client = await with_stage(llm_stage(top, args.threads, args.packed_weights), tmp)
+    try:
+        await one(client, chat_submit("warm", PROMPTS[0], max_tokens=4, temperature=0.0))
+        rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens, args.rounds)
+        payload["alone_ttft_ms"] = alone_ttft * 1e3
+        if args.equality_prompts:
+            payload["equality"] = await equality(client, args.equality_prompts, top)
+    finally:
+        await client.close()
+        await stage.stop()
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]], payload: dict[str, Any], top: int) -> None:
+    speedup = {r["concurrent"]: r["vs in a row"] for r in rows if r["mode"] == "concurrent"}
+    ttft_top = next(
+        r["ttft p99 ms"] for r in rows if r["concurrent"] == top and r["mode"] == "concurrent"
+    )
+    ttft_ratio = ttft_top / payload["alone_ttft_ms"]
+    print(f"\ntokens/s vs in a row: {', '.join(f'{n}: {x:.2f}x' for n, x in speedup.items())}")
+    print("(targets: >= 2.5x at 4, >= 4.0x at 8)")
+    print(f"TTFT p99 at {top} concurrent / median alone: {ttft_ratio:.2f} (target <= 3)")
+    if "equality" in payload:
+        eq = payload["equality"]
+        print(f"greedy alone vs batched: {eq['differ']} of {eq['prompts']} requests differ")
+    payload.update(
+        speedup=speedup,
+        ttft_p99_top_vs_alone=ttft_ratio,
+        target={"speedup_4": 2.5, "speedup_8": 4.0, "ttft_p99_8_vs_alone": 3.0},
+    )
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -220,6 +255,7 @@ async def main() -> int:
         help="the transformers engine's packed_weights (oneDNN-packed linears)",
     )
     parser.add_argument("--equality-prompts", type=int, default=32)
+    parser.add_argument("--text", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--images", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -229,18 +265,12 @@ async def main() -> int:
         "packed_weights": args.packed_weights,
         "max_tokens": args.max_tokens,
     }
+    rows: list[dict[str, Any]] = []
+    image_rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        stage, client = await with_stage(llm_stage(top, args.threads, args.packed_weights), tmp)
-        try:
-            await one(client, chat_submit("warm", PROMPTS[0], max_tokens=4, temperature=0.0))
-            rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens, args.rounds)
-            if args.equality_prompts:
-                payload["equality"] = await equality(client, args.equality_prompts, top)
-        finally:
-            await client.close()
-            await stage.stop()
-        image_rows: list[dict[str, Any]] = []
+        if args.text:
+            rows = await text_part(args, tmp, payload)
         if args.images:
             stage, client = await with_stage(image_stage(top, args.threads), tmp)
             try:
@@ -248,29 +278,15 @@ async def main() -> int:
             finally:
                 await client.close()
                 await stage.stop()
-    columns = ["case", "concurrent", "mode", "tokens/s", "vs in a row", "ttft p50 ms"]
-    print(table(rows, [*columns, "ttft p99 ms"]))
+    if rows:
+        columns = ["case", "concurrent", "mode", "tokens/s", "vs in a row", "ttft p50 ms"]
+        print(table(rows, [*columns, "ttft p99 ms"]))
     if image_rows:
         print()
         print(table(image_rows, ["case", "concurrent", "mode", "images/s", "vs in a row"]))
-    speedup = {r["concurrent"]: r["vs in a row"] for r in rows if r["mode"] == "concurrent"}
-    ttft_top = next(
-        r["ttft p99 ms"] for r in rows if r["concurrent"] == top and r["mode"] == "concurrent"
-    )
-    ttft_ratio = ttft_top / (alone_ttft * 1e3)
-    print(f"\ntokens/s vs in a row: {', '.join(f'{n}: {x:.2f}x' for n, x in speedup.items())}")
-    print("(targets: >= 2.5x at 4, >= 4.0x at 8)")
-    print(f"TTFT p99 at {top} concurrent / median alone: {ttft_ratio:.2f} (target <= 3)")
-    if "equality" in payload:
-        eq = payload["equality"]
-        print(f"greedy alone vs batched: {eq['differ']} of {eq['prompts']} requests differ")
-    payload.update(
-        rows=rows,
-        image_rows=image_rows,
-        speedup=speedup,
-        ttft_p99_top_vs_alone=ttft_ratio,
-        target={"speedup_4": 2.5, "speedup_8": 4.0, "ttft_p99_8_vs_alone": 3.0},
-    )
+    if rows:
+        summarise(rows, payload, top)
+    payload.update(rows=rows, image_rows=image_rows)
     path = write_json("stage_batching", payload, args.out)
     print(f"wrote {path}")
     return 0

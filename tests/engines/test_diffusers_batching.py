@@ -98,6 +98,29 @@ async def test_same_size_requests_denoise_together_with_their_own_previews(
     assert not torch.equal(image_of(together[0]), image_of(together[1]))
 
 
+async def test_requests_sent_together_share_the_first_call_and_a_full_batch_starts_at_once() -> (
+    None
+):
+    # A window far longer than the test's timeout: the batch must start because it is
+    # full, not because the window ran out.
+    engine = DiffusersEngine(
+        EngineSettings(load_format="dummy", max_batch_size=3, engine_args={"gather_ms": 60_000})
+    )
+    engine.load(Path("unused-for-dummy"))
+    sizes: list[int] = []
+    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    unet.register_forward_pre_hook(lambda _m, args: sizes.append(int(args[0].shape[0])))
+    try:
+        runs = await asyncio.wait_for(
+            asyncio.gather(*(_drain(engine, request(f"t{i}", "a cube", seed=i)) for i in range(3))),
+            timeout=30,
+        )
+    finally:
+        engine.close()
+    assert sizes == [3] * STEPS  # the first request waited for the two sent with it
+    assert all(isinstance(events[-1], FinishOutput) for events in runs)
+
+
 async def test_different_sizes_do_not_share_a_call(
     engine: DiffusersEngine, unet_batches: list[int]
 ) -> None:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable, Hashable
 from typing import Any, cast
 
@@ -72,6 +73,7 @@ class Member:
     job: Job
     cancel: threading.Event
     emit: Emit
+    arrived: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class _Interrupted(Exception):

@@ -23,6 +23,10 @@ class DiffusersArgs:
     guidance_scale: float = 1.0
     preview_every: int = 0  # 0: no progress events
     max_image_size: int = DEFAULT_MAX_IMAGE_SIZE
+    # How long the oldest waiting request may wait, from its arrival, for others
+    # sent with it to share its call (costs a lone request this much latency;
+    # nothing with max_batch_size 1).
+    gather_ms: float = 10.0
     # Dummy pipeline only (ignored for a real folder).
     cross_attention_dim: int = 32
     sample_size: int = 8  # latent side; the image side is twice this
@@ -65,6 +69,8 @@ class DiffusersArgs:
             raise InitFailed(
                 "engine_args.preview_every must be >= 0", field="engine_args.preview_every"
             )
+        if self.gather_ms < 0:
+            raise InitFailed("engine_args.gather_ms must be >= 0", field="engine_args.gather_ms")
         if self.guidance_scale < 0:
             raise InitFailed(
                 "engine_args.guidance_scale must be >= 0", field="engine_args.guidance_scale"

@@ -4,7 +4,8 @@ fit one call denoise as one batch (batch.py).
 The pipeline runs on one worker thread the engine owns (a pipeline keeps per-call
 state on itself, so two runs must never overlap). Requests wait in one line; each
 time the worker is free it takes the oldest and every later one that can share
-its call, up to ``max_batch_size``. A step-end callback carries previews back to
+its call, up to ``max_batch_size``, having waited up to ``gather_ms`` from the
+oldest one's arrival for others sent with it. A step-end callback carries previews back to
 the event loop and is where a cancelled run stops.
 """
 
@@ -14,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,6 +67,7 @@ class DiffusersEngine:
         self._pipe: DiffusionPipeline | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers")
         self._lock = threading.Lock()  # guards _waiting (event loop and worker)
+        self._arrivals = threading.Condition(self._lock)
         self._waiting: list[Member] = []  # in arrival order
         self._members: dict[str, Member] = {}  # by request id: waiting or running
         self._prompt_bound: PromptBound | None = None  # None: the pipeline has no tokenizer
@@ -118,8 +121,9 @@ class DiffusersEngine:
                 pass
 
         member = Member(job, threading.Event(), emit)
-        with self._lock:
+        with self._arrivals:
             self._waiting.append(member)
+            self._arrivals.notify()
         self._members[request.request_id] = member
         # One turn of the worker per request: a turn finds its request already
         # taken by an earlier batch, or runs the next batch.
@@ -161,13 +165,21 @@ class DiffusersEngine:
             return False
 
     def _next_batch(self) -> None:
-        """On the worker: run the oldest waiting request with all that can share its call."""
-        with self._lock:
-            if not self._waiting:
-                return
-            key = self._waiting[0].job.batch_key
-            batch = [m for m in self._waiting if m.job.batch_key == key]
-            batch = batch[: self._settings.max_batch_size]
+        """On the worker: run the oldest waiting request with all that can share its
+        call; a batch not yet full waits for arrivals until the oldest has waited
+        ``gather_ms`` (one that queued behind a running batch has, and starts at once)."""
+        limit = self._settings.max_batch_size
+        with self._arrivals:
+            while True:
+                if not self._waiting:
+                    return
+                head = self._waiting[0]
+                batch = [m for m in self._waiting if m.job.batch_key == head.job.batch_key]
+                batch = batch[:limit]
+                left = head.arrived + self._args.gather_ms / 1e3 - time.monotonic()
+                if len(batch) >= limit or left <= 0:
+                    break
+                self._arrivals.wait(left)
             for member in batch:
                 self._waiting.remove(member)
         if len(batch) > 1:
