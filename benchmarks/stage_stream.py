@@ -29,7 +29,7 @@ from benchmarks._common import median, table, write_json
 from orchestrator.stages.processes import StageProcess
 from services.engines.base import EngineRequest, SamplingParams, TokenOutput
 from services.engines.registry import engine_class
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from tests.helpers.stage import TINY_LLAMA
 

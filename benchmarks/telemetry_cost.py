@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.stages.processes import OrchestratorProcess, StageProcess
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "0d400ee^"  # the commit before telemetry came in

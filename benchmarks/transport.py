@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
 from benchmarks.transport_ways import Bench, label, parse_size
-from services.mesh.chunks import CHUNK_BYTES
-from services.mesh.malloc import keep_freed_memory
+from services.mesh.data.chunks import CHUNK_BYTES
+from services.mesh.data.malloc import keep_freed_memory
 
 DEFAULT_SIZES = ["64K", "1M", "16M", "64M", "256M"]
 

@@ -26,13 +26,14 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.mesh import chunks, tensors
-from services.mesh.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, serializer
-from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler
-from services.mesh.malloc import keep_freed_memory
+from services.mesh.data import chunks
+from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, serializer
+from services.mesh.data.chunks import CHUNK_BYTES, ChunkAssembler
+from services.mesh.data.malloc import keep_freed_memory
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.shm import ShmProducer, open_tensor, sweep
-from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep
+from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
 from services.stage.frames import UndecodableInput, read_input
 from services.stage.inputs import decode
 
@@ -77,7 +78,7 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
             if kind == "shm":
                 touch(tensor)
         elif kind == "cuda_ipc":
-            from services.mesh.cuda_ipc import open_cuda
+            from services.mesh.tensors.cuda_ipc import open_cuda
 
             tensor = open_cuda(tensor_pb2.Tensor.FromString(payload), field="t")
             touch(tensor)
@@ -92,7 +93,7 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
             header, frame = sock.recv_multipart(copy=False)
             meta = msgpack.unpackb(header.bytes)
             flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)  # zero copy, read-only
-            tensor = flat.view(tensors.DTYPES[meta["dtype"]]).reshape(meta["shape"])
+            tensor = flat.view(codec.DTYPES[meta["dtype"]]).reshape(meta["shape"])
             touch(tensor)
         conn.send(time.perf_counter())
         del tensor  # unmapping/freeing is the consumer's own time, not the hand-off's
@@ -100,7 +101,7 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
 
 def serve_grpc(port: list[int], ready: threading.Event) -> None:
     async def put(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        touch(tensors.from_proto(tensor_pb2.Tensor.FromString(request), "t"))
+        touch(codec.from_proto(tensor_pb2.Tensor.FromString(request), "t"))
         return struct.pack("d", time.perf_counter())
 
     async def put_chunked(
@@ -168,7 +169,7 @@ class Bench:
         self.pool = ShmProducer(self.mesh)
         self.cuda: Any = None
         if torch.cuda.is_available():
-            from services.mesh.cuda_ipc import CudaIpcProducer
+            from services.mesh.tensors.cuda_ipc import CudaIpcProducer
 
             self.cuda = CudaIpcProducer()
         self.refs: dict[int, bytes] = {}
@@ -207,7 +208,7 @@ class Bench:
 
     def raw_grpc(self, src: torch.Tensor) -> float:
         start = time.perf_counter()
-        reply = self.put(tensors.to_proto(src, "t").SerializeToString())
+        reply = self.put(codec.to_proto(src, "t").SerializeToString())
         return float(struct.unpack("d", reply)[0]) - start
 
     def mesh_bytes(self, src: torch.Tensor) -> float:

@@ -7,7 +7,7 @@ omni generate "PROMPT" [--address A] [--out DIR]       ask a running mesh
 
 TLS and tokens (off unless given): `omni orchestrator serve --tls-cert ...`,
 `omni up --tls` (a throwaway mesh CA), `omni generate --cacert CA --token T`.
-Every flag has an OMNI_* environment variable (see services/mesh/security.py).
+Every flag has an OMNI_* environment variable (see services/mesh/environment.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client import DEFAULT_ADDRESS
-from services.mesh.malloc import keep_freed_memory
+from services.mesh.data.malloc import keep_freed_memory
 from services.mesh.process import port_number
 
 

@@ -20,10 +20,10 @@ import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
 from services.mesh.security import PLAINTEXT, Dialing
-from services.mesh.stage_client import CHANNEL_OPTIONS
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
 ORCHESTRATOR_SERVICE = "omni.v1.Orchestrator"  # its readiness in grpc health

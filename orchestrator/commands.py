@@ -19,10 +19,10 @@ import grpc
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
 from orchestrator.stages.processes import StageProcess
-from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import (
     PLAINTEXT,
     Dialing,
@@ -30,7 +30,7 @@ from services.mesh.security import (
     client_dialing,
     mesh_dialing,
 )
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.telemetry import tracing
 
 logger = logging.getLogger("orchestrator")
 
@@ -92,7 +92,7 @@ def serve_orchestrator(
     try:
         pipeline = load_pipeline(pipeline_path)
         security = pipeline.security.with_env().overridden(flags or {}, "command line")
-        telemetry.setup(f"omni-orchestrator-{pipeline.name}")
+        tracing.setup(f"omni-orchestrator-{pipeline.name}")
     except (ConfigError, ValueError) as exc:
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +116,7 @@ def serve_orchestrator(
         print(f"omni orchestrator: {exc}", file=sys.stderr)
         return 1
     finally:
-        telemetry.shutdown()
+        tracing.shutdown()
 
 
 async def generate(
@@ -225,7 +225,7 @@ async def up(
 
     try:
         pipeline = load_pipeline(pipeline_path)
-        telemetry.setup(f"omni-orchestrator-{pipeline.name}")  # the stages set up their own
+        tracing.setup(f"omni-orchestrator-{pipeline.name}")  # the stages set up their own
     except (ConfigError, ValueError) as exc:
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
@@ -293,4 +293,4 @@ async def up(
     finally:
         print("omni up: stopping", file=sys.stderr, flush=True)
         await launcher.stop()
-        telemetry.shutdown()
+        tracing.shutdown()

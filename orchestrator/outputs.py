@@ -95,6 +95,6 @@ def _save_tensors(tensors: dict[str, tensor_pb2.Tensor], path: Path) -> None:
         return
     from safetensors.torch import save_file as save_torch
 
-    from services.mesh import tensors as codec  # torch: only for bfloat16 and float8
+    from services.mesh.tensors import codec
 
     save_torch({name: codec.from_proto(t) for name, t in tensors.items()}, str(path))

@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests.router import Router
@@ -29,16 +27,15 @@ from orchestrator.requests.streams import (
 )
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
-from services.mesh.byte_budget import InputBudget
-from services.mesh.chunks import CHUNK_BYTES
-from services.mesh.decoding import DecodingInterceptor, request_names
+from services.mesh.data.byte_budget import InputBudget
+from services.mesh.data.chunks import CHUNK_BYTES
+from services.mesh.data.node import mesh_id
+from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import OmniError
-from services.mesh.health_port import serve_health
-from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
-from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
-from services.mesh.ref_reader import RefReader
-from services.mesh.request_ids import check_request_id
+from services.mesh.rpc.request_ids import check_request_id
+from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
+from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import (
     AuthInterceptor,
     Principal,
@@ -49,14 +46,11 @@ from services.mesh.security import (
     orchestrator_authenticator,
     server_credentials,
 )
-from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
 
-ORCHESTRATOR_SERVICE = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].full_name
-LIVENESS_SERVICE = "liveness"
-SERVICE_NAMES = (ORCHESTRATOR_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
-REQUEST_NAMES = request_names(orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"])
+ORCHESTRATOR = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"]
+ORCHESTRATOR_SERVICE = ORCHESTRATOR.full_name
 # With client tokens on, every Orchestrator method needs one; pausing needs an
 # admin's. Health and reflection stay open for probes.
 RULES = {
@@ -65,8 +59,6 @@ RULES = {
     )
     for method in orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].methods
 }
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -244,9 +236,7 @@ class OrchestratorServer:
             chunk_bytes=chunk_bytes,
             max_pause_s=self.security.max_pause_s,
         )
-        self._health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._rpc: MeshServer | None = None  # once started
         self.health_port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._serving = asyncio.Event()  # every stage READY and described
@@ -304,39 +294,27 @@ class OrchestratorServer:
             self._serving.set()
         else:
             self._serving.clear()
-        await self._health.set("", SERVING if ready else NOT_SERVING)
-        await self._health.set(ORCHESTRATOR_SERVICE, SERVING if ready else NOT_SERVING)
+        if self._rpc is not None:
+            await self._rpc.set_health({"": ready, ORCHESTRATOR_SERVICE: ready})
 
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, health_port: int | None = None
     ) -> int:
         """Bind and begin following the stages. ``health_port``: also serve health
         alone, plaintext, there (for probes that cannot do TLS)."""
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", self.max_message_bytes),
-                ("grpc.max_send_message_length", -1),
-                ("grpc.so_reuseport", 0),
-                *SERVER_KEEPALIVE_OPTIONS,
-            ],
-            interceptors=[
-                DecodingInterceptor(REQUEST_NAMES),
-                AuthInterceptor(self.authenticator, RULES),
-            ],
+        rpc = self._rpc = MeshServer(
+            ORCHESTRATOR,
+            AuthInterceptor(self.authenticator, RULES),
+            max_receive_bytes=self.max_message_bytes,
         )
-        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(OrchestratorServicer(self), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(SERVICE_NAMES, server)
+        servicer = OrchestratorServicer(self)
+        rpc.add(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer)
         credentials = server_credentials(self.security, require_client_cert=False)
-        self.port = bind(server, host, port, credentials)
+        self.port = rpc.bind(host, port, credentials)
         await self._update_health()
-        await self._health.set(LIVENESS_SERVICE, SERVING)
-        await server.start()
-        self._server = server
-        if health_port is not None:
-            self._health_server, self.health_port = await serve_health(
-                self._health, host, health_port
-            )
+        await rpc.set_health({LIVENESS_SERVICE: True})
+        await rpc.start(host, health_port)
+        self.health_port = rpc.health_port
         for monitor in self.monitors.values():
             monitor.on_change(self._on_change)
             await monitor.start()
@@ -353,8 +331,8 @@ class OrchestratorServer:
         await asyncio.wait_for(ready(), timeout_s)
 
     async def wait(self) -> None:
-        assert self._server is not None, "start() first"
-        await self._server.wait_for_termination()
+        assert self._rpc is not None, "start() first"
+        await self._rpc.wait()
 
     async def stop(self, grace_s: float = 5.0) -> None:
         await self.router.stop()
@@ -363,9 +341,7 @@ class OrchestratorServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for monitor in self.monitors.values():
             await monitor.stop()
-        if self._server is not None:
-            await self._server.stop(grace_s)
-        if self._health_server is not None:
-            await self._health_server.stop(None)
+        if self._rpc is not None:
+            await self._rpc.stop(grace_s)
         for client in self.clients.values():
             await client.close()

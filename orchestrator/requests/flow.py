@@ -26,12 +26,14 @@ from orchestrator.requests import observe
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_streams import RequestStream, StageStreams, StreamBroken
-from services.mesh import chunks, errors, telemetry
-from services.mesh.chunk_wire import STAGE_INPUT_CHUNK
+from services.mesh import errors
+from services.mesh.data import chunks
+from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
+from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from services.mesh.ref_reader import RefReader
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +175,7 @@ class RequestFlow:
         # The stage's spans of this request hang under this stage's span (not a window's).
         if stage == self._topology.entry:
             async for submit in self._entry_inputs:
-                telemetry.inject_into(submit.trace_context)
+                tracing.inject_into(submit.trace_context)
                 yield submit
             return
         edge = self._topology.incoming[stage]
@@ -193,7 +195,7 @@ class RequestFlow:
             submit.inputs.tensors.extend(window.tensors)
             if params is not None:
                 submit.params.CopyFrom(params)
-            telemetry.inject_into(submit.trace_context)
+            tracing.inject_into(submit.trace_context)
             with observe.window_span(name, submit):
                 yield submit
             lane.taken(window)

@@ -1,7 +1,7 @@
 """What the requests side reports to telemetry: one trace per request (a root
 span, a span per stage it reaches, a span per window forwarded on an edge) and
 the metrics operators watch. Every function returns at once when telemetry is
-off (``services.mesh.telemetry``)."""
+off (``services.mesh.telemetry.tracing``)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ from typing import Any
 
 from opentelemetry import trace
 
-from services.mesh import metrics, telemetry
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.telemetry import metrics, tracing
 
 _NO_SPAN = contextlib.nullcontext()
 
 
 def request_span(request_id: str) -> contextlib.AbstractContextManager[Any]:
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         return _NO_SPAN
-    return telemetry.tracer().start_as_current_span(
+    return tracing.tracer().start_as_current_span(
         "omni.request",
         kind=trace.SpanKind.SERVER,
         attributes={"gen_ai.operation.name": "generate", "gen_ai.response.id": request_id},
@@ -30,9 +30,9 @@ def request_span(request_id: str) -> contextlib.AbstractContextManager[Any]:
 def stage_span(request_id: str, stage: str) -> contextlib.AbstractContextManager[Any]:
     """The orchestrator's span of one stage's part in a request; its context is what
     the stage's own spans hang under (``Submit.trace_context``)."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         return _NO_SPAN
-    return telemetry.tracer().start_as_current_span(
+    return tracing.tracer().start_as_current_span(
         f"omni.stage {stage}",
         kind=trace.SpanKind.CLIENT,
         attributes={"omni.stage": stage, "gen_ai.response.id": request_id},
@@ -42,7 +42,7 @@ def stage_span(request_id: str, stage: str) -> contextlib.AbstractContextManager
 @contextlib.contextmanager
 def window_span(edge: str, submit: stage_pb2.Submit) -> Iterator[None]:
     """From a window's Submit being built until it is written to the stage."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         yield
         return
     metrics.WINDOWS.add(1, {"omni.edge": edge})
@@ -53,14 +53,14 @@ def window_span(edge: str, submit: stage_pb2.Submit) -> Iterator[None]:
         "omni.window.is_last": submit.is_last,
         "omni.window.items": len(inputs.token_ids) or len(inputs.tensors),
     }
-    with telemetry.tracer().start_as_current_span(f"omni.window {edge}", attributes=attributes):
+    with tracing.tracer().start_as_current_span(f"omni.window {edge}", attributes=attributes):
         yield
 
 
 def outputs(stage: str, output: stage_pb2.StageOutput) -> None:
     """A stage's event as the orchestrator reads it: tensor bytes by transport,
     and a stage's timings and token counts from its Completed."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         return
     kind = output.WhichOneof("kind")
     if kind == "segment":
@@ -90,7 +90,7 @@ def _completed(stage: str, completed: stage_pb2.Completed) -> None:
 
 def finished(done: orchestrator_pb2.Done, blocked_s: dict[str, float]) -> None:
     """A request's Done: its status, duration and the time its edges were held back."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         return
     status = done.code_name or "OK"
     metrics.REQUEST_DURATION.record(done.total_ms / 1e3, {"omni.status": status})

@@ -19,7 +19,8 @@ from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_streams import StageStreams
 from services.mesh import errors
-from services.mesh.chunks import CHUNK_BYTES
+from services.mesh.data.chunks import CHUNK_BYTES
+from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import (
     Cancelled,
     FailedPrecondition,
@@ -29,9 +30,8 @@ from services.mesh.errors import (
     Unavailable,
 )
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from services.mesh.ref_reader import RefReader
+from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import ANONYMOUS, Principal
-from services.mesh.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from collections.abc import Mapping
 
 import grpc
 
-from services.mesh.chunk_wire import EncodedChunk
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.chunk_wire import EncodedChunk
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
-from services.mesh.byte_budget import InputBudget, StreamAccount
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.byte_budget import InputBudget, StreamAccount
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, NotFound, OmniError, ResourceExhausted
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from services.mesh.request_ids import check_request_id
+from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.security import ANONYMOUS, Principal
 
 Params = Mapping[str, stage_pb2.GenerationParams]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from services.mesh.certs import MeshCA
 from services.mesh.security import SecuritySettings
+from services.mesh.security.certs import MeshCA
 
 
 @dataclass(frozen=True)

@@ -27,11 +27,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
-from services.mesh import metrics, telemetry
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import PLAINTEXT, Dialing
-from services.mesh.stage_client import StageClient
+from services.mesh.telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class StageMonitor:
 
     def _record_phase(self, event: stage_pb2.InitEvent) -> None:
         """Init phase durations as metrics, each event once (InitStatus replays them)."""
-        if not telemetry.ENABLED or event.monotonic_s <= self._recorded_mono:
+        if not tracing.ENABLED or event.monotonic_s <= self._recorded_mono:
             return
         self._recorded_mono = event.monotonic_s
         if event.duration_ms:

@@ -11,20 +11,6 @@ import os
 import signal
 import sys
 
-import grpc
-
-# Keepalive on every server: ping idle clients (a vanished client's streams are
-# ended), and let clients ping as often as every second (the default would
-# answer a client's keepalive pings with GOAWAY "too many pings").
-SERVER_KEEPALIVE_OPTIONS = [
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.ping_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
-
 
 def configure_logging() -> None:
     """One format for every process; the level comes from OMNI_LOG_LEVEL (INFO)."""
@@ -67,26 +53,6 @@ def stop_on_signals() -> asyncio.Event:
 def announce(host: str, port: int) -> None:
     """The line launchers read to learn the bound port (``--port 0``)."""
     print(f"listening {host}:{port}", flush=True)
-
-
-def bind(
-    server: grpc.aio.Server,
-    host: str,
-    port: int,
-    credentials: grpc.ServerCredentials | None = None,
-) -> int:
-    """Bind ``host:port`` (0: a free port), with TLS when ``credentials`` are given;
-    OSError naming the address if it is taken."""
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(f"{host}:{port}")
-        else:
-            bound = server.add_secure_port(f"{host}:{port}", credentials)
-    except RuntimeError:  # grpc's way of saying the address is in use or invalid
-        bound = 0
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port} (in use, or not an address of this host)")
-    return bound
 
 
 def port_number(text: str) -> int:

@@ -15,11 +15,10 @@ import asyncio
 import logging
 import sys
 
-from services.mesh import telemetry
 from services.mesh.config_files import ConfigError
+from services.mesh.data.malloc import keep_freed_memory
+from services.mesh.data.node import mesh_id
 from services.mesh.errors import InitFailed
-from services.mesh.malloc import keep_freed_memory
-from services.mesh.node import mesh_id
 from services.mesh.process import (
     announce,
     configure_logging,
@@ -27,6 +26,7 @@ from services.mesh.process import (
     port_number,
     stop_on_signals,
 )
+from services.mesh.telemetry import tracing
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 
@@ -51,7 +51,7 @@ async def serve(config_path: str, host: str, port: int, health_port: int | None 
         message = exc.message if isinstance(exc, InitFailed) else str(exc)
         raise ConfigError(f"{config_path}: {message}") from None
     try:
-        telemetry.setup(f"omni-stage-{config.name}")
+        tracing.setup(f"omni-stage-{config.name}")
     except ValueError as exc:  # OMNI_PROMETHEUS_PORT
         raise ConfigError(str(exc)) from None
     stop = stop_on_signals()
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 1
     finally:
-        telemetry.shutdown()
+        tracing.shutdown()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pydantic import (
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES, is_plugin
 from services.mesh import config_files
-from services.mesh.chunks import CHUNK_BYTES
+from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.security import SecuritySettings
 
 _NUMBERS = (int, float, int | None, float | None)
@@ -83,7 +83,7 @@ class Runtime(_Frozen):
     shm_ttl_s: float = Field(300.0, gt=0)  # a block nobody released is freed after this
     # Released shared blocks kept (pre-faulted, renamed) for later requests, in bytes.
     shm_pool_bytes: int = Field(256 << 20, ge=0)
-    # Request input held in memory at once (services/mesh/byte_budget.py): unfinished
+    # Request input held in memory at once (services/mesh/data/byte_budget.py): unfinished
     # chunks, windows waiting for their last one, inputs of running requests. Per
     # stream, and for all streams of the process together.
     max_input_bytes: int = Field(1 << 30, ge=1024)

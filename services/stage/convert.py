@@ -12,9 +12,9 @@ from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted, wire_error
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.tensors import codec
 from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
 from services.stage.inputs import Inputs
 

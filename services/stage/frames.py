@@ -8,7 +8,7 @@ never an exception gRPC would report as UNKNOWN.
 
 from __future__ import annotations
 
-from services.mesh.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, decode_chunk
+from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, decode_chunk
 from services.mesh.pb.omni.v1 import stage_pb2
 
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.transport import TensorReceiver
+from services.mesh.tensors.transport import TensorReceiver
 
 _MAX_ROWS = (1 << 63) - 1  # a first dim must fit the int64 of a wire shape
 # What one window costs beyond its payload (its Inputs, dicts, tensor objects):

@@ -12,18 +12,18 @@ from collections.abc import Iterator, Mapping
 
 from opentelemetry import trace
 
-from services.mesh import metrics, telemetry
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.telemetry import metrics, tracing
 
 
 @contextlib.contextmanager
 def request(stage: str, request_id: str, trace_context: Mapping[str, str]) -> Iterator[None]:
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         yield
         return
     attributes = {"omni.stage": stage, "gen_ai.response.id": request_id}
-    with telemetry.context_of(trace_context):
-        with telemetry.tracer().start_as_current_span(
+    with tracing.context_of(trace_context):
+        with tracing.tracer().start_as_current_span(
             f"stage {stage}", kind=trace.SpanKind.SERVER, attributes=attributes
         ):
             yield
@@ -32,7 +32,7 @@ def request(stage: str, request_id: str, trace_context: Mapping[str, str]) -> It
 @contextlib.contextmanager
 def queued(stage: str) -> Iterator[None]:
     """Around the wait for a run slot: the queue depth, and a span for the wait."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         yield
         return
     at = {"omni.stage": stage}
@@ -42,20 +42,20 @@ def queued(stage: str) -> Iterator[None]:
         yield
     finally:
         metrics.QUEUE_DEPTH.add(-1, at)
-        span = telemetry.tracer().start_span("stage.queue", start_time=began, attributes=at)
+        span = tracing.tracer().start_span("stage.queue", start_time=began, attributes=at)
         span.end()
 
 
 @contextlib.contextmanager
 def running(stage: str) -> Iterator[None]:
     """Around the engine's work on a request: the running batch, and a compute span."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         yield
         return
     at = {"omni.stage": stage}
     metrics.RUNNING.add(1, at)
     try:
-        with telemetry.tracer().start_as_current_span("stage.compute", attributes=at):
+        with tracing.tracer().start_as_current_span("stage.compute", attributes=at):
             yield
     finally:
         metrics.RUNNING.add(-1, at)
@@ -63,7 +63,7 @@ def running(stage: str) -> Iterator[None]:
 
 def handed_off(stage: str, msg: tensor_pb2.Tensor, began_ns: int) -> None:
     """One output tensor encoded for its consumer: by which transport, how many bytes."""
-    if not telemetry.ENABLED:
+    if not tracing.ENABLED:
         return
     transport = msg.WhichOneof("data") or "raw"
     nbytes = len(msg.raw) if transport == "raw" else getattr(msg, transport).nbytes
@@ -73,7 +73,7 @@ def handed_off(stage: str, msg: tensor_pb2.Tensor, began_ns: int) -> None:
         "omni.transport": transport,
         "omni.tensor.bytes": nbytes,
     }
-    span = telemetry.tracer().start_span(
+    span = tracing.tracer().start_span(
         "stage.handoff", start_time=began_ns, attributes=attributes
     )
     span.end()

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from dataclasses import dataclass, field
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh.byte_budget import Hold
+from services.mesh.data.byte_budget import Hold
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.stage.events import StageEvent

@@ -25,7 +25,7 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
-from services.mesh.byte_budget import InputBudget
+from services.mesh.data.byte_budget import InputBudget
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
 from services.stage import observe
 from services.stage.admission import Admission
@@ -44,7 +44,7 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self.requests = InFlightRequests()
-        # Input held in memory by every stream of this process (services.mesh.byte_budget).
+        # Input held in memory by every stream of this process (services.mesh.data.byte_budget).
         self.budget = InputBudget(config.runtime.max_process_input_bytes)
         self._clock = clock
         # The engine batches: it decides which requests share a step (max_batch_size

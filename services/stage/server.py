@@ -16,18 +16,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.engines.base import WritesIntoBlocks
 from services.engines.registry import engine_class
-from services.mesh.chunk_wire import ChunkFrame, EncodedChunk, serializer
-from services.mesh.decoding import DecodingInterceptor, request_names
+from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk, serializer
+from services.mesh.data.node import node_identity
 from services.mesh.errors import OmniError, abort_rpc
-from services.mesh.health_port import serve_health
-from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
-from services.mesh.process import SERVER_KEEPALIVE_OPTIONS, bind
+from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
 from services.mesh.security import (
     AuthInterceptor,
     mesh_only,
@@ -45,17 +41,13 @@ from services.stage.transforms import TRANSFORMS
 
 logger = logging.getLogger(__name__)
 
-STAGE_SERVICE = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
-LIVENESS_SERVICE = "liveness"
-SERVICE_NAMES = (STAGE_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
-REQUEST_NAMES = request_names(stage_pb2.DESCRIPTOR.services_by_name["Stage"])
+STAGE = stage_pb2.DESCRIPTOR.services_by_name["Stage"]
+STAGE_SERVICE = STAGE.full_name
 # Each client connection gets a GOAWAY after this long (calls in flight run on to their
 # end; new ones take a new connection). A client that dials a stage's replicas by DNS
 # (a headless Service) resolves again then, so replicas added since are found: gRPC's
 # DNS resolver has no refresh period of its own.
 MAX_CONNECTION_AGE_MS = 120_000
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # With mesh auth on, only the mesh (its client certificate or token) may run,
 # abort or release anything, or read what the stage says of itself (Describe
 # names its node, which a forged ref would copy). Health, reflection and
@@ -179,9 +171,7 @@ class StageServer:
         self.tensors = StageTensors(config)
         if isinstance(self.engine, WritesIntoBlocks):
             self.engine.use_output_blocks(self.tensors)
-        self._health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
-        self._health_server: grpc.aio.Server | None = None
+        self._server: MeshServer | None = None
         self.servicer: StageServicer | None = None  # once started
         self._bus: InitBus | None = None
         self._startup: asyncio.Task[bool] | None = None
@@ -207,32 +197,19 @@ class StageServer:
         # that goes on, rather than the whole stream being torn down.
         transport_limit = 2 * limit + (1 << 20)
         security = self.config.security.with_env()
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", transport_limit),
-                ("grpc.max_send_message_length", -1),
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
-                *SERVER_KEEPALIVE_OPTIONS,
-            ],
-            interceptors=[
-                DecodingInterceptor(REQUEST_NAMES),
-                AuthInterceptor(stage_authenticator(security), MESH_ONLY),
-            ],
+        server = MeshServer(
+            STAGE,
+            AuthInterceptor(stage_authenticator(security), MESH_ONLY),
+            max_receive_bytes=transport_limit,
+            options=[("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)],
         )
         servicer = self.servicer = StageServicer(self.runtime, self._bus, self.tensors)
-        add_stage_servicer(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(SERVICE_NAMES, server)
-        credentials = server_credentials(security, require_client_cert=True)
-        self.port = bind(server, host, port, credentials)
-        await self._set_health(ready=False, alive=True)
-        await server.start()
+        server.add(add_stage_servicer, servicer)
+        self.port = server.bind(host, port, server_credentials(security, require_client_cert=True))
         self._server = server
-        if health_port is not None:
-            self._health_server, self.health_port = await serve_health(
-                self._health, host, health_port
-            )
+        await self._set_health(ready=False, alive=True)
+        await server.start(host, health_port)
+        self.health_port = server.health_port
         self.tensors.start()
         logger.info("stage %s listening on %s:%d", self.config.name, host, self.port)
         self._startup = asyncio.create_task(self._bring_up(), name="stage-startup")
@@ -258,9 +235,8 @@ class StageServer:
         self.failed.set()
 
     async def _set_health(self, *, ready: bool, alive: bool) -> None:
-        await self._health.set("", SERVING if ready else NOT_SERVING)
-        await self._health.set(STAGE_SERVICE, SERVING if ready else NOT_SERVING)
-        await self._health.set(LIVENESS_SERVICE, SERVING if alive else NOT_SERVING)
+        assert self._server is not None
+        await self._server.set_health({"": ready, STAGE_SERVICE: ready, LIVENESS_SERVICE: alive})
 
     async def wait_ready(self) -> bool:
         assert self._startup is not None, "start() first"
@@ -268,7 +244,7 @@ class StageServer:
 
     async def wait(self) -> None:
         assert self._server is not None, "start() first"
-        await self._server.wait_for_termination()
+        await self._server.wait()
 
     async def stop(self, grace_s: float | None = None) -> bool:
         """Drain: refuse new requests, let in-flight ones finish within the grace
@@ -285,8 +261,6 @@ class StageServer:
         drained = await self.runtime.drain(grace)
         if self._server is not None:
             await self._server.stop(1.0)
-        if self._health_server is not None:
-            await self._health_server.stop(None)
         await asyncio.to_thread(self.engine.close)
         await self.tensors.close()
         return drained

@@ -30,8 +30,8 @@ from collections.abc import AsyncIterator
 import torch
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh.chunk_wire import ChunkFrame, EncodedChunk
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -40,7 +40,7 @@ from services.mesh.errors import (
     OmniError,
 )
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.request_ids import check_request_id
+from services.mesh.rpc.request_ids import check_request_id
 from services.stage import convert, observe
 from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
 from services.stage.frames import UndecodableInput

@@ -14,14 +14,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from services.mesh import chunks
-from services.mesh.chunk_wire import STAGE_OUTPUT_CHUNK, EncodedChunk
-from services.mesh.cuda_ipc import CudaIpcProducer
+from services.mesh.data import chunks
+from services.mesh.data.chunk_wire import STAGE_OUTPUT_CHUNK, EncodedChunk
+from services.mesh.data.node import mesh_id
 from services.mesh.errors import ResourceExhausted
-from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.shm import ShmProducer, sweep
-from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.mesh.tensors.cuda_ipc import CudaIpcProducer
+from services.mesh.tensors.shm import ShmProducer, sweep
+from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
 from services.stage.config import StageConfig
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage import server as stage_server
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer

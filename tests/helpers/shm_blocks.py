@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from services.mesh.shm import SHM_ROOT
+from services.mesh.tensors.shm import SHM_ROOT
 
 
 def blocks_of(mesh: str) -> list[str]:

@@ -7,8 +7,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from services.mesh.data.shm_refs import SECRET_HEX
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
-from services.mesh.shm_refs import SECRET_HEX
 from tests.hostile.conftest import Mesh
 from tests.hostile.senders import (
     Outcome,

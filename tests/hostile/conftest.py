@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
-from services.mesh.node import node_identity
+from services.mesh.data.node import node_identity
+from services.mesh.data.shm_refs import SHM_ROOT
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, SecuritySettings, client_dialing
-from services.mesh.shm_refs import SHM_ROOT
-from services.mesh.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import tiny_config

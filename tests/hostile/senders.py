@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from services.mesh.stage_client import chat_submit
+from services.mesh.rpc.stage_client import chat_submit
 from tests.hostile.conftest import Mesh
 
 SAME_STREAM_TOKENS = 6  # the ordinary request that shares the hostile request's stream

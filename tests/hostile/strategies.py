@@ -16,8 +16,8 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 from hypothesis import strategies as st
 
+from services.mesh.data.wire import ITEMSIZE
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.wire import ITEMSIZE
 
 WORDS = (
     "",

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from services.mesh.stage_client import chat_submit
+from services.mesh.rpc.stage_client import chat_submit
 from tests.hostile.conftest import Mesh
 from tests.hostile.strategies import WORDS, messages
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.mesh.shm import SHM_ROOT, ShmProducer
+from services.mesh.tensors.shm import SHM_ROOT, ShmProducer
 from tests.helpers.shm_blocks import blocks_of
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from services.mesh.chunk_wire import (
+from services.mesh.data.chunk_wire import (
     STAGE_INPUT_CHUNK,
     STAGE_OUTPUT_CHUNK,
     ChunkFrame,
@@ -20,7 +20,7 @@ from services.mesh.chunk_wire import (
     encoded,
     serializer,
 )
-from services.mesh.chunks import ChunkAssembler
+from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 
 KINDS = [(STAGE_INPUT_CHUNK, stage_pb2.StageInput), (STAGE_OUTPUT_CHUNK, stage_pb2.StageOutput)]

@@ -5,10 +5,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.mesh import tensors as codec
-from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler, split
+from services.mesh.data.chunks import CHUNK_BYTES, ChunkAssembler, split
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.tensors import codec
 
 Mangle = Callable[[list[tensor_pb2.TensorChunk]], list[tensor_pb2.TensorChunk]]
 

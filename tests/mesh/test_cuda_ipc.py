@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.mesh.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
+from services.mesh.data.node import node_identity
 from services.mesh.errors import FailedPrecondition, InvalidArgument
-from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.tensors.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
 
 REPO = Path(__file__).resolve().parents[2]
 needs_gpu = pytest.mark.skipif(
@@ -66,7 +66,7 @@ def test_sharing_a_cpu_tensor_is_a_bug() -> None:
 
 PRODUCER = """
 import sys, torch
-from services.mesh.cuda_ipc import CudaIpcProducer
+from services.mesh.tensors.cuda_ipc import CudaIpcProducer
 device = sys.argv[1]
 cuda = CudaIpcProducer()
 baseline = torch.cuda.memory_allocated(device)
@@ -82,7 +82,7 @@ print(held, released, torch.cuda.memory_allocated(device) - baseline, flush=True
 """
 CONSUMER = """
 import sys, torch
-from services.mesh.cuda_ipc import open_cuda
+from services.mesh.tensors.cuda_ipc import open_cuda
 from services.mesh.errors import FailedPrecondition
 from services.mesh.pb.omni.v1 import tensor_pb2
 for line in sys.stdin:

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.mesh.data.node import node_identity
+from services.mesh.data.shm_refs import BLOCK_NAME
 from services.mesh.errors import FailedPrecondition, InvalidArgument
-from services.mesh.node import node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
-from services.mesh.shm_refs import BLOCK_NAME
+from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
 from tests.helpers.shm_blocks import blocks_of
 
 SECRET = "0123456789abcdef" * 2  # the form of a block name's secret, for hand-made names
@@ -257,7 +257,7 @@ def test_sweep_spares_live_blocks_and_takes_stale_ones(producer: ShmProducer, me
 
 PRODUCER = """
 import sys, time, torch
-from services.mesh.shm import ShmProducer
+from services.mesh.tensors.shm import ShmProducer
 shm = ShmProducer(sys.argv[1])
 for i in range(3):
     print(shm.put(torch.full((4096,), float(i + 1)), "req").SerializeToString().hex(), flush=True)
@@ -266,7 +266,7 @@ time.sleep(120)
 CONSUMER = """
 import sys, time
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import open_tensor
+from services.mesh.tensors.shm import open_tensor
 msg = tensor_pb2.Tensor.FromString(bytes.fromhex(sys.stdin.readline()))
 print(float(open_tensor(msg, mesh_id=sys.argv[1], field="t").sum()), flush=True)
 time.sleep(120)

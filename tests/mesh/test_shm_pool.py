@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.mesh.data.shm_pool import MIN_CLASS, size_class
 from services.mesh.errors import FailedPrecondition
-from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
-from services.mesh.shm_pool import MIN_CLASS, size_class
+from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
 from tests.helpers.shm_blocks import blocks_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_an_allocated_block_never_shared_returns_when_its_views_die(
 
 PRODUCER = """
 import sys, time, torch
-from services.mesh.shm import ShmProducer
+from services.mesh.tensors.shm import ShmProducer
 shm = ShmProducer(sys.argv[1])
 shm.put(torch.ones(1 << 19), "old")
 shm.release("old")  # now a free block of the pool

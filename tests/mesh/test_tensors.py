@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.tensors import codec
 
 
 @pytest.mark.parametrize("name", sorted(codec.DTYPES))

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.mesh import tensors as codec
-from services.mesh.chunks import split
+from services.mesh.data.chunks import split
+from services.mesh.data.node import mesh_id, node_identity, same_ipc, same_node, shared_gpu
 from services.mesh.errors import InvalidArgument
-from services.mesh.node import mesh_id, node_identity, same_ipc, same_node, shared_gpu
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import SHM_ROOT, ShmProducer
-from services.mesh.transport import (
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import SHM_ROOT, ShmProducer
+from services.mesh.tensors.transport import (
     TensorReceiver,
     TensorSender,
     TransportPolicy,
@@ -190,7 +190,7 @@ def test_each_fallback_reason_is_logged_once_and_counted_always(
     sender: TensorSender, caplog: pytest.LogCaptureFixture
 ) -> None:
     far = identity(boot_id="other")
-    with caplog.at_level(logging.INFO, logger="services.mesh.transport"):
+    with caplog.at_level(logging.INFO, logger="services.mesh.tensors.transport"):
         for i in range(3):
             sender.encode(torch.zeros(BIG), "x", f"req-{i}", far)
     lines = [r.getMessage() for r in caplog.records if "other node" in r.getMessage()]

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.mesh import tensors
+from services.mesh.data.shm_refs import read_bytes
+from services.mesh.data.wire import ITEMSIZE, concat_raw, nbytes_of
 from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import ShmProducer
-from services.mesh.shm_refs import read_bytes
-from services.mesh.wire import ITEMSIZE, concat_raw, nbytes_of
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import ShmProducer
 from tests.mesh.test_shm import SAMPLES, bad_ref
 
 
@@ -30,8 +30,8 @@ def mesh() -> str:
 
 
 def test_dtype_sizes_are_torchs() -> None:
-    assert set(ITEMSIZE) == set(tensors.DTYPES)
-    for name, dtype in tensors.DTYPES.items():
+    assert set(ITEMSIZE) == set(codec.DTYPES)
+    for name, dtype in codec.DTYPES.items():
         assert ITEMSIZE[name] == dtype.itemsize, name
 
 
@@ -41,8 +41,8 @@ def test_read_bytes_gives_what_the_codec_would(key: str, producer: ShmProducer, 
     msg = producer.put(tensor, "r")
     inline = read_bytes(msg, mesh_id=mesh, field="t")
     assert inline.WhichOneof("data") in ("raw", None)
-    assert torch.equal(tensors.from_proto(inline, "t"), tensor.contiguous())
-    assert inline == tensors.to_proto(tensor) or inline.raw == tensors.to_proto(tensor).raw
+    assert torch.equal(codec.from_proto(inline, "t"), tensor.contiguous())
+    assert inline == codec.to_proto(tensor) or inline.raw == codec.to_proto(tensor).raw
 
 
 @pytest.mark.parametrize(

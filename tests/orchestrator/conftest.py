@@ -14,7 +14,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
 
 RENDER_DIM = 64  # the tiny Llama's hidden size: its hidden states condition the renderer

@@ -18,7 +18,7 @@ from orchestrator.requests.sink import EventSink
 from orchestrator.requests.streams import single
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from tests.helpers.stage import tiny_config, write_config
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file as load_torch
 
 from orchestrator.client import Result, StageResult
 from orchestrator.outputs import save_outputs
-from services.mesh import tensors as codec
+from services.mesh.tensors import codec
 
 
 def test_images_become_pngs_and_other_tensors_safetensors(tmp_path: Path) -> None:

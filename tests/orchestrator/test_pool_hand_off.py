@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from services.engines.video.source import pattern_frames
-from services.mesh import tensors as codec
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.shm import SHM_ROOT
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import SHM_ROOT
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 ROOT = Path(__file__).resolve().parents[2]

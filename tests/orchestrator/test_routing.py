@@ -13,9 +13,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import AsyncClient, Client, Result
-from services.mesh import tensors as codec
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
 from tests.orchestrator.conftest import RENDER_DIM, orchestrator, pipeline
 
 THINK_TO_RENDER = [

@@ -18,10 +18,10 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
-from services.mesh.certs import MeshCA
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, SecuritySettings, client_dialing, mesh_dialing
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.security.certs import MeshCA
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 from tests.helpers.grpcurl import GRPCURL

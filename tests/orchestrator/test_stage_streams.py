@@ -21,7 +21,7 @@ from orchestrator.requests.stage_streams import CREDIT, pool_size
 from orchestrator.requests.streams import single
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import tiny_config, write_config

@@ -14,8 +14,8 @@ import yaml
 
 from orchestrator.client import AsyncClient
 from orchestrator.stages.processes import OrchestratorProcess
-from services.mesh import telemetry
-from services.mesh.stage_client import StageClient, chat_submit
+from services.mesh.rpc.stage_client import StageClient, chat_submit
+from services.mesh.telemetry import tracing
 from tests.helpers.otlp import OtlpReceiver, Received
 from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
@@ -24,8 +24,8 @@ ORCHESTRATOR = "omni-orchestrator-traced"
 
 
 def test_telemetry_is_off_without_the_standard_environment() -> None:
-    assert telemetry.setup("omni-test", env={}) is False
-    assert telemetry.ENABLED is False
+    assert tracing.setup("omni-test", env={}) is False
+    assert tracing.ENABLED is False
 
 
 def pipeline_file(stages, path: Path) -> Path:

@@ -22,9 +22,9 @@ import yaml
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.stages.launcher import Launcher
-from services.mesh.node import node_identity
+from services.mesh.data.node import node_identity
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, client_dialing
-from services.mesh.stage_client import StageClient, chat_submit
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.test_up import read_until, shm_blocks
 

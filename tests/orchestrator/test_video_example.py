@@ -12,7 +12,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import load_pipeline
 from orchestrator.stages.launcher import Launcher
 from services.engines.video.source import pattern_frames
-from services.mesh import tensors as codec
+from services.mesh.tensors import codec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
 

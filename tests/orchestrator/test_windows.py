@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from orchestrator.requests.windows import Window, WindowState
-from services.mesh import tensors as codec
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.tensors import codec
 
 D = 3  # hidden size
 

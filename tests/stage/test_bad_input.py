@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import cancel, chat

@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.mesh.chunk_wire import STAGE_INPUT_CHUNK
-from services.mesh.chunks import CHUNK_BYTES, ChunkAssembler
+from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
+from services.mesh.data.chunks import CHUNK_BYTES, ChunkAssembler
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver, TensorSender, TransportPolicy
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 

@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 
 from services.engines.diffusers import build_dummy_pipeline
-from services.mesh import tensors as codec
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import collect

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.mesh import tensors as codec
+from services.mesh.data.node import mesh_id
 from services.mesh.errors import InvalidArgument
-from services.mesh.node import mesh_id
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.shm import ShmProducer
-from services.mesh.transport import TensorReceiver
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import ShmProducer
+from services.mesh.tensors.transport import TensorReceiver
 from services.stage.inputs import Inputs, InputWindows, decode, merge
 
 MESH = mesh_id()

@@ -10,11 +10,11 @@ import gc
 import torch
 
 from services.engines.video.source import pattern_frames
-from services.mesh import tensors as codec
-from services.mesh.node import node_identity
+from services.mesh.data.node import node_identity
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
+from services.mesh.tensors.transport import TensorReceiver
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.mesh import tensors as codec
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import LIVENESS_SERVICE, STAGE_SERVICE, StageServer
 from tests.helpers.stage import Result, cancel, chat, collect, record, stage_config

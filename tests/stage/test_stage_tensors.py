@@ -16,14 +16,14 @@ from PIL import Image
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
-from services.mesh import chunks
-from services.mesh import tensors as codec
-from services.mesh.chunks import ChunkAssembler
-from services.mesh.node import mesh_id, node_identity
+from services.mesh.data import chunks
+from services.mesh.data.chunks import ChunkAssembler
+from services.mesh.data.node import mesh_id, node_identity
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.shm import ShmProducer
-from services.mesh.stage_client import StageClient
-from services.mesh.transport import TensorReceiver
+from services.mesh.rpc.stage_client import StageClient
+from services.mesh.tensors import codec
+from services.mesh.tensors.shm import ShmProducer
+from services.mesh.tensors.transport import TensorReceiver
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import chat, collect, tiny_config

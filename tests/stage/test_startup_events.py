@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.device_lock import DeviceLock
 from services.stage.server import StageServer

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import collect, tiny_config

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.mesh.shm_refs import HELD, create_block, new_name
+from services.mesh.data.shm_refs import HELD, create_block, new_name
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from collections.abc import Iterable
 
 import torch
 
-from services.mesh import tensors
+from services.mesh.data.node import gpu_uuid, node_identity, same_node
 from services.mesh.errors import FailedPrecondition, InvalidArgument
-from services.mesh.node import gpu_uuid, node_identity, same_node
 from services.mesh.pb.omni.v1 import tensor_pb2
+from services.mesh.tensors import codec
 
 
 def ref_name(ref: tensor_pb2.CudaIpcRef) -> str:
@@ -49,7 +49,7 @@ class CudaIpcProducer:
 
         if not tensor.is_cuda:
             raise ValueError(f"cuda_ipc shares CUDA tensors, got one on {tensor.device}")
-        wire = tensors.dtype_name(tensor.dtype)
+        wire = codec.dtype_name(tensor.dtype)
         source = tensor.detach()
         nbytes = source.numel() * source.element_size()
         # The ref has room for one offset, the storage's: a view into a larger
@@ -65,7 +65,7 @@ class CudaIpcProducer:
         (counter_handle, counter_offset, event_handle, event_sync) = args[11:15]
         ref = tensor_pb2.CudaIpcRef(
             handle=handle or b"",
-            device_uuid=gpu_uuid(source.device.index),
+            device_uuid=gpu_uuid(torch, source.device.index),
             offset=storage_offset,
             nbytes=nbytes,
             ref_counter_handle=counter_handle or b"",
@@ -98,8 +98,8 @@ def open_cuda(msg: tensor_pb2.Tensor, *, field: str) -> torch.Tensor:
     """The producer's CUDA tensor, mapped into this process (no copy)."""
     ref = msg.cuda_ipc
     where = f"{field}.cuda_ipc"
-    expected = tensors.nbytes_of(msg, field)
-    dtype = tensors.DTYPES[msg.dtype]
+    expected = codec.nbytes_of(msg, field)
+    dtype = codec.DTYPES[msg.dtype]
     if ref.nbytes != expected or ref.view_offset + ref.nbytes > ref.storage_nbytes:
         raise InvalidArgument(
             f"{where}.nbytes: dtype {msg.dtype} and shape {list(msg.shape)} need {expected} "

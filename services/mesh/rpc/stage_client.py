@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from services.mesh.chunk_wire import STAGE_OUTPUT_CHUNK, deserializer, serializer
+from services.mesh.data.chunk_wire import STAGE_OUTPUT_CHUNK, deserializer, serializer
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
 from services.mesh.security import PLAINTEXT, Dialing

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from services.mesh.chunk_wire import EncodedChunk, encoded
+from services.mesh.data.chunk_wire import EncodedChunk, encoded
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 

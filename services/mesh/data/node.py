@@ -8,6 +8,7 @@ import re
 import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from services.mesh.pb.omni.v1 import tensor_pb2
 
@@ -32,13 +33,12 @@ def _gpu_uuids() -> list[str]:
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return []
-    return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+    return [gpu_uuid(torch, i) for i in range(torch.cuda.device_count())]
 
 
-def gpu_uuid(index: int) -> str:
-    """The UUID of local CUDA device ``index`` as nvidia-smi and NodeIdentity spell it."""
-    import torch
-
+def gpu_uuid(torch: Any, index: int) -> str:
+    """The UUID of local CUDA device ``index`` as nvidia-smi and NodeIdentity spell it
+    (``torch`` the imported module: this half of the data plane never imports it)."""
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.mesh.node import check_mesh_id
+from services.mesh.data.node import check_mesh_id
+from services.mesh.data.shm_refs import SHM_ROOT, read_bytes
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm_refs import SHM_ROOT, read_bytes
 
 
 class RefReader:
@@ -22,9 +22,9 @@ class RefReader:
         if kind == "shm":
             return read_bytes(msg, mesh_id=self.mesh_id, field=field, root=self.root)
         if kind == "cuda_ipc":
-            from services.mesh import tensors
-            from services.mesh.transport import TensorReceiver
+            from services.mesh.tensors import codec
+            from services.mesh.tensors.transport import TensorReceiver
 
             receiver = TensorReceiver(self.mesh_id, allow_refs=True, root=self.root)
-            return tensors.to_proto(receiver.decode(msg, field), msg.name)
+            return codec.to_proto(receiver.decode(msg, field), msg.name)
         return msg

@@ -37,12 +37,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.mesh import tensors
+from services.mesh.data.node import check_mesh_id, node_identity
+from services.mesh.data.shm_pool import DEFAULT_MAX_BYTES, MIN_CLASS, BlockPool, PoolBlock
+from services.mesh.data.shm_refs import HELD, SHM_ROOT, create_block, opened_block, sweep
 from services.mesh.errors import ResourceExhausted
-from services.mesh.node import check_mesh_id, node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm_pool import DEFAULT_MAX_BYTES, MIN_CLASS, BlockPool, PoolBlock
-from services.mesh.shm_refs import HELD, SHM_ROOT, create_block, opened_block, sweep
+from services.mesh.tensors import codec
 
 __all__ = ["SHM_ROOT", "ShmProducer", "open_tensor", "sweep"]
 
@@ -97,7 +97,7 @@ class ShmProducer:
 
     def put(self, tensor: torch.Tensor, owner: str) -> tensor_pb2.Tensor:
         """Copy ``tensor`` into a block owned by request ``owner``; return its ref."""
-        wire = tensors.dtype_name(tensor.dtype)
+        wire = codec.dtype_name(tensor.dtype)
         source = tensor.detach().resolve_conj().resolve_neg()
         nbytes = source.numel() * source.element_size()
         if self.pool is not None and nbytes >= MIN_CLASS:
@@ -152,7 +152,7 @@ class ShmProducer:
                 return None
             block.shipped = True
             block.created = self._clock()  # the TTL runs from the hand-off
-        wire = tensors.dtype_name(tensor.dtype)
+        wire = codec.dtype_name(tensor.dtype)
         ref = tensor_pb2.ShmRef(name=name, offset=offset, nbytes=nbytes, producer=node_identity())
         return tensor_pb2.Tensor(dtype=wire, shape=list(tensor.shape), shm=ref)
 
@@ -312,7 +312,7 @@ def open_tensor(
     """Map a ShmRef's bytes copy-on-write and view them as a tensor (no read copy);
     the ref is checked first (``shm_refs.opened_block``)."""
     ref = msg.shm
-    dtype = tensors.DTYPES[msg.dtype] if msg.dtype in tensors.DTYPES else None
+    dtype = codec.DTYPES[msg.dtype] if msg.dtype in codec.DTYPES else None
     with opened_block(msg, mesh_id, field, root) as fd:
         assert dtype is not None  # checked by opened_block
         if ref.nbytes == 0:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from services.mesh.chunks import Buffer
+from services.mesh.data.chunks import Buffer
+from services.mesh.data.wire import MAX_RANK, concat_raw, nbytes_of
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.wire import MAX_RANK, concat_raw, nbytes_of
 
 DTYPES: dict[str, torch.dtype] = {
     name: dtype

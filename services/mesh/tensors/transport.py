@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from services.mesh import chunks, tensors
-from services.mesh.chunks import ChunkAssembler
-from services.mesh.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
+from services.mesh.data import chunks
+from services.mesh.data.chunks import ChunkAssembler
+from services.mesh.data.node import check_mesh_id, node_identity, same_ipc, same_node, shared_gpu
 from services.mesh.errors import InvalidArgument, ResourceExhausted
-from services.mesh.node import check_mesh_id, node_identity, same_ipc, same_node, shared_gpu
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.shm import SHM_ROOT, ShmProducer, open_tensor
+from services.mesh.tensors import codec
+from services.mesh.tensors.cuda_ipc import CudaIpcProducer, open_cuda, ref_name
+from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +185,7 @@ class TensorSender:
     def _inline(self, tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
         if self._chunk_bytes is None or nbytes <= self._chunk_bytes:
-            return tensors.to_proto(tensor, name)
+            return codec.to_proto(tensor, name)
         # Left in its own memory (a copy only if it is not contiguous on the CPU);
         # the emitted tensor is the stage's from now on, as with a shared block.
         flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
@@ -195,7 +196,7 @@ class TensorSender:
                 dropped = self._unsent.pop(next(iter(self._unsent)))
                 logger.warning("dropped unsent chunks %s", dropped.chunk_id)
             self._unsent[pending.chunk_id] = pending
-        wire = tensors.dtype_name(tensor.dtype)
+        wire = codec.dtype_name(tensor.dtype)
         return tensor_pb2.Tensor(
             name=name, dtype=wire, shape=list(tensor.shape), chunked=pending.ref
         )
@@ -260,11 +261,11 @@ class TensorReceiver:
         if kind == CUDA_IPC:
             return open_cuda(msg, field=field)
         if kind == "chunked" and chunks is not None:
-            return tensors.from_buffer(msg, chunks.take(msg.chunked, field), field)
+            return codec.from_buffer(msg, chunks.take(msg.chunked, field), field)
         if kind == "chunked":
             raise InvalidArgument(
                 f"{field}: chunked tensor {msg.chunked.chunk_id!r} was not resolved (its "
                 "TensorChunk messages must come first on the same stream)",
                 field=field,
             )
-        return tensors.from_proto(msg, field)
+        return codec.from_proto(msg, field)

@@ -1,6 +1,6 @@
 """The mesh's metric instruments, named once (GenAI semantic conventions where
 they fit, ``omni.*`` otherwise). They are the API's proxies until
-``telemetry.setup`` installs a provider; callers check ``telemetry.ENABLED``
+``tracing.setup`` installs a provider; callers check ``tracing.ENABLED``
 before recording, so telemetry off costs nothing on the hot path.
 
 Attributes: ``omni.stage``, ``omni.edge`` ("a->b"), ``omni.transport``
@@ -10,9 +10,9 @@ Attributes: ``omni.stage``, ``omni.edge`` ("a->b"), ``omni.transport``
 
 from __future__ import annotations
 
-from services.mesh import telemetry
+from services.mesh.telemetry import tracing
 
-_meter = telemetry.meter()
+_meter = tracing.meter()
 
 TIME_TO_FIRST_TOKEN = _meter.create_histogram(
     "gen_ai.server.time_to_first_token",
