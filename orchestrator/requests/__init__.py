@@ -1,9 +1,12 @@
 """Moving requests: from the client's first Submit to its one Done.
 
-``router``   requests in flight: start, abort, pause, stage loss
-``flow``     one request through the pipeline's stages
-``lanes``    one edge of one request: the windows in flight and the watermarks
-``windows``  one edge of one request: -1 / N window state over segments
-``sink``     the bounded queue of events for one client stream
-``streams``  GenerateStream: a client's input stream onto the router
+``router``        requests in flight: start, abort, pause, stage loss
+``flow``          one request through the pipeline's stages
+``stage_mux``     long-lived Generate streams to each stage, shared by every
+                  request: demultiplexing by id, per-request credit
+``lanes``         one edge of one request: the windows in flight and the watermarks
+``windows``       one edge of one request: -1 / N window state over segments
+``sink``          the bounded queue of events for one client stream
+``client_input``  what a client sends (Generate, GenerateStream) onto the router
+``observe``       spans and metrics of requests (telemetry)
 """

@@ -1,7 +1,7 @@
 """One request's journey through the pipeline's stages.
 
 The request shares each stage's long-lived Generate stream with the others
-(``stage_streams``): stopping the flow sends the stage a Cancel for it, and the
+(``stage_mux``): stopping the flow sends the stage a Cancel for it, and the
 stage drops it, queued or running. Each edge keeps the request's window state;
 windows go to the consuming stage as soon as they are complete. Above an edge's
 high watermark (or while its client reads slowly) the flow stops taking the
@@ -25,7 +25,7 @@ from orchestrator.pipeline import Edge, Topology
 from orchestrator.requests import observe
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_streams import RequestStream, StageStreams, StreamBroken
+from orchestrator.requests.stage_mux import RequestStream, StageStreams, StreamBroken
 from services.mesh import errors
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK

@@ -17,7 +17,7 @@ from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.requests import observe
 from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_streams import StageStreams
+from orchestrator.requests.stage_mux import StageStreams
 from services.mesh import errors
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.ref_reader import RefReader

@@ -31,13 +31,13 @@ from services.mesh.security import (
     stage_authenticator,
 )
 from services.stage.config import StageConfig
-from services.stage.frames import UndecodableInput, read_input
-from services.stage.init_bus import InitBus
-from services.stage.runtime import StageRuntime
-from services.stage.startup import start_up
-from services.stage.stream import GenerateStream
-from services.stage.tensor_io import StageTensors
-from services.stage.transforms import TRANSFORMS
+from services.stage.serving.frames import UndecodableInput, read_input
+from services.stage.serving.generate_rpc import GenerateStream
+from services.stage.serving.runtime import StageRuntime
+from services.stage.serving.tensor_io import StageTensors
+from services.stage.serving.transforms import TRANSFORMS
+from services.stage.startup.init_bus import InitBus
+from services.stage.startup.phases import start_up
 
 logger = logging.getLogger(__name__)
 

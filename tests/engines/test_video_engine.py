@@ -21,7 +21,7 @@ from services.engines.registry import engine_class
 from services.engines.video.config import VideoArgs
 from services.engines.video.engine import VideoEngine
 from services.engines.video.source import FrameSourceEngine
-from services.engines.video.streams import StreamStates
+from services.engines.video.window_state import StreamStates
 from services.mesh.errors import (
     FailedPrecondition,
     InitFailed,

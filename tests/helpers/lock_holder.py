@@ -10,7 +10,7 @@ from pathlib import Path
 
 _HOLD = """\
 import asyncio, pathlib, sys, time
-from services.stage.device_lock import DeviceLock
+from services.stage.startup.device_lock import DeviceLock
 lock = DeviceLock("cpu", owner=sys.argv[1], lock_dir=pathlib.Path(sys.argv[2]))
 asyncio.run(lock.acquire(5))
 print("held", flush=True)

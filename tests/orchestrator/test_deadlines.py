@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from orchestrator.pipeline import parse_pipeline
+from orchestrator.requests.client_input import single
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.streams import single
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient, chat_submit

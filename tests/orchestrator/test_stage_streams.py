@@ -16,9 +16,9 @@ from grpc_health.v1 import health_pb2
 
 from orchestrator.client import Result
 from orchestrator.pipeline import parse_pipeline
+from orchestrator.requests.client_input import single
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_streams import CREDIT, pool_size
-from orchestrator.requests.streams import single
+from orchestrator.requests.stage_mux import CREDIT, pool_size
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit

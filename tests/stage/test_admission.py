@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from services.mesh.errors import ResourceExhausted
-from services.stage.admission import Admission
+from services.stage.serving.admission import Admission
 
 
 async def settled(condition: Callable[[], bool], turns: int = 100) -> None:

@@ -7,7 +7,7 @@ import pytest
 from services.engines.base import KvGeometry, SamplingParams
 from services.mesh.config_files import ConfigError
 from services.stage.config import load_stage_config
-from services.stage.memory import bytes_per_page, plan_memory
+from services.stage.startup.memory import bytes_per_page, plan_memory
 
 
 def write(tmp_path: Path, text: str) -> Path:

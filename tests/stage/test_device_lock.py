@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from services.mesh.errors import InitFailed
-from services.stage.device_lock import DeviceLock, lock_file_name
+from services.stage.startup.device_lock import DeviceLock, lock_file_name
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 HOLDER = """
 import asyncio, sys, time
 from pathlib import Path
-from services.stage.device_lock import DeviceLock
+from services.stage.startup.device_lock import DeviceLock
 
 lock = DeviceLock(sys.argv[1], "thinker", Path(sys.argv[2]))
 asyncio.run(lock.acquire(timeout_s=10))

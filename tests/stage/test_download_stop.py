@@ -13,7 +13,7 @@ import pytest
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from services.stage.fetch import fetch_model
+from services.stage.startup.fetch import fetch_model
 from tests.helpers.http_server import FileServer
 from tests.helpers.stage import write_config
 

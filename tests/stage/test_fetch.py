@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from services.mesh.errors import InitFailed
-from services.stage.fetch import FetchResult, fetch_model
+from services.stage.startup.fetch import FetchResult, fetch_model
 from tests.helpers.fake_hub import FakeHub
 from tests.helpers.http_server import FileServer
 
@@ -347,7 +347,7 @@ def test_hf_offline_and_not_cached_fails_clearly(
 ONLINE_FETCH = """
 import json
 from pathlib import Path
-from services.stage.fetch import fetch_model
+from services.stage.startup.fetch import fetch_model
 
 class Hook:
     progress_events = []

@@ -4,7 +4,7 @@ import asyncio
 import threading
 
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.stage.init_bus import InitBus
+from services.stage.startup.init_bus import InitBus
 
 
 async def test_replays_history_then_follows_live_events_and_ends_at_ready() -> None:

@@ -12,7 +12,7 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer
 from services.mesh.tensors.transport import TensorReceiver
-from services.stage.inputs import Inputs, InputWindows, decode, merge
+from services.stage.serving.inputs import Inputs, InputWindows, decode, merge
 
 MESH = mesh_id()
 RECEIVER = TensorReceiver(MESH, allow_refs=True)

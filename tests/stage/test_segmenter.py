@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from services.engines.base import Blob, TensorOutput, TokenOutput
-from services.stage.segmenter import Segmenter
+from services.stage.serving.segmenter import Segmenter
 
 
 class Clock:

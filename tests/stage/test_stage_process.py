@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from services.stage.device_lock import DeviceLock
+from services.stage.startup.device_lock import DeviceLock
 from tests.helpers.grpcurl import grpcurl, health, json_stream
 from tests.helpers.http_server import FileServer
 from tests.helpers.lock_holder import lock_held

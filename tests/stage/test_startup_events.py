@@ -8,8 +8,8 @@ from pathlib import Path
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
-from services.stage.device_lock import DeviceLock
 from services.stage.server import StageServer
+from services.stage.startup.device_lock import DeviceLock
 
 
 async def test_lock_acquired_and_ready_report_their_own_phase(tmp_path: Path) -> None:

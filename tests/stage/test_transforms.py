@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from services.mesh.errors import InvalidArgument
-from services.stage.inputs import Inputs
-from services.stage.transforms import TRANSFORMS, apply_transform
+from services.stage.serving.inputs import Inputs
+from services.stage.serving.transforms import TRANSFORMS, apply_transform
 
 UPSTREAM = Inputs(
     text="The capital is Paris.",

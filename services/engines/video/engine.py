@@ -12,7 +12,7 @@ and pipelines them all: device 0 runs window t while device 1 finishes t-1.
 Between calls the pipeline drains: the engine is not told which window is a
 request's last, so none may still be in flight when a call returns (its output
 could never be emitted). The model's state (KV caches, input projection,
-decoder, window count) is kept per request id between calls (streams.py), so a
+decoder, window count) is kept per request id between calls (window_state.py), so a
 request's output is the same however its frames are cut into calls at window borders. Overlap
 therefore grows with the model windows one call carries: an edge ``window: N``
 of a source that emits one model window per segment gives N per call.
@@ -40,7 +40,7 @@ from services.engines.base import (
 from services.engines.video.config import VideoArgs
 from services.engines.video.model import build_weights
 from services.engines.video.pipeline import WindowPipeline
-from services.engines.video.streams import StreamStates
+from services.engines.video.window_state import StreamStates
 from services.mesh.errors import FailedPrecondition, InitFailed, InvalidArgument
 
 logger = logging.getLogger(__name__)

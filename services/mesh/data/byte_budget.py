@@ -11,7 +11,7 @@ before anything is kept; every charge is given back when what it paid for is
 gone (a chunk resolved, a request ended on any path, a stream closed).
 
 The stage charges chunks, windows and running requests' inputs
-(services/stage/stream.py); the orchestrator charges its clients' chunks.
+(services/stage/serving/generate_rpc.py); the orchestrator charges its clients' chunks.
 Charges come from the event loop and from threads that decode inputs, so the
 counters are guarded by one lock.
 """

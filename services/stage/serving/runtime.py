@@ -27,12 +27,18 @@ from services.engines.base import (
 )
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
-from services.stage import observe
-from services.stage.admission import Admission
 from services.stage.config import StageConfig
-from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
-from services.stage.requests import InFlight, InFlightRequests, Sink
-from services.stage.segmenter import Segmenter
+from services.stage.serving import observe
+from services.stage.serving.admission import Admission
+from services.stage.serving.events import (
+    CompletedOut,
+    ErrorOut,
+    ProgressOut,
+    SegmentOut,
+    StageEvent,
+)
+from services.stage.serving.requests import InFlight, InFlightRequests, Sink
+from services.stage.serving.segmenter import Segmenter
 
 logger = logging.getLogger(__name__)
 

@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 
 from services.mesh.errors import InitFailed
-from services.stage.fetch.download import fetch_http
-from services.stage.fetch.hook import (
+from services.stage.startup.fetch.download import fetch_http
+from services.stage.startup.fetch.hook import (
     DownloadHook,
     FetchCancel,
     FetchCancelled,
     FetchResult,
     path_size,
 )
-from services.stage.fetch.hub import fetch_hub
-from services.stage.fetch.local import resolve_local, resolve_package_file
+from services.stage.startup.fetch.hub import fetch_hub
+from services.stage.startup.fetch.local import resolve_local, resolve_package_file
 
 __all__ = [
     "ACCEPTED_FORMS",

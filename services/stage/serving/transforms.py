@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.stage.inputs import Inputs
+from services.stage.serving.inputs import Inputs
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from services.mesh.errors import InitFailed
-from services.stage.fetch.hook import DownloadHook, FetchResult, ProgressFeed, path_size
+from services.stage.startup.fetch.hook import DownloadHook, FetchResult, ProgressFeed, path_size
 
 logger = logging.getLogger(__name__)
 

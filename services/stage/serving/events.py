@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from services.engines.base import ProgressOutput
 from services.mesh.errors import OmniError
-from services.stage.segmenter import Segment
+from services.stage.serving.segmenter import Segment
 
 
 @dataclass(frozen=True)

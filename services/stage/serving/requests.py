@@ -17,8 +17,8 @@ from services.engines.base import EngineRequest, SamplingParams
 from services.mesh.data.byte_budget import Hold
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.stage.events import StageEvent
-from services.stage.inputs import InputWindows
+from services.stage.serving.events import StageEvent
+from services.stage.serving.inputs import InputWindows
 
 Sink = Callable[[StageEvent], Awaitable[None]]
 

@@ -20,10 +20,10 @@ from services.engines.base import Engine, PlansKvCache, PreparesModel
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
-from services.stage.device_lock import DeviceLock
-from services.stage.fetch import FetchCancel, FetchResult, fetch_model
-from services.stage.init_bus import InitBus
-from services.stage.memory import free_device_memory, plan_memory
+from services.stage.startup.device_lock import DeviceLock
+from services.stage.startup.fetch import FetchCancel, FetchResult, fetch_model
+from services.stage.startup.init_bus import InitBus
+from services.stage.startup.memory import free_device_memory, plan_memory
 
 logger = logging.getLogger(__name__)
 

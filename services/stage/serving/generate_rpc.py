@@ -41,14 +41,20 @@ from services.mesh.errors import (
 )
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.request_ids import check_request_id
-from services.stage import convert, observe
-from services.stage.events import CompletedOut, ErrorOut, ProgressOut, SegmentOut, StageEvent
-from services.stage.frames import UndecodableInput
-from services.stage.inputs import Inputs, InputWindows, decode, input_bytes
-from services.stage.requests import InFlight, InputFeed, OutputCredit
-from services.stage.runtime import StageRuntime
-from services.stage.tensor_io import StageTensors
-from services.stage.transforms import apply_transform, check_transform
+from services.stage.serving import convert, observe
+from services.stage.serving.events import (
+    CompletedOut,
+    ErrorOut,
+    ProgressOut,
+    SegmentOut,
+    StageEvent,
+)
+from services.stage.serving.frames import UndecodableInput
+from services.stage.serving.inputs import Inputs, InputWindows, decode, input_bytes
+from services.stage.serving.requests import InFlight, InputFeed, OutputCredit
+from services.stage.serving.runtime import StageRuntime
+from services.stage.serving.tensor_io import StageTensors
+from services.stage.serving.transforms import apply_transform, check_transform
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from services.engines.base import EngineRequest, SamplingParams
 from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted, wire_error
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
-from services.stage.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
-from services.stage.inputs import Inputs
+from services.stage.serving.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
+from services.stage.serving.inputs import Inputs
 
 _SCALAR_PARAMS = (
     "max_tokens",

@@ -25,8 +25,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import Request, urlopen
 
 from services.mesh.errors import InitFailed
-from services.stage.fetch.archive import archive_suffix, extract_archive
-from services.stage.fetch.hook import (
+from services.stage.startup.fetch.archive import archive_suffix, extract_archive
+from services.stage.startup.fetch.hook import (
     DownloadHook,
     FetchCancel,
     FetchResult,
