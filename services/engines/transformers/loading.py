@@ -32,6 +32,11 @@ from services.engines.transformers.packed_linear import pack_linears
 
 logger = logging.getLogger(__name__)
 
+# Part of a converted folder's cache key: raised whenever the folder's layout
+# changes, so folders written by an older converter are converted again.
+# 2: tied weights under their source name, ``architectures`` in config.json.
+CONVERSION_FORMAT = 2
+
 
 @dataclass(frozen=True)
 class LoadedModel:
@@ -101,7 +106,8 @@ def model_info(model: PreTrainedModel, description: str = "") -> ModelInfo:
 def _converted_target(gguf: Path, cache_dir: Path) -> tuple[Path, Path]:
     real = gguf.resolve()
     stat = real.stat()
-    digest = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    key = f"{CONVERSION_FORMAT}\0{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()
     return real, cache_dir / "converted" / f"{digest[:16]}-{real.stem}"
 
 
@@ -146,14 +152,29 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
 
 
 def _convert(gguf: Path, out: Path) -> None:
+    """A standard HF folder, as transformers' own ``save_pretrained`` would write it:
+    weights under their model's names with tied duplicates saved once under the
+    source name (``model.embed_tokens.weight``, not ``lm_head.weight``: a loader
+    that does not re-tie, vLLM for one, would otherwise find no embedding and
+    generate token 0 forever), ``architectures`` in config.json, the tokenizer
+    and the generation config."""
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # save_pretrained refuses gguf-quantised models; save_model writes the dequantised
-    # weights and drops tied duplicates itself.
-    safetensors.torch.save_model(model, str(out / "model.safetensors"))
+    state = model.state_dict()
+    # save_pretrained refuses gguf-quantised models, so the tied copies are dropped
+    # here: each target (lm_head.weight) is the same tensor as its source.
+    for target, source in model.all_tied_weights_keys.items():
+        if target in state and source in state:
+            del state[target]
+    safetensors.torch.save_file(
+        {name: t.contiguous() for name, t in state.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the saved weights are plain floats
+    config.architectures = [type(model).__name__]
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     generation = model.generation_config or GenerationConfig.from_model_config(config)
