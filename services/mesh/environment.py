@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 from services.mesh.config_files import ConfigError
 
 T = TypeVar("T")
+N = TypeVar("N", int, float)
 
 
 class BadVariable(ConfigError, ValueError):
@@ -84,30 +85,24 @@ def _path(value: str) -> Path:
     return Path(value)
 
 
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = 0
-    if not 0 < port < 65536:
-        raise ValueError(f"expected a port 1-65535, got {value!r}")
-    return port
+def _number(
+    convert: Callable[[str], N], ok: Callable[[N], bool], expected: str
+) -> Callable[[str], N]:
+    def parse(value: str) -> N:
+        try:
+            number: N | None = convert(value)
+        except ValueError:
+            number = None
+        if number is None or not ok(number):
+            raise ValueError(f"expected {expected}, got {value!r}")
+        return number
+
+    return parse
 
 
-def _pid(value: str) -> int:
-    if not value.isdigit():
-        raise ValueError(f"expected a process id, got {value!r}")
-    return int(value)
-
-
-def _seconds(value: str) -> float:
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = 0.0
-    if not seconds > 0:
-        raise ValueError(f"expected a number of seconds > 0, got {value!r}")
-    return seconds
+_port = _number(int, lambda port: 0 < port < 65536, "a port 1-65535")
+_pid = _number(int, lambda pid: pid > 0, "a process id")
+_seconds = _number(float, lambda seconds: seconds > 0, "a number of seconds > 0")
 
 
 def _log_level(value: str) -> str:
