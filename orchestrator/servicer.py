@@ -1,7 +1,7 @@
 """The Orchestrator gRPC service's methods: thin adapters from the wire to the
-router (requests) and the stage monitors (stages). What they adapt to is owned
-by ``OrchestratorServer`` (orchestrator/server.py); errors reach the client as
-the request's one Done (``client_input.refusal``), never as a stack trace.
+router (requests) and the stage monitors (stages), both owned by
+``OrchestratorServer`` (orchestrator/server.py). A request refused before it
+reaches the router gets its one Done here (``client_input.refusal``).
 """
 
 from __future__ import annotations
