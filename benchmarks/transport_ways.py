@@ -34,7 +34,7 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep
 from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
-from services.stage.serving.frames import UndecodableInput, read_input
+from services.stage.serving.frames import InputFrame, read_input
 from services.stage.serving.inputs import decode
 
 MESH_OF_BYTES = "benchbytes"
@@ -105,14 +105,13 @@ def serve_grpc(port: list[int], ready: threading.Event) -> None:
         return struct.pack("d", time.perf_counter())
 
     async def put_chunked(
-        messages: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput],
+        messages: AsyncIterator[InputFrame],
         context: grpc.aio.ServicerContext,
     ) -> bytes:
         # What a stage does with a Submit whose tensors came as chunks on its stream.
         assembler = ChunkAssembler(1 << 40)
         receiver = TensorReceiver(MESH_OF_BYTES, allow_refs=False)
         async for message in messages:
-            assert not isinstance(message, UndecodableInput), message.reason
             if isinstance(message, ChunkFrame) or message.HasField("chunk"):
                 assembler.add(message.chunk)
                 continue

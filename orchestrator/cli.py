@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from orchestrator.client import DEFAULT_ADDRESS
+from services.mesh import environment
 from services.mesh.data.malloc import keep_freed_memory
 from services.mesh.process import port_number
 
@@ -80,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--max-tokens", type=int, help="for the entry stage")
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
     gen.add_argument("prompt")
-    gen.add_argument("--address", default=os.environ.get("OMNI_ADDRESS", DEFAULT_ADDRESS))
+    address = environment.ADDRESS.get()
+    gen.add_argument("--address", default=DEFAULT_ADDRESS if address is None else address)
     gen.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
     gen.add_argument("--seed", type=int, help="for every stage")
@@ -88,13 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, help="seconds; the deadline reaches the stages")
     gen.add_argument(
         "--token",
-        default=os.environ.get("OMNI_TOKEN"),
+        default=environment.TOKEN.get(),
         help="bearer token (default: $OMNI_TOKEN, or the file $OMNI_TOKEN_FILE)",
     )
     gen.add_argument(
         "--cacert",
         type=Path,
-        default=os.environ.get("OMNI_CACERT") or None,
+        default=environment.CACERT.get(),
         help="speak TLS, verifying the orchestrator with this CA (default: $OMNI_CACERT)",
     )
     gen.add_argument("--tls", action="store_true", help="speak TLS, verified by system roots")
@@ -149,8 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     from services.mesh.security import client_dialing, read_secret
 
     token = args.token
-    if not token and os.environ.get("OMNI_TOKEN_FILE"):
-        token = read_secret(Path(os.environ["OMNI_TOKEN_FILE"]))
+    token_file = environment.TOKEN_FILE.get()
+    if not token and token_file is not None:
+        token = read_secret(token_file)
     dialing = client_dialing(token=token, ca=args.cacert, tls=args.tls)
 
     return asyncio.run(

@@ -1,44 +1,33 @@
-"""The Orchestrator gRPC service: thin adapters over the Router and the stage
-monitors, plus health (NOT_SERVING until every stage is READY) and reflection.
-
-``OrchestratorServer`` owns the gRPC server, one channel and one monitor per
-stage, and the router: ``start()``, ``wait()``, ``stop()``.
+"""The orchestrator process's server: ``OrchestratorServer`` owns the gRPC server,
+one channel and one monitor per stage, and the router: ``start()``, ``wait()``,
+``stop()``. Health is NOT_SERVING until every stage is READY and described;
+a stage that goes DOWN fails the requests it held. The service's methods are
+thin adapters over these (``orchestrator.servicer``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import grpc
 
 from orchestrator.pipeline import PipelineConfig
-from orchestrator.requests.client_input import (
-    check_stage_params,
-    refusal,
-    refuse_refs,
-    single,
-    stream_requests,
-)
 from orchestrator.requests.router import Router
-from orchestrator.requests.sink import EventSink
+from orchestrator.servicer import OrchestratorServicer
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.node import mesh_id
 from services.mesh.data.ref_reader import RefReader
-from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
-from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import (
     AuthInterceptor,
-    Principal,
     SecuritySettings,
     admin_only,
     anyone,
@@ -57,117 +46,8 @@ RULES = {
     f"/{ORCHESTRATOR_SERVICE}/{method.name}": (
         admin_only if method.name in ("PauseGeneration", "ResumeGeneration") else anyone
     )
-    for method in orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].methods
+    for method in ORCHESTRATOR.methods
 }
-
-
-class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
-    def __init__(self, server: OrchestratorServer) -> None:
-        self._server = server
-        self._router = server.router
-        self._auth = server.authenticator
-
-    def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
-        principal = self._auth.principal(context)
-        assert principal is not None, "the AuthInterceptor lets only known callers in"
-        return principal
-
-    async def Generate(
-        self, request: orchestrator_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        rid = request.request_id or uuid.uuid4().hex
-        sink = EventSink(*self._server.client_watermarks)
-        try:
-            check_request_id(rid, "request_id")
-            check_stage_params(request.stage_params, self._server.monitors, "stage_params")
-            refuse_refs(request.inputs)
-            submit = stage_pb2.Submit(
-                request_id=rid, inputs=request.inputs, params=request.params, is_last=True
-            )
-            self._router.start(
-                rid,
-                single(submit),
-                dict(request.stage_params),
-                sink,
-                owner=self._caller(context),
-                timeout_s=context.time_remaining(),
-            )
-        except OmniError as exc:
-            logger.info("request %s refused: %s", rid, exc.message)
-            yield refusal(rid, exc)
-            return
-        finished = False
-        try:
-            while (event := await sink.get()) is not None:
-                yield event
-                if event.WhichOneof("kind") == "done":
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self._router.cancel_silently(rid)
-
-    async def GenerateStream(
-        self,
-        request_iterator: AsyncIterator[orchestrator_pb2.StreamInput],
-        context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        server = self._server
-        async for event in stream_requests(
-            self._router,
-            request_iterator,
-            list(server.monitors),
-            server.client_watermarks,
-            server.max_input_bytes,
-            owner=self._caller(context),
-            timeout_s=context.time_remaining(),
-            budget=server.input_budget,
-        ):
-            yield event
-
-    async def Abort(
-        self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> stage_pb2.AbortResponse:
-        # Another client's request is reported not found, as if it did not exist.
-        aborted, not_found = self._router.abort(list(request.request_ids), self._caller(context))
-        return stage_pb2.AbortResponse(aborted=aborted, not_found=not_found)
-
-    async def ListStages(
-        self, request: orchestrator_pb2.ListStagesRequest, context: grpc.aio.ServicerContext
-    ) -> orchestrator_pb2.ListStagesResponse:
-        return orchestrator_pb2.ListStagesResponse(
-            stages=[m.status for m in self._server.monitors.values()]
-        )
-
-    async def WatchStages(
-        self, request: orchestrator_pb2.WatchStagesRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[orchestrator_pb2.StageStatus]:
-        merged: asyncio.Queue[orchestrator_pb2.StageStatus] = asyncio.Queue()
-
-        async def follow(monitor: StageMonitor) -> None:
-            async for status in monitor.changes():
-                await merged.put(status)
-
-        tasks = [asyncio.create_task(follow(m)) for m in self._server.monitors.values()]
-        try:
-            while True:
-                yield await merged.get()
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def PauseGeneration(
-        self, request: orchestrator_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
-    ) -> orchestrator_pb2.PauseGenerationResponse:
-        self._router.pause()
-        return orchestrator_pb2.PauseGenerationResponse(paused=True)
-
-    async def ResumeGeneration(
-        self, request: orchestrator_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
-    ) -> orchestrator_pb2.ResumeGenerationResponse:
-        self._router.resume()
-        return orchestrator_pb2.ResumeGenerationResponse(paused=False)
 
 
 class OrchestratorServer:

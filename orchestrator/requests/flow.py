@@ -23,9 +23,11 @@ import grpc
 
 from orchestrator.pipeline import Edge, Topology
 from orchestrator.requests import observe
+from orchestrator.requests.errors import StageFailed, StreamBroken
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_mux import RequestStream, StageStreams, StreamBroken
+from orchestrator.requests.stage_mux import RequestStream, StageStreams
+from orchestrator.requests.submits import StageSubmits, from_window
 from services.mesh import errors
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
@@ -33,7 +35,6 @@ from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from services.mesh.telemetry import tracing
 
 logger = logging.getLogger(__name__)
 
@@ -57,15 +58,6 @@ def transform_needs(
         if offered.name == transform:
             return frozenset(offered.needs_tensors)
     return None
-
-
-class StageFailed(OmniError):
-    """A stage ended the request with an error, or the stage itself went away."""
-
-    def __init__(self, stage: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
-        super().__init__(message, field=field)
-        self.code = code
-        self.stage = stage
 
 
 class RequestFlow:
@@ -150,7 +142,7 @@ class RequestFlow:
             lane = self._lanes[edge.to] = Lane(edge, self._clock)
         return lane
 
-    async def _inputs(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
+    def _stage_submits(self, stage: str) -> StageSubmits:
         # What the consumers' transforms need, the producer is asked to emit.
         children = self._topology.children[stage]
         asks = {
@@ -162,21 +154,20 @@ class RequestFlow:
         # One consumer on this node that can open shared blocks: tensors go by ref.
         described = self._describe(children[0].to) if len(children) == 1 else None
         consumer = described.node if described is not None else None
-        async for submit in self._submits(stage):
-            self._client_hidden.setdefault(stage, submit.params.return_hidden_states)
-            for param in asks:
-                setattr(submit.params, param, True)
-            if consumer is not None:
-                submit.consumer.CopyFrom(consumer)
-                self._may_share.add(stage)
-            yield submit
+        return StageSubmits(self.request_id, frozenset(asks), consumer, self.deadline)
 
-    async def _submits(self, stage: str) -> AsyncIterator[stage_pb2.Submit]:
-        # The stage's spans of this request hang under this stage's span (not a window's).
+    def _outgoing(
+        self, stage: str, submits: StageSubmits, submit: stage_pb2.Submit
+    ) -> stage_pb2.Submit:
+        self._client_hidden.setdefault(stage, submit.params.return_hidden_states)
+        if submits.consumer is not None:
+            self._may_share.add(stage)
+        return submits.outgoing(submit)
+
+    async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[stage_pb2.Submit]:
         if stage == self._topology.entry:
             async for submit in self._entry_inputs:
-                tracing.inject_into(submit.trace_context)
-                yield submit
+                yield self._outgoing(stage, submits, submit)
             return
         edge = self._topology.incoming[stage]
         assert edge is not None
@@ -184,18 +175,8 @@ class RequestFlow:
         params = self._params.get(stage)
         name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
-            submit = stage_pb2.Submit(
-                request_id=self.request_id,
-                sequence=window.sequence,
-                is_last=window.is_last,
-                transform=edge.transform or "",
-            )
-            submit.inputs.text = window.text
-            submit.inputs.token_ids.extend(window.token_ids)
-            submit.inputs.tensors.extend(window.tensors)
-            if params is not None:
-                submit.params.CopyFrom(params)
-            tracing.inject_into(submit.trace_context)
+            submit = from_window(self.request_id, window, edge.transform or "", params)
+            submit = self._outgoing(stage, submits, submit)
             with observe.window_span(name, submit):
                 yield submit
             lane.taken(window)
@@ -214,14 +195,14 @@ class RequestFlow:
             await writer
         except StageFailed:
             raise
-        except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
-            raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         except StreamBroken as exc:
             raise StageFailed(
                 stage,
                 exc.code,
                 f"stage {stage} at {client.address} failed: {exc.code.name}: {exc.details}",
             ) from None
+        except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
+            raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         finally:
             writer.cancel()
             channel.close()
@@ -229,19 +210,16 @@ class RequestFlow:
             self.active_stages.discard(stage)
 
     async def _write(self, stage: str, channel: RequestStream) -> None:
-        first, ended = True, False
-        async for submit in self._inputs(stage):
-            if first and self.deadline is not None:  # what is left of it, for the stage
-                submit.timeout_ms = max(int((self.deadline - time.monotonic()) * 1e3), 1)
-            first, ended = False, submit.is_last
+        submits, ended = self._stage_submits(stage), False
+        async for submit in self._inputs(stage, submits):
+            ended = submit.is_last
             for frame in chunks.split_encoded(
                 submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
             ):
                 await channel.write(frame)
             await channel.write(stage_pb2.StageInput(submit=submit))
-        if not first and not ended:  # the client stopped before its last window
-            end = stage_pb2.Submit(request_id=self.request_id, input_ended=True)
-            await channel.write(stage_pb2.StageInput(submit=end))
+        if submits.sent and not ended:  # the client stopped before its last window
+            await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
     async def _read(self, stage: str, channel: RequestStream) -> None:
         lanes = [self._lane(edge) for edge in self._topology.children[stage]]

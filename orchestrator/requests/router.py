@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.requests import observe
+from orchestrator.requests.errors import NotStarted
 from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
@@ -40,7 +41,9 @@ Readiness = Callable[[str], str | None]
 
 
 @dataclass
-class _InFlight:
+class RouterEntry:
+    """The router's record of one request in flight."""
+
     flow: RequestFlow
     task: asyncio.Task[None]
     owner: Principal  # who started it: only it (or an admin) may abort it
@@ -75,7 +78,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         # What recent requests moved: wire bytes read from each stage, by request id.
         self.recent_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
-        self._running: dict[str, _InFlight] = {}
+        self._running: dict[str, RouterEntry] = {}
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.completed = 0
@@ -105,7 +108,7 @@ class Router:
         while self._paused_at is not None:
             left = self._paused_at + self._max_pause_s - self._clock()
             if left <= 0:
-                raise _Refused(
+                raise NotStarted(
                     "",
                     Unavailable(
                         f"generation is paused (for over max_pause_s={self._max_pause_s:g}s)"
@@ -149,7 +152,7 @@ class Router:
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         )
         task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
-        self._running[request_id] = _InFlight(flow, task, owner)
+        self._running[request_id] = RouterEntry(flow, task, owner)
 
     async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
         with observe.request_span(flow.request_id):
@@ -164,7 +167,7 @@ class Router:
             for stage in self._topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
-                    raise _Refused(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
+                    raise NotStarted(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
             self._check_transforms()
             done = await flow.run()
             for edge, seconds in flow.blocked_s.items():
@@ -172,8 +175,8 @@ class Router:
             waited = sink.blocked_s - client_blocked  # a slow client held the stages back
             self.blocked_s["client"] = self.blocked_s.get("client", 0.0) + waited
             flow.blocked_s["client"] = waited
-        except _Refused as refused:
-            done = errors.done(rid, refused.error, refused.stage)
+        except NotStarted as refused:
+            done = errors.done(rid, refused, refused.stage)
         except asyncio.CancelledError:
             running = self._running.get(rid)
             if running is None or running.stopped_by is None:
@@ -204,7 +207,7 @@ class Router:
                 if transform_needs(description, edge.transform) is not None:
                     continue
                 offered = sorted(t.name for t in description.transforms) if description else []
-                raise _Refused(
+                raise NotStarted(
                     edge.to,
                     FailedPrecondition(
                         f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer "
@@ -280,12 +283,3 @@ class Router:
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.streams.close()
-
-
-class _Refused(Exception):
-    """The request cannot start: ``error`` says why, naming ``stage``."""
-
-    def __init__(self, stage: str, error: OmniError) -> None:
-        super().__init__(error.message)
-        self.stage = stage
-        self.error = error

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 import grpc
 
+from orchestrator.requests.errors import StreamBroken
 from services.mesh.data.chunk_wire import EncodedChunk
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
@@ -47,15 +48,6 @@ _CREDITED = ("segment", "progress")
 _CROSSING = frozenset({"cancel.request_id", "submit.input_ended"})
 
 
-class StreamBroken(Exception):
-    """The shared stream a request was on broke: the stage (or the path to it) is gone."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
 def pool_size(address: str) -> int:
     """Streams per stage: one per address an ``ipv4:``/``ipv6:`` target lists; a
     ``dns:`` target may name any number of replicas behind one name, so a few."""
@@ -73,7 +65,7 @@ class RequestStream:
     def __init__(self, stream: _Stream, request_id: str) -> None:
         self.request_id = request_id
         self._stream = stream
-        self._queue: asyncio.Queue[stage_pb2.StageOutput | Exception] = asyncio.Queue()
+        self._queue: asyncio.Queue[stage_pb2.StageOutput | OmniError] = asyncio.Queue()
         self._owed = 0  # taken outputs not yet granted back
         self._sent = False
         self._closed = False
@@ -85,13 +77,8 @@ class RequestStream:
         return self._queue.qsize()
 
     async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
-        """Send on the shared stream; the first Submit carries the request's credit."""
-        if (
-            isinstance(message, stage_pb2.StageInput)
-            and message.WhichOneof("kind") == "submit"
-            and not self._sent
-        ):
-            message.submit.credit = CREDIT
+        """Send on the shared stream (the first Submit carries the request's credit:
+        ``submits``)."""
         self._sent = True
         await self._stream.write(message)
 
@@ -99,7 +86,7 @@ class RequestStream:
         """The request's next output; raises StreamBroken (or an OmniError from
         assembling its chunks) when there will be no more."""
         item = await self._queue.get()
-        if isinstance(item, Exception):
+        if isinstance(item, OmniError):
             raise item
         return item
 
@@ -113,7 +100,7 @@ class RequestStream:
             self._owed = 0
             self._stream.post(stage_pb2.StageInput(credit=credit))
 
-    def deliver(self, item: stage_pb2.StageOutput | Exception) -> None:
+    def deliver(self, item: stage_pb2.StageOutput | OmniError) -> None:
         self._queue.put_nowait(item)
 
     def close(self) -> None:

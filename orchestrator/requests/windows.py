@@ -1,5 +1,5 @@
 """Per-request, per-edge window state: turns an upstream stage's segments into
-the windows the downstream stage is sent (DESIGN §4, Routing).
+the windows the downstream stage is sent (docs/design.md, 'Hand-offs').
 
 Items are tokens. Tensors whose first dim equals a segment's token count are
 per-token rows (e.g. hidden_states [n, d]) and are split with the tokens by

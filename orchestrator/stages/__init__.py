@@ -1,8 +1,11 @@
 """Knowing the stages: how each one comes up, stays up and is started.
 
-``monitor``   one StageMonitor per stage: InitStatus and health, READY/FAILED/DOWN
-``watchdog``  the pausable init watchdog each monitor drives (plain, fake-clock tested)
-``progress``  the start-up view ``omni up`` draws from the monitors
-``launcher``  starts, restarts and stops stage processes for ``omni up``
-``processes`` our servers as child processes (stages and the orchestrator)
+``monitor``      one StageMonitor per stage: InitStatus and health, READY/FAILED/DOWN
+``watchdog``     the pausable init watchdog each monitor drives (plain, fake-clock tested)
+``init_clock``   the watchdog's time: counted and paused seconds, the stall timer
+``health_probe`` a stage's grpc health: serving or not, and watching a READY one
+``status_feed``  who hears of a stage's status: callbacks and ``changes()`` readers
+``progress``     the start-up view ``omni up`` draws from the monitors
+``launcher``     starts, restarts and stops stage processes for ``omni up``
+``processes``    our servers as child processes (stages and the orchestrator)
 """

@@ -20,6 +20,7 @@ from typing import IO
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
+from services.mesh import environment
 from services.mesh.security import SecuritySettings
 
 logger = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class Launcher:
         return self.server
 
     def _env(self, stage: str) -> dict[str, str]:
-        return {"OMNI_MESH_ID": self.mesh_id, **self._stage_env.get(stage, {})}
+        return {environment.MESH_ID.name: self.mesh_id, **self._stage_env.get(stage, {})}
 
     def _open_log(self, name: str) -> IO[bytes]:
         # Closed by stop(); appending keeps the output of earlier runs and restarts.

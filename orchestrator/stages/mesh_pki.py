@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from services.mesh import environment
 from services.mesh.security import SecuritySettings
 from services.mesh.security.certs import MeshCA
 
@@ -53,10 +54,10 @@ def make_mesh_pki(run_dir: Path, stages: Iterable[str], host: str) -> MeshPki:
     for name in stages:
         cert = ca.issue(f"stage-{name}", hosts)
         stage_env[name] = {
-            "OMNI_TLS_CERT": str(cert.cert),
-            "OMNI_TLS_KEY": str(cert.key),
-            "OMNI_TLS_CA": str(ca.ca),
-            "OMNI_MESH_TOKEN_FILE": str(mesh_token),
+            environment.TLS_CERT.name: str(cert.cert),
+            environment.TLS_KEY.name: str(cert.key),
+            environment.TLS_CA.name: str(ca.ca),
+            environment.MESH_TOKEN_FILE.name: str(mesh_token),
         }
     settings = SecuritySettings(
         tls_cert=own.cert,

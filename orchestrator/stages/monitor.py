@@ -17,15 +17,15 @@ the watchdog could next fail and publishes the countdown. States (StageState):
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.stages.health_probe import HealthProbe
+from orchestrator.stages.status_feed import StatusFeed
 from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -35,15 +35,13 @@ from services.mesh.telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
-STAGE_SERVICE = "omni.v1.Stage"  # readiness is health of the Stage service itself
-SERVING = health_pb2.HealthCheckResponse.SERVING
 STARTING = orchestrator_pb2.STAGE_STARTING
 READY = orchestrator_pb2.STAGE_READY
 FAILED = orchestrator_pb2.STAGE_FAILED
 DOWN = orchestrator_pb2.STAGE_DOWN
 COUNTDOWN_S = 1.0  # changes() publishes at least this often while STARTING
 # A stage publishes READY a moment before it flips its health to SERVING.
-CONFIRM_S, CONFIRM_POLL_S = 2.0, 0.1
+CONFIRM_S = 2.0
 StateName = orchestrator_pb2.StageState.Name
 
 
@@ -76,13 +74,11 @@ class StageMonitor:
         self._down: str | None = None  # why a READY stage is DOWN now
         self._client: StageClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self._callbacks: list[Callable[[orchestrator_pb2.StageStatus], None]] = []
-        self._subscribers: set[_Subscriber] = set()
+        self._feed = StatusFeed(target.name)
         self._changed = asyncio.Event()  # wakes the ticker when the watchdog changed
         self._last_state = STARTING
         self._last_published = 0.0
         self._unreachable_logged = False
-        self._stopped = False
         self._recorded_mono = -1.0  # the last init event recorded as a metric
 
     # --- lifecycle ------------------------------------------------------------------
@@ -106,9 +102,7 @@ class StageMonitor:
         if self._client is not None:
             await self._client.close()
             self._client = None
-        self._stopped = True
-        for subscriber in self._subscribers:
-            subscriber.close()
+        self._feed.close()
 
     # --- outputs --------------------------------------------------------------------
 
@@ -125,20 +119,12 @@ class StageMonitor:
 
     def on_change(self, callback: Callable[[orchestrator_pb2.StageStatus], None]) -> None:
         """Call ``callback`` on the event loop with every published status."""
-        self._callbacks.append(callback)
+        self._feed.on_change(callback)
 
     async def changes(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
         """The current status, then every change (a slow reader gets the latest ones)."""
-        subscriber = _Subscriber()
-        self._subscribers.add(subscriber)
-        try:
-            yield self.status
-            if self._stopped:
-                return
-            while (status := await subscriber.get()) is not None:
-                yield status
-        finally:
-            self._subscribers.discard(subscriber)
+        async for status in self._feed.follow(self.status):
+            yield status
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
         """Return once READY; raise the watchdog's error if init FAILED."""
@@ -173,13 +159,7 @@ class StageMonitor:
             self._last_state = status.state
         self._last_published = asyncio.get_running_loop().time()
         self._changed.set()
-        for subscriber in self._subscribers:
-            subscriber.put(status)
-        for callback in self._callbacks:
-            try:
-                callback(status)
-            except Exception:  # one bad observer must not stop the watching
-                logger.exception("stage %s: on_change callback failed", self.target.name)
+        self._feed.publish(status)
 
     # --- the ticker: deadlines and countdown ----------------------------------------
 
@@ -231,17 +211,21 @@ class StageMonitor:
         # Health asked on the channel that routes by health: SERVING while any
         # replica of the stage serves, so one replica starting or draining beside
         # serving ones neither holds the stage STARTING nor turns it DOWN.
-        health = health_pb2_grpc.HealthStub(client.serving_channel)
+        health = HealthProbe(
+            client.serving_channel,
+            poll_s=self._health_poll_s,
+            timeout_s=self._health_timeout_s,
+        )
         try:
             await self._follow_init_or_a_serving_replica(client, health)
         except grpc.aio.AioRpcError as exc:
             self._lost(exc)
-        if self._watchdog.state == STARTING and not await self._not_serving(health, 0.0):
+        if self._watchdog.state == STARTING and not await health.not_serving():
             self._watchdog.mark_ready("ready per grpc health (InitStatus unavailable)")
             self._publish()
         if self._watchdog.state != READY:
             return False
-        if why := await self._not_serving(health, CONFIRM_S):
+        if why := await health.not_serving(CONFIRM_S):
             if self._down is None:
                 self._go_down(why)
             return False
@@ -249,18 +233,18 @@ class StageMonitor:
         if self._down is not None:
             self._down = None
             self._publish()
-        await self._watch_health(health)
+        self._go_down(await health.until_down())
         return True
 
     async def _follow_init_or_a_serving_replica(
-        self, client: StageClient, health: health_pb2_grpc.HealthStub
+        self, client: StageClient, health: HealthProbe
     ) -> None:
         """Follow InitStatus, which reaches one replica. With several, another may be
         serving while that one waits (for its device, say): a replica seen SERVING on
         two polls in a row while the stage is still STARTING makes it READY. A single
         replica's own READY event comes first (it is sent before health turns)."""
         follow = asyncio.create_task(self._follow_init(client))
-        serving = asyncio.create_task(self._until_a_replica_serves(health))
+        serving = asyncio.create_task(health.until_serving_twice(self._starting))
         try:
             await asyncio.wait((follow, serving), return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -273,14 +257,8 @@ class StageMonitor:
             self._watchdog.mark_ready("a replica serves (grpc health); another is starting")
             self._publish()
 
-    async def _until_a_replica_serves(self, health: health_pb2_grpc.HealthStub) -> None:
-        seen = 0
-        while seen < 2:
-            await asyncio.sleep(self._health_poll_s)
-            if self._watchdog.state != STARTING:
-                seen = 0
-                continue
-            seen = seen + 1 if not await self._not_serving(health, 0.0) else 0
+    def _starting(self) -> bool:
+        return self._watchdog.state == STARTING
 
     async def _follow_init(self, client: StageClient) -> None:
         async for event in client.init_events():
@@ -317,34 +295,6 @@ class StageMonitor:
         w = self._watchdog
         return (w.attempt, w.state, w.phase, w.paused, w.bytes_done, w.bytes_total, w.message)
 
-    async def _not_serving(self, health: health_pb2_grpc.HealthStub, within_s: float) -> str:
-        """Why the stage is not SERVING ("" when it is), asked until ``within_s`` passed."""
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + within_s
-        request = health_pb2.HealthCheckRequest(service=STAGE_SERVICE)
-        while True:
-            try:
-                reply = await health.Check(request, timeout=self._health_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                return f"unreachable ({exc.code().name})"
-            if reply.status == SERVING:
-                return ""
-            if loop.time() >= give_up:
-                name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                return f"not serving (health {name})"
-            await asyncio.sleep(CONFIRM_POLL_S)
-
-    async def _watch_health(self, health: health_pb2_grpc.HealthStub) -> None:
-        """Poll until the stage is not SERVING or unreachable; then it is DOWN.
-
-        Polling, not Health.Watch: a Watch stream on a peer that vanished without a
-        reset would wait forever, a Check with a timeout does not."""
-        while True:
-            await asyncio.sleep(self._health_poll_s)
-            if why := await self._not_serving(health, 0.0):
-                self._go_down(why)
-                return
-
     def _go_down(self, why: str) -> None:
         self._down = f"stage {self.target.name} at {self.target.address} is down: {why}"
         self._publish()
@@ -361,27 +311,3 @@ class StageMonitor:
         if self._watchdog.state == STARTING:
             self._watchdog.stream_lost(f"InitStatus unavailable ({exc.code().name})")
             self._publish()
-
-
-class _Subscriber:
-    """One changes() reader: a bounded queue that keeps the newest statuses."""
-
-    def __init__(self, keep: int = 256) -> None:
-        self._queue: collections.deque[orchestrator_pb2.StageStatus | None] = collections.deque(
-            maxlen=keep
-        )
-        self._ready = asyncio.Event()
-
-    def put(self, status: orchestrator_pb2.StageStatus) -> None:
-        self._queue.append(status)
-        self._ready.set()
-
-    def close(self) -> None:
-        self._queue.append(None)
-        self._ready.set()
-
-    async def get(self) -> orchestrator_pb2.StageStatus | None:
-        while not self._queue:
-            self._ready.clear()
-            await self._ready.wait()
-        return self._queue.popleft()

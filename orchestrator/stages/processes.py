@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from services.mesh.process import PARENT_PID_ENV
+from services.mesh import environment
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ServiceProcess(abc.ABC):
             env={
                 **os.environ,
                 "PYTHONUNBUFFERED": "1",
-                PARENT_PID_ENV: str(os.getpid()),
+                environment.PARENT_PID.name: str(os.getpid()),
                 **self._env,
             },
         )

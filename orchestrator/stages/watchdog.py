@@ -1,4 +1,5 @@
-"""The pausable init watchdog (DESIGN.md §4): one stage's init budget, plain Python.
+"""The pausable init watchdog (docs/design.md, 'The init watchdog'): one stage's
+init budget, plain Python; its arithmetic of time is ``init_clock``.
 
 Counting starts when the watchdog is built (or ``restart()``ed): the deadline is
 ``start + init_timeout_s`` and moves later by every second spent in a paused phase.
@@ -38,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from orchestrator.stages.init_clock import InitClock
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
@@ -112,15 +114,12 @@ class Watchdog:
         self._begin()
 
     def _begin(self) -> None:
-        self._start = self._clock()
-        self._ended: float | None = None  # when READY/FAILED froze the counters
+        settings = self.settings
+        self._time = InitClock(settings.init_timeout_s, settings.stall_limit_s, self._clock())
         self._state: int = STARTING
         self._phase: int = stage_pb2.INIT_PHASE_UNSPECIFIED
         self._message = ""
         self._error: OmniError | None = None
-        self._credited: dict[str, float] = {}  # paused seconds per family, closed pauses
-        self._pause: tuple[str, float] | None = None  # (family, since)
-        self._stall_since: float | None = None  # None: no download seen live right now
         self._bytes_done = 0
         self._bytes_total = 0
         self._source = ""
@@ -163,14 +162,15 @@ class Watchdog:
         if phase == stage_pb2.STARTING and self._origin is None:
             self._origin = (event.wall_time.seconds, event.wall_time.nanos)
         family = _FAMILY.get(phase)
-        if self._pause is not None and (family != self._pause[0] or phase in _CLOSES):
-            self._end_pause(now)
+        pausing = self._time.pausing
+        if pausing is not None and (family != pausing or phase in _CLOSES):
+            self._time.end_pause(now)
         if family == "download":
             self._on_download(event, now)
         else:
-            self._stall_since = None  # the download is over even if its DONE went missing
-        if family in self.settings.paused_phases and phase not in _CLOSES and self._pause is None:
-            self._pause = (family, now)
+            self._time.stall_since = None  # the download is over even if its DONE went missing
+        if family is not None and family in self.settings.paused_phases and phase not in _CLOSES:
+            self._time.pause(family, now)
         self._phase = phase
         if event.message or event.reason:
             self._message = event.message or event.reason
@@ -184,13 +184,13 @@ class Watchdog:
         if event.source:
             self._source = event.source
         if event.phase == stage_pb2.DOWNLOAD_DONE:
-            self._stall_since = None
+            self._time.stall_since = None
             self._bytes_done, self._bytes_total = event.bytes_done, event.bytes_total
             return
         if event.phase == stage_pb2.DOWNLOAD_START:
-            self._bytes_done, self._stall_since = 0, now
-        elif self._stall_since is None or event.bytes_done > self._bytes_done:
-            self._stall_since = now  # progress, or the first live sign after blindness
+            self._bytes_done, self._time.stall_since = 0, now
+        elif self._time.stall_since is None or event.bytes_done > self._bytes_done:
+            self._time.stall_since = now  # progress, or the first live sign after blindness
         self._bytes_done = max(self._bytes_done, event.bytes_done)
         if event.bytes_total:
             self._bytes_total = event.bytes_total
@@ -218,9 +218,8 @@ class Watchdog:
         now = self._clock()
         if self._expire(now):
             return
-        if self._pause is not None:
-            self._end_pause(now)
-        self._stall_since = None
+        self._time.end_pause(now)
+        self._time.stall_since = None
         self._message = message
 
     def check(self) -> None:
@@ -230,44 +229,19 @@ class Watchdog:
         if self._error is not None:
             raise self._error
 
-    # --- time accounting ------------------------------------------------------------
-
-    def _now(self) -> float:
-        return self._ended if self._ended is not None else self._clock()
-
-    def _end_pause(self, now: float) -> None:
-        assert self._pause is not None
-        family, since = self._pause
-        self._credited[family] = self._credited.get(family, 0.0) + (now - since)
-        self._pause = None
-
-    def _paused_at(self, now: float) -> float:
-        open_s = now - self._pause[1] if self._pause is not None else 0.0
-        return sum(self._credited.values()) + open_s
-
-    def _counted_at(self, now: float) -> float:
-        return now - self._start - self._paused_at(now)
-
-    def _stall_left_at(self, now: float) -> float | None:
-        limit = self.settings.stall_limit_s
-        if limit is None or self._stall_since is None:
-            return None
-        return self._stall_since + limit - now
+    # --- verdicts -------------------------------------------------------------------
 
     def _expire(self, now: float) -> bool:
         """Fail the attempt if a stall or the deadline has passed by ``now``."""
-        stall_left = self._stall_left_at(now)
-        if stall_left is not None and stall_left <= 0:
+        if self._time.stalled_at(now):
             self._finish(now, FAILED, InitTimeout(self._stall_message(now), stalled=True))
-        elif self._pause is None and self._counted_at(now) >= self.settings.init_timeout_s:
+        elif self._time.timed_out_at(now):
             self._finish(now, FAILED, InitTimeout(self._timeout_message(now)))
         return self._state == FAILED
 
     def _finish(self, now: float, state: int, error: OmniError | None) -> None:
-        if self._pause is not None:
-            self._end_pause(now)
-        self._stall_since = None
-        self._ended, self._state, self._error = now, state, error
+        self._time.freeze(now)
+        self._state, self._error = state, error
         if error is not None:
             self._message = error.message
 
@@ -278,29 +252,18 @@ class Watchdog:
             return "none (no init event seen)"
         return stage_pb2.InitPhase.Name(self._phase)  # type: ignore[arg-type]
 
-    def _budget_text(self, now: float) -> str:
-        credited = dict(self._credited)
-        if self._pause is not None:
-            credited[self._pause[0]] = credited.get(self._pause[0], 0.0) + now - self._pause[1]
-        parts = [f"{s:.1f}s paused for {family}" for family, s in sorted(credited.items())]
-        paused = ", ".join(parts) if parts else "0.0s paused"
-        return (
-            f"after {self._counted_at(now):.1f}s counted (+ {paused}) "
-            f"of a {self.settings.init_timeout_s:.1f}s budget"
-        )
-
     def _timeout_message(self, now: float) -> str:
         text = f"stage {self.stage}: init timed out in phase {self._phase_name()} "
-        text += self._budget_text(now)
+        text += self._time.budget_text(now)
         return f"{text} ({self._message})" if self._message else text
 
     def _stall_message(self, now: float) -> str:
-        assert self._stall_since is not None
+        assert self._time.stall_since is not None
         total = format_bytes(self._bytes_total) if self._bytes_total else "an unknown size"
         return (
             f"stage {self.stage}: download stalled: no progress for "
-            f"{now - self._stall_since:.1f}s at {format_bytes(self._bytes_done)} of {total} "
-            f"({self._budget_text(now)})"
+            f"{now - self._time.stall_since:.1f}s at {format_bytes(self._bytes_done)} of {total} "
+            f"({self._time.budget_text(now)})"
         )
 
     # --- outputs --------------------------------------------------------------------
@@ -308,14 +271,7 @@ class Watchdog:
     def next_check_in(self) -> float | None:
         """Seconds until ``check()`` could first fail; None when it cannot (done, or
         paused with no stall limit)."""
-        if self._state != STARTING:
-            return None
-        now = self._clock()
-        candidates = [] if self._pause is not None else [self.budget_left_s]
-        stall_left = self._stall_left_at(now)
-        if stall_left is not None:
-            candidates.append(stall_left)
-        return max(0.0, min(candidates)) if candidates else None
+        return self._time.next_check_in(self._clock()) if self._state == STARTING else None
 
     @property
     def state(self) -> int:
@@ -335,19 +291,19 @@ class Watchdog:
 
     @property
     def paused(self) -> bool:
-        return self._pause is not None
+        return self._time.pausing is not None
 
     @property
     def counted_s(self) -> float:
-        return self._counted_at(self._now())
+        return self._time.counted_at(self._time.reading_at(self._clock()))
 
     @property
     def paused_s(self) -> float:
-        return self._paused_at(self._now())
+        return self._time.paused_at(self._time.reading_at(self._clock()))
 
     @property
     def budget_left_s(self) -> float:
-        return max(0.0, self.settings.init_timeout_s - self.counted_s)
+        return self._time.budget_left_at(self._time.reading_at(self._clock()))
 
     @property
     def bytes_done(self) -> int:

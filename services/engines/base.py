@@ -109,7 +109,7 @@ EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput
 
 @dataclass(frozen=True)
 class KvGeometry:
-    """What one KV page costs: the inputs of DESIGN.md §3's formula."""
+    """What one KV page costs: the inputs of the formula in docs/design.md, 'Memory planning'."""
 
     layers: int
     kv_heads: int

@@ -11,17 +11,18 @@ import os
 import signal
 import sys
 
+from services.mesh import environment
+
 
 def configure_logging() -> None:
     """One format for every process; the level comes from OMNI_LOG_LEVEL (INFO)."""
     logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO").upper(),
+        level=environment.LOG_LEVEL.get(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
 
 
-PARENT_PID_ENV = "OMNI_PARENT_PID"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -31,13 +32,13 @@ def die_with_parent() -> None:
     Launchers (``omni up``) set OMNI_PARENT_PID to their pid; without it this
     does nothing. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op.
     """
-    expected = os.environ.get(PARENT_PID_ENV)
-    if not expected or not sys.platform.startswith("linux"):
+    expected = environment.PARENT_PID.get()
+    if expected is None or not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
         return
-    if str(os.getppid()) != expected:  # it died before the prctl: nobody will signal us
+    if os.getppid() != expected:  # it died before the prctl: nobody will signal us
         os.kill(os.getpid(), signal.SIGTERM)
 
 

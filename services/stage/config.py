@@ -3,7 +3,6 @@ services.mesh.config_files)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from pydantic import (
 
 from services.engines.base import EngineSettings, SamplingParams
 from services.engines.registry import ENGINES, is_plugin
-from services.mesh import config_files
+from services.mesh import config_files, environment
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.security import SecuritySettings
 
@@ -135,10 +134,7 @@ class StageConfig(_Frozen):
 
     @property
     def resolved_cache_dir(self) -> Path:
-        if self.cache_dir is not None:
-            return self.cache_dir.expanduser()
-        env = os.environ.get("OMNI_CACHE_DIR")
-        return Path(env).expanduser() if env else Path("~/.cache/omni-mesh").expanduser()
+        return (self.cache_dir or environment.CACHE_DIR.get()).expanduser()
 
     def engine_settings(self) -> EngineSettings:
         return EngineSettings(

@@ -19,7 +19,7 @@ import torch
 
 from services.engines.base import WritesIntoBlocks
 from services.engines.registry import engine_class
-from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk, serializer
+from services.mesh.data.chunk_wire import EncodedChunk, serializer
 from services.mesh.data.node import node_identity
 from services.mesh.errors import OmniError, abort_rpc
 from services.mesh.pb.omni.v1 import stage_pb2, stage_pb2_grpc
@@ -31,7 +31,7 @@ from services.mesh.security import (
     stage_authenticator,
 )
 from services.stage.config import StageConfig
-from services.stage.serving.frames import UndecodableInput, read_input
+from services.stage.serving.frames import InputFrame, read_input
 from services.stage.serving.generate_rpc import GenerateStream
 from services.stage.serving.runtime import StageRuntime
 from services.stage.serving.tensor_io import StageTensors
@@ -67,7 +67,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
     async def Generate(
         self,
-        request_iterator: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput],
+        request_iterator: AsyncIterator[InputFrame],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[stage_pb2.StageOutput | EncodedChunk]:
         self.streams_opened += 1
@@ -124,9 +124,8 @@ class StageServicer(stage_pb2_grpc.StageServicer):
 
 def add_stage_servicer(servicer: StageServicer, server: grpc.aio.Server) -> None:
     """As the generated ``add_StageServicer_to_server``, with two changes to
-    Generate: it reads frames with ``read_input``, so a frame that does not decode
-    ends the RPC with INVALID_ARGUMENT instead of gRPC's UNKNOWN, and both ways a
-    TensorChunk frame is encoded and read by hand (``chunk_wire``)."""
+    Generate: both ways a TensorChunk frame is encoded and read by hand
+    (``chunk_wire``, ``read_input``)."""
     handlers = {
         "Generate": grpc.stream_stream_rpc_method_handler(
             servicer.Generate,

@@ -18,6 +18,9 @@ from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
 
 RENDER_DIM = 64  # the tiny Llama's hidden size: its hidden states condition the renderer
+THINK_TO_RENDER = [
+    {"from": "thinker", "to": "renderer", "transform": "hidden_states_to_prompt_embeds"}
+]
 
 
 def renderer_config(cache_dir: Path, **runtime: Any) -> dict[str, Any]:

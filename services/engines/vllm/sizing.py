@@ -42,7 +42,7 @@ def model_bytes(
 
 
 def kv_geometry(vllm_config: Any) -> KvGeometry:
-    """The KV layout of a built ``vllm.config.VllmConfig`` (DESIGN.md §3's formula)."""
+    """The KV layout of a built ``vllm.config.VllmConfig`` (docs/design.md, 'Memory planning')."""
     model_config = vllm_config.model_config
     parallel_config = vllm_config.parallel_config
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

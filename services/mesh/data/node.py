@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+from services.mesh import environment
 from services.mesh.pb.omni.v1 import tensor_pb2
 
 
@@ -47,30 +47,16 @@ def node_identity() -> tensor_pb2.NodeIdentity:
     return tensor_pb2.NodeIdentity(
         boot_id=_read("/proc/sys/kernel/random/boot_id"),
         hostname=socket.gethostname(),
-        k8s_node_name=os.environ.get("OMNI_NODE_NAME", os.environ.get("NODE_NAME", "")),
+        k8s_node_name=environment.NODE_NAME.get(),
         ipc_namespace=_namespace("ipc"),
         pid_namespace=_namespace("pid"),
         gpu_uuids=_gpu_uuids(),
     )
 
 
-_MESH_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
-
-
 def mesh_id() -> str:
     """This mesh instance's id ($OMNI_MESH_ID): the prefix of every shared block it owns."""
-    try:
-        return check_mesh_id(os.environ.get("OMNI_MESH_ID", "default"))
-    except ValueError as exc:
-        raise ValueError(f"OMNI_MESH_ID: {exc}") from None
-
-
-def check_mesh_id(value: str) -> str:
-    if not _MESH_ID.fullmatch(value):
-        raise ValueError(
-            f"mesh id {value!r}: expected 1-31 of a-z, 0-9 and '-', not starting with '-'"
-        )
-    return value
+    return environment.MESH_ID.get()
 
 
 def same_node(a: tensor_pb2.NodeIdentity, b: tensor_pb2.NodeIdentity) -> bool:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.mesh.data.node import check_mesh_id
 from services.mesh.data.shm_refs import SHM_ROOT, read_bytes
+from services.mesh.environment import check_mesh_id
 from services.mesh.pb.omni.v1 import tensor_pb2
 
 

@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from services.mesh.data.node import check_mesh_id, node_identity, same_ipc
+from services.mesh.data.node import node_identity, same_ipc
 from services.mesh.data.wire import ITEMSIZE, nbytes_of
+from services.mesh.environment import check_mesh_id
 from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
 

@@ -1,13 +1,15 @@
 """A frame that does not decode as the method's request message ends the RPC
-with INVALID_ARGUMENT naming the message, on every method of a server.
+with INVALID_ARGUMENT naming the message, on every method of a server: the one
+way of both servers, hand-written deserializers included (the stage's Generate
+reads chunks by hand, ``services.stage.serving.frames``), which just raise.
 
 Left to itself, gRPC reports a request deserializer's exception as UNKNOWN with
 the Python exception's class in the message. ``DecodingInterceptor`` wraps each
 handler: its deserializer returns an ``Undecodable`` marker instead of raising,
 and its behaviour aborts the call on one (for streaming requests, when the
 marker is reached, after the frames before it were handled: the behaviour gets
-``UndecodableFrame`` from its request iterator and the call ends when that
-comes out of it).
+``UndecodableFrame``, an ``InvalidArgument``, from its request iterator and the
+call ends with it when it comes out of the behaviour).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import grpc
 
-_FRAME = "request: the frame is not a valid {message} ({reason})"
+from services.mesh.errors import InvalidArgument, abort_rpc
 
 
 class Undecodable:
@@ -41,22 +43,15 @@ def lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return decode
 
 
-class UndecodableFrame(Exception):
-    """Raised to a streaming behaviour where its requests reach a frame that does
-    not decode; the interceptor ends the RPC with INVALID_ARGUMENT when it comes
-    out of the behaviour. Aborting where the frame is read instead would abort from
-    whatever task reads the requests, racing the handler's own writes (a call
-    aborted so while it wrote a reply never ended)."""
+class UndecodableFrame(InvalidArgument):
+    """A frame that is not a valid ``message``. Raised to a streaming behaviour where
+    its requests reach one; the RPC ends with it when it comes out of the behaviour
+    (the interceptor's, or the behaviour's own ``abort_rpc``). Aborting where the
+    frame is read instead would abort from whatever task reads the requests, racing
+    the handler's own writes (a call aborted so while it wrote a reply never ended)."""
 
-    def __init__(self, bad: Undecodable) -> None:
-        super().__init__(bad.reason)
-        self.bad = bad
-
-
-async def _refuse(context: grpc.aio.ServicerContext, message: str, bad: Undecodable) -> None:
-    await context.abort(
-        grpc.StatusCode.INVALID_ARGUMENT, _FRAME.format(message=message, reason=bad.reason)
-    )
+    def __init__(self, message: str, bad: Undecodable) -> None:
+        super().__init__(f"request: the frame is not a valid {message} ({bad.reason})")
 
 
 class DecodingInterceptor(grpc.aio.ServerInterceptor):
@@ -83,7 +78,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     async def frames(requests: AsyncIterator[Any]) -> Any:
         async for request in requests:
             if isinstance(request, Undecodable):
-                raise UndecodableFrame(request)
+                raise UndecodableFrame(message, request)
             yield request
 
     if handler.request_streaming and handler.response_streaming:
@@ -94,7 +89,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
                 async for reply in _replies(inner_ss(frames(requests), context)):
                     yield reply
             except UndecodableFrame as exc:
-                await _refuse(context, message, exc.bad)
+                await abort_rpc(context, exc)
 
         return grpc.stream_stream_rpc_method_handler(stream_stream, decode, serialize)
     if handler.request_streaming:
@@ -104,7 +99,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
             try:
                 return await inner_su(frames(requests), context)
             except UndecodableFrame as exc:
-                await _refuse(context, message, exc.bad)
+                await abort_rpc(context, exc)
 
         return grpc.stream_unary_rpc_method_handler(stream_unary, decode, serialize)
     if handler.response_streaming:
@@ -112,7 +107,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
         async def unary_stream(request: Any, context: Any) -> Any:
             if isinstance(request, Undecodable):
-                await _refuse(context, message, request)
+                await abort_rpc(context, UndecodableFrame(message, request))
             async for reply in _replies(inner_us(request, context)):
                 yield reply
 
@@ -121,7 +116,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
     async def unary_unary(request: Any, context: Any) -> Any:
         if isinstance(request, Undecodable):
-            await _refuse(context, message, request)
+            await abort_rpc(context, UndecodableFrame(message, request))
         return await inner_uu(request, context)
 
     return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)

@@ -5,24 +5,25 @@ env), then command-line flags; each layer overrides the one before."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from services.mesh import config_files
+from services.mesh import config_files, environment
+from services.mesh.environment import Variable
 
-ENV = {
-    "tls_cert": "OMNI_TLS_CERT",
-    "tls_key": "OMNI_TLS_KEY",
-    "tls_ca": "OMNI_TLS_CA",
-    "client_cert": "OMNI_TLS_CLIENT_CERT",
-    "client_key": "OMNI_TLS_CLIENT_KEY",
-    "mesh_token_file": "OMNI_MESH_TOKEN_FILE",
-    "tokens_file": "OMNI_TOKENS_FILE",
-    "max_pause_s": "OMNI_MAX_PAUSE_S",
+# The environment layer: each setting's variable (services.mesh.environment).
+ENV: dict[str, Variable[Any]] = {
+    "tls_cert": environment.TLS_CERT,
+    "tls_key": environment.TLS_KEY,
+    "tls_ca": environment.TLS_CA,
+    "client_cert": environment.TLS_CLIENT_CERT,
+    "client_key": environment.TLS_CLIENT_KEY,
+    "mesh_token_file": environment.MESH_TOKEN_FILE,
+    "tokens_file": environment.TOKENS_FILE,
+    "max_pause_s": environment.MAX_PAUSE_S,
 }
 MIN_TOKEN_CHARS = 16
 
@@ -59,6 +60,5 @@ class SecuritySettings(BaseModel):
         return config_files.validate(SecuritySettings, data, source)
 
     def with_env(self, environ: Mapping[str, str] | None = None) -> SecuritySettings:
-        environ = os.environ if environ is None else environ
-        values = {key: environ.get(var) for key, var in ENV.items()}
+        values = {key: variable.get(environ) for key, variable in ENV.items()}
         return self.overridden(values, "environment (OMNI_TLS_*, OMNI_*_FILE)")

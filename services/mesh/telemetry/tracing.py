@@ -6,7 +6,7 @@ Turned on by the standard environment, nothing of our own:
   ``..._METRICS_ENDPOINT``): traces and metrics go over OTLP/gRPC; the other
   ``OTEL_*`` variables (headers, insecure, intervals) configure the exporters.
 - ``OMNI_PROMETHEUS_PORT=N``: metrics are also served for scraping at
-  ``http://OMNI_PROMETHEUS_HOST:N/metrics`` (host default 127.0.0.1).
+  ``http://OMNI_PROMETHEUS_HOST:N/metrics`` (``services.mesh.environment``).
 
 With neither, ``setup`` installs nothing, ``ENABLED`` stays False and every
 instrumented place checks it first, so the hot path pays one attribute read.
@@ -29,6 +29,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.propagate import extract, inject
 
+from services.mesh import environment
+
 logger = logging.getLogger(__name__)
 
 ENABLED = False
@@ -45,16 +47,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 
 
 def _configured(env: Mapping[str, str]) -> tuple[bool, int | None]:
     otlp = any(env.get(name) for name in _OTLP_VARS)
-    port = env.get("OMNI_PROMETHEUS_PORT")
-    if port is None:
-        return otlp, None
-    try:
-        number = int(port)
-        if not 0 < number < 65536:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"OMNI_PROMETHEUS_PORT: expected a port 1-65535, got {port!r}") from None
-    return otlp, number
+    return otlp, environment.PROMETHEUS_PORT.get(env)
 
 
 def setup(service: str, env: Mapping[str, str] = os.environ) -> bool:
@@ -83,7 +76,7 @@ def setup(service: str, env: Mapping[str, str] = os.environ) -> bool:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
 
-        host = env.get("OMNI_PROMETHEUS_HOST", "127.0.0.1")
+        host = environment.PROMETHEUS_HOST.get(env)
         start_http_server(prometheus_port, addr=host)
         readers.append(PrometheusMetricReader())
         logger.info("metrics for scraping at http://%s:%d/metrics", host, prometheus_port)

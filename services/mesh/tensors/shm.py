@@ -37,9 +37,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.mesh.data.node import check_mesh_id, node_identity
+from services.mesh.data.node import node_identity
 from services.mesh.data.shm_pool import DEFAULT_MAX_BYTES, MIN_CLASS, BlockPool, PoolBlock
 from services.mesh.data.shm_refs import HELD, SHM_ROOT, create_block, opened_block, sweep
+from services.mesh.environment import check_mesh_id
 from services.mesh.errors import ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.tensors import codec

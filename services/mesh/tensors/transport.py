@@ -24,7 +24,8 @@ import torch
 
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
-from services.mesh.data.node import check_mesh_id, node_identity, same_ipc, same_node, shared_gpu
+from services.mesh.data.node import node_identity, same_ipc, same_node, shared_gpu
+from services.mesh.environment import check_mesh_id
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.tensors import codec

@@ -8,7 +8,7 @@ ends the request with INVALID_ARGUMENT naming the field: that Error is its one
 final event. A Submit for an id in flight on another stream is refused on its
 own stream only. A Cancel of an id with nothing in flight on this stream is
 answered with Error NOT_FOUND. A frame that is not a StageInput at all ends the
-whole RPC with INVALID_ARGUMENT (``UndecodableInput``).
+whole RPC with INVALID_ARGUMENT (``UndecodableFrame``).
 
 The stream ends when the client has half-closed and every request it started
 has reported its final event. Outputs go through a bounded queue, so a client
@@ -40,6 +40,7 @@ from services.mesh.errors import (
     OmniError,
 )
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.rpc.decoding import UndecodableFrame
 from services.mesh.rpc.request_ids import check_request_id
 from services.stage.serving import convert, observe
 from services.stage.serving.events import (
@@ -49,7 +50,7 @@ from services.stage.serving.events import (
     SegmentOut,
     StageEvent,
 )
-from services.stage.serving.frames import UndecodableInput
+from services.stage.serving.frames import InputFrame
 from services.stage.serving.inputs import Inputs, InputWindows, decode, input_bytes
 from services.stage.serving.requests import InFlight, InputFeed, OutputCredit
 from services.stage.serving.runtime import StageRuntime
@@ -77,7 +78,7 @@ class GenerateStream:
         self._expiring: set[asyncio.Task[None]] = set()
 
     async def run(
-        self, inputs: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput]
+        self, inputs: AsyncIterator[InputFrame]
     ) -> AsyncIterator[stage_pb2.StageOutput | EncodedChunk]:
         """The stream's outputs; raises OmniError when the RPC itself must fail."""
         reader = asyncio.create_task(self._read(inputs), name="generate-reader")
@@ -102,18 +103,10 @@ class GenerateStream:
             raise self._fatal
 
     async def _read(
-        self, inputs: AsyncIterator[stage_pb2.StageInput | ChunkFrame | UndecodableInput]
+        self, inputs: AsyncIterator[InputFrame]
     ) -> None:
         try:
             async for message in inputs:
-                if isinstance(message, UndecodableInput):
-                    self._fatal = InvalidArgument(
-                        f"input: a frame is not an omni.v1.StageInput ({message.reason})",
-                        field="input",
-                    )
-                    self._ended = True
-                    await self._out.put(_END)
-                    return
                 try:
                     await self._handle(message)
                 except Exception:
@@ -128,6 +121,10 @@ class GenerateStream:
             # The client stopped sending: what came is all there is.
             for record in self._requests.of_stream(self):
                 await self._input_ended(record)
+        except UndecodableFrame as exc:  # the RPC itself fails, now
+            self._fatal = exc
+            self._ended = True
+            await self._out.put(_END)
         finally:
             self._reading = False
             await self._maybe_end()

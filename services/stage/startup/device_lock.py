@@ -21,12 +21,13 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from services.mesh import environment
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
 # Per user: a lock dir shared by all users would let one plant links in another's way.
-DEFAULT_LOCK_DIR = Path(f"/tmp/omni-locks-{os.getuid()}")
+DEFAULT_LOCK_DIR = environment.LOCK_DIR.default
 
 
 def lock_file_name(device: str) -> str:
@@ -42,7 +43,7 @@ class DeviceLock:
     def __init__(self, device: str, owner: str, lock_dir: Path | None = None) -> None:
         self.device = device
         self.owner = owner
-        directory = lock_dir or Path(os.environ.get("OMNI_LOCK_DIR") or DEFAULT_LOCK_DIR)
+        directory = lock_dir or environment.LOCK_DIR.get()
         self.path = directory / lock_file_name(device)
         self._fd: int | None = None
 

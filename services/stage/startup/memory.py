@@ -1,4 +1,4 @@
-"""The memory planner of DESIGN.md §3, as plain arithmetic.
+"""The memory planner (docs/design.md, 'Memory planning'), as plain arithmetic.
 
 bytes_per_page = 2 * head_dim * kv_heads / tp * page_size * dtype_bytes * layers
 cache_pages    = (free_before * memory_ratio - model_bytes) / bytes_per_page

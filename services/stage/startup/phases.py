@@ -1,7 +1,7 @@
 """Start-up, every step published on the init bus:
 model fetch -> device lock -> load -> memory plan -> warm-up -> READY (or FAILED).
 
-The fetch comes before the device lock (DESIGN.md §3 lists it after): a download
+The fetch comes before the device lock (docs/design.md, 'The init watchdog'): a download
 needs no device, and the lock wait is never paused by the watchdog, so a stage
 queued behind a neighbour that is still downloading would otherwise burn its
 init budget on someone else's download.

@@ -1,6 +1,6 @@
 """Model fetch: turn a model source into a path on local disk, reporting through a hook.
 
-Accepted sources (DESIGN.md §3):
+Accepted sources (docs/design.md, 'The init watchdog'):
 
 - a local file or folder: ``/abs``, ``rel/path``, ``~/x``, ``file:///abs``
 - a file shipped in an installed package: ``pkg://<python_package>/<file>``

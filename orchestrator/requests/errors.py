@@ -1,0 +1,41 @@
+"""What can end a request inside the orchestrator, each with the status its Done
+carries (``services.mesh.errors`` maps them; the Done names ``stage``).
+
+``NotStarted``    the router would not start it (paused too long, a stage not
+                  ready, an edge's transform not offered)
+``StreamBroken``  the shared stage stream it was on broke (``stage_mux``)
+``StageFailed``   a stage ended it with an error, or went away under it (``flow``)
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from services.mesh.errors import OmniError
+
+
+class NotStarted(OmniError):
+    """The request cannot start: ``error`` says why, naming ``stage`` ("" for none)."""
+
+    def __init__(self, stage: str, error: OmniError) -> None:
+        super().__init__(error.message, field=error.field)
+        self.code = error.code
+        self.stage = stage
+
+
+class StreamBroken(OmniError):
+    """The shared stream a request was on broke: the stage (or the path to it) is gone."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class StageFailed(OmniError):
+    """A stage ended the request with an error, or the stage itself went away."""
+
+    def __init__(self, stage: str, code: grpc.StatusCode, message: str, field: str = "") -> None:
+        super().__init__(message, field=field)
+        self.code = code
+        self.stage = stage

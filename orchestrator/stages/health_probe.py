@@ -1,0 +1,63 @@
+"""Asking a stage's grpc health whether it serves: the readiness the monitor
+trusts once init is over, and how it learns a READY stage went DOWN.
+
+Polling ``Check`` with a timeout, not ``Watch``: a Watch stream on a peer that
+vanished without a reset would wait forever, a Check with a timeout does not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+STAGE_SERVICE = "omni.v1.Stage"  # readiness is health of the Stage service itself
+SERVING = health_pb2.HealthCheckResponse.SERVING
+CONFIRM_POLL_S = 0.1  # how often ``not_serving`` asks again while it may wait
+
+
+class HealthProbe:
+    """One stage's health, asked on ``channel`` every ``poll_s`` when watching,
+    each Check given ``timeout_s``."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, poll_s: float, timeout_s: float) -> None:
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self._poll_s = poll_s
+        self._timeout_s = timeout_s
+
+    async def not_serving(self, within_s: float = 0.0) -> str:
+        """Why the stage is not SERVING ("" when it is), asked until ``within_s`` passed."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + within_s
+        request = health_pb2.HealthCheckRequest(service=STAGE_SERVICE)
+        while True:
+            try:
+                reply = await self._health.Check(request, timeout=self._timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                return f"unreachable ({exc.code().name})"
+            if reply.status == SERVING:
+                return ""
+            if loop.time() >= give_up:
+                name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+                return f"not serving (health {name})"
+            await asyncio.sleep(CONFIRM_POLL_S)
+
+    async def until_down(self) -> str:
+        """Poll until the stage is not SERVING or unreachable; returns why."""
+        while True:
+            await asyncio.sleep(self._poll_s)
+            if why := await self.not_serving():
+                return why
+
+    async def until_serving_twice(self, starting: Callable[[], bool]) -> None:
+        """Return once the stage answers SERVING on two polls in a row, both while
+        ``starting()`` (a poll while it is not starts the count again)."""
+        seen = 0
+        while seen < 2:
+            await asyncio.sleep(self._poll_s)
+            if not starting():
+                seen = 0
+                continue
+            seen = seen + 1 if not await self.not_serving() else 0
