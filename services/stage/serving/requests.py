@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from services.engines.base import EngineRequest, SamplingParams
+from services.engines.base import EnginePlan, SamplingParams
 from services.mesh.data.byte_budget import Hold
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -32,12 +32,12 @@ class InputFeed:
     it tighter)."""
 
     def __init__(self, depth: int = 4) -> None:
-        self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
+        self._queue: asyncio.Queue[EnginePlan | None] = asyncio.Queue(depth)
         self._abandoned = False
 
-    async def put(self, request: EngineRequest | None) -> None:
+    async def put(self, plan: EnginePlan | None) -> None:
         if not self._abandoned:
-            await self._queue.put(request)
+            await self._queue.put(plan)
 
     async def close(self) -> None:
         """No more windows: the request ends after those already queued."""
@@ -49,9 +49,9 @@ class InputFeed:
         while not self._queue.empty():
             self._queue.get_nowait()
 
-    async def windows(self) -> AsyncIterator[EngineRequest]:
-        while (request := await self._queue.get()) is not None:
-            yield request
+    async def windows(self) -> AsyncIterator[EnginePlan]:
+        while (plan := await self._queue.get()) is not None:
+            yield plan
 
 
 class OutputCredit:

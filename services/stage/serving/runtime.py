@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from services.engines.base import (
     Engine,
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     FinishOutput,
     KeepsRequestState,
@@ -70,15 +71,16 @@ class StageRuntime:
         """Requests running or queued for a run slot (not those still sending windows)."""
         return len(self.requests)
 
-    async def prepare(self, request: EngineRequest) -> EngineRequest:
-        """Stage defaults filled in and the engine's own checks passed.
+    async def prepare(self, request: EngineRequest) -> EnginePlan:
+        """The engine's plan for ``request``, stage defaults filled in: its checks
+        passed, its prompt tokenized once, for ``generate`` to run.
 
         In a thread: an engine's check may tokenize or template a prompt, which
         takes CPU in proportion to it; the event loop (health, every other
         request's events) must keep turning meanwhile."""
         prepared = replace(request, params=self.config.apply_defaults(request.params))
-        await asyncio.to_thread(self.engine.check, prepared)
-        return prepared
+        plan: EnginePlan = await asyncio.to_thread(self.engine.check, prepared)
+        return plan
 
     def check_open(self) -> None:
         """Refuse new work while the stage cannot serve it."""
@@ -94,11 +96,11 @@ class StageRuntime:
         self,
         record: InFlight,
         request: EngineRequest,
-        more: AsyncIterator[EngineRequest] | None = None,
+        more: AsyncIterator[EnginePlan] | None = None,
     ) -> None:
         """Run ``record``'s request; raises OmniError (nothing started) when it is refused.
 
-        ``more`` streams further input windows of the same request (prepared),
+        ``more`` streams further input windows of the same request (planned),
         each run through the engine as it arrives, their output continuing the
         request's segment sequence (``runtime.streaming_input``).
         """
@@ -156,7 +158,7 @@ class StageRuntime:
             return False
 
     async def _run(
-        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
+        self, record: InFlight, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> None:
         try:
             with observe.request(self.config.name, record.request_id, record.trace_context):
@@ -171,7 +173,7 @@ class StageRuntime:
             self.requests.remove(record)
 
     async def _outcome(
-        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
+        self, record: InFlight, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> StageEvent:
         """The request run to its end; its final event (CancelledError: nobody to tell)."""
         rid = record.request_id
@@ -242,11 +244,11 @@ class StageRuntime:
             await sink(SegmentOut(rid, segment))
 
     async def _generate(
-        self, request: EngineRequest, sink: Sink, segmenter: Segmenter, done: _Done
+        self, plan: EnginePlan, sink: Sink, segmenter: Segmenter, done: _Done
     ) -> None:
         """Run one (window of a) request through the engine; the last flush is the caller's."""
-        rid = request.request_id
-        events: AsyncGenerator[EngineEvent, None] = self.engine.generate(request)
+        rid = plan.request.request_id
+        events: AsyncGenerator[EngineEvent, None] = self.engine.generate(plan)
         pending: asyncio.Future[EngineEvent] | None = None
         try:
             while True:
