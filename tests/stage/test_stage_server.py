@@ -168,7 +168,14 @@ async def test_queue_beyond_its_bound_is_resource_exhausted(stage) -> None:
     results = await collect(call)
     refused = [rid for rid, r in results.items() if r.error is not None]
     assert refused == ["q4"]
-    assert results["q4"].error.code_name == "RESOURCE_EXHAUSTED"
+    error = results["q4"].error
+    assert error is not None
+    assert (error.code_name, error.field) == ("RESOURCE_EXHAUSTED", "request_id")
+    # The stage's own settings, as configured (max_batch_size 2, max_queue_size 2).
+    assert error.message == (
+        "request q4: stage thinker is full: 4 requests, up to 2 running "
+        "(runtime.max_batch_size) and 2 waiting (runtime.max_queue_size)"
+    )
     assert all(results[f"q{i}"].completed is not None for i in range(4))
 
 

@@ -6,7 +6,7 @@
     inputs.py        decode, and join pieces/windows into whole tensors
     transforms.py    input processors on whole inputs (named in Describe)
     requests.py      the one registry of requests in flight
-    admission.py     running slots and the bounded queue
+    admission.py     how many requests the stage holds: a counter
     runtime.py       start, engine drive, segmenting, the final event
     events.py        what the runtime emits per request
     segmenter.py     engine steps grouped into segments

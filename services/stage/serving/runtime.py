@@ -54,12 +54,8 @@ class StageRuntime:
         # Input held in memory by every stream of this process (services.mesh.data.byte_budget).
         self.budget = InputBudget(config.runtime.max_process_input_bytes)
         self._clock = clock
-        # The engine batches: it decides which requests share a step (max_batch_size
-        # of them, within its KV plan) and queues the rest itself. Admission only
-        # bounds what the stage holds at once, so that enough requests reach the
-        # engine to form batches.
         runtime = config.runtime
-        self._admission = Admission(runtime.max_batch_size + runtime.max_queue_size, 0)
+        self._admission = Admission(config.name, runtime.max_batch_size, runtime.max_queue_size)
         self.ready = False
         self.draining = False
         self.not_ready_reason = "stage is starting"
@@ -184,7 +180,7 @@ class StageRuntime:
         done = _Done(submitted)
         try:
             with observe.queued(stage):
-                await self._admission.wait_turn(rid)
+                self._admission.enter(rid)
             try:
                 started = self._clock()
                 with observe.running(stage):
