@@ -62,7 +62,8 @@ async def in_process(engine: Any, prompt: str, max_tokens: int) -> tuple[float, 
     start = time.perf_counter()
     first = 0.0
     tokens = 0
-    async for event in engine.generate(request):
+    plan = await asyncio.to_thread(engine.check, request)  # as a stage plans it
+    async for event in engine.generate(plan):
         if isinstance(event, TokenOutput):
             tokens += len(event.token_ids)
             if not first:

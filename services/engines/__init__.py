@@ -3,6 +3,7 @@
 from services.engines.base import (
     Engine,
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -18,6 +19,7 @@ __all__ = [
     "ENGINES",
     "Engine",
     "EngineEvent",
+    "EnginePlan",
     "EngineRequest",
     "EngineSettings",
     "FinishOutput",

@@ -1,8 +1,8 @@
 """The engine plug-in contract: what a stage asks of an engine, and what it gets back.
 
-A stage runtime owns intake, segmenting and the wire; an engine only turns one
-request into an async stream of events. Engines are plain Python and are tested
-without gRPC.
+A stage runtime owns intake, segmenting and the wire; an engine checks one
+request into a plan (``check``) and turns that plan into an async stream of
+events (``generate``). Engines are plain Python and are tested without gRPC.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -59,6 +59,19 @@ class EngineRequest:
     token_ids: tuple[int, ...] = ()
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     params: SamplingParams = SamplingParams()
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """One request as an engine's ``check`` found it, handed back to ``generate``:
+    what ``check`` worked out (a tokenized prompt, resolved parameters, a job) is
+    never worked out again. An engine that learns nothing more keeps just the
+    request; the others subclass this with what they learned."""
+
+    request: EngineRequest
+
+
+PlanT = TypeVar("PlanT", bound=EnginePlan)
 
 
 @dataclass(frozen=True)
@@ -127,11 +140,13 @@ class ModelInfo:
     description: str = ""
 
 
-class Engine(Protocol):
-    """An engine plug-in. ``load`` and ``warmup`` block (a stage calls them in a
-    thread); ``generate`` is an async generator that stops at the next step
-    boundary when its consumer stops iterating: closing it (``aclose``, or the
-    consuming task cancelled) is the one way a request is cancelled or aborted.
+class Engine(Protocol[PlanT]):
+    """An engine plug-in, over the plan type its ``check`` returns. ``load`` and
+    ``warmup`` block (a stage calls them in a thread). ``check`` turns a request
+    into a plan; ``generate`` runs that plan, an async generator that stops at
+    the next step boundary when its consumer stops iterating: closing it
+    (``aclose``, or the consuming task cancelled) is the one way a request is
+    cancelled or aborted.
 
     Errors: an ``OmniError`` from ``generate`` ends that request with its
     status; ``services.mesh.errors.EngineDead`` says the engine itself is gone,
@@ -153,11 +168,13 @@ class Engine(Protocol):
 
     def warmup(self) -> None: ...
 
-    def check(self, request: EngineRequest) -> None:
-        """Cheap validation at intake; raise ``InvalidArgument`` naming the field."""
+    def check(self, request: EngineRequest) -> PlanT:
+        """Validation at intake, once per request (a stage calls it in a thread: it
+        may tokenize); raise ``InvalidArgument`` naming the field. The plan it
+        returns is what ``generate`` gets."""
         ...
 
-    def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]: ...
+    def generate(self, plan: PlanT) -> AsyncGenerator[EngineEvent, None]: ...
 
     def close(self) -> None: ...
 

@@ -22,6 +22,7 @@ from services.engines.base import (
     TensorOutput,
 )
 from services.engines.diffusers import DiffusersEngine
+from tests.helpers.engine_runs import generate
 
 STEPS = 4
 
@@ -60,7 +61,7 @@ async def collect(engine: DiffusersEngine, rq: EngineRequest) -> list[EngineEven
 
 
 async def _drain(engine: DiffusersEngine, rq: EngineRequest) -> list[EngineEvent]:
-    return [event async for event in engine.generate(rq)]
+    return [event async for event in generate(engine, rq)]
 
 
 def image_of(events: list[EngineEvent]) -> torch.Tensor:
@@ -154,7 +155,7 @@ async def test_a_cancelled_member_leaves_the_batch_running(
         blocker = asyncio.create_task(collect(engine, request("block", "x", num_inference_steps=2)))
         assert await asyncio.to_thread(blocker_running.wait, 30)
         keep = asyncio.create_task(collect(engine, request("keep", "a cube", seed=1, **long)))
-        victim = engine.generate(request("victim", "a ball", seed=2, **long))
+        victim = generate(engine, request("victim", "a ball", seed=2, **long))
         first = await asyncio.wait_for(anext(victim), timeout=30)
         assert isinstance(first, ProgressOutput)
         await victim.aclose()

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.packed_linear import PackedLinear, pack_linears
+from tests.helpers.engine_runs import generate
 from tests.helpers.stage import TINY_LLAMA
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Why is the sky blue?"]
@@ -77,7 +78,7 @@ async def test_packed_greedy_tokens_equal_the_plain_model(
             params=SamplingParams(max_tokens=10, temperature=0.0),
         )
         out: list[int] = []
-        async for event in engine.generate(request):
+        async for event in generate(engine, request):
             if isinstance(event, TokenOutput):
                 out.extend(event.token_ids)
         return out

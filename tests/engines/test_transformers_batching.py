@@ -26,6 +26,7 @@ from services.engines.base import (
 )
 from services.engines.transformers import TransformersEngine
 from services.mesh.errors import InvalidArgument
+from tests.helpers.engine_runs import generate
 from tests.helpers.stage import TINY_LLAMA
 
 PROMPTS = [
@@ -101,7 +102,7 @@ def forwards(engine: TransformersEngine) -> Iterator[Forwards]:
 
 
 async def alone(engine: TransformersEngine, request: EngineRequest) -> Run:
-    return await collect(engine.generate(request))
+    return await collect(generate(engine, request))
 
 
 async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
@@ -110,7 +111,7 @@ async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
     requests = [chat(f"r{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
     solo = [await alone(engine, r) for r in requests]
     forwards.shapes.clear()
-    together = await asyncio.gather(*(collect(engine.generate(r)) for r in requests))
+    together = await asyncio.gather(*(collect(generate(engine, r)) for r in requests))
     # Greedy: the same tokens in a batch as alone (measured over 32 prompts by
     # benchmarks/stage_batching.py; padding and batch-size-dependent fp32 sums could
     # flip a near-tie, which these prompts do not have).
@@ -128,10 +129,10 @@ async def test_requests_join_and_leave_a_running_batch(
     solo_long = await alone(engine, long_request)
     solo_short = await alone(engine, short_request)
     forwards.shapes.clear()
-    long_events = engine.generate(long_request)
+    long_events = generate(engine, long_request)
     first = await anext(long_events)  # the long one is decoding alone now
     assert isinstance(first, TokenOutput)
-    short = await collect(engine.generate(short_request))  # joins, finishes, leaves
+    short = await collect(generate(engine, short_request))  # joins, finishes, leaves
     rest = await collect(long_events)
     assert short.tokens == solo_short.tokens
     assert [*first.token_ids, *rest.tokens] == solo_long.tokens
@@ -149,8 +150,8 @@ async def test_a_cancel_mid_batch_leaves_the_others_unchanged(
     requests = [chat(f"k{i}", p, max_tokens=16) for i, p in enumerate(prompts)]
     solo = [await alone(engine, r) for r in requests]
     forwards.shapes.clear()
-    keep = [asyncio.create_task(collect(engine.generate(r))) for r in requests[:2]]
-    victim = engine.generate(requests[2])
+    keep = [asyncio.create_task(collect(generate(engine, r))) for r in requests[:2]]
+    victim = generate(engine, requests[2])
     for _ in range(3):
         assert isinstance(await anext(victim), TokenOutput)
     await victim.aclose()  # the consumer stops: the request leaves at the next step
@@ -168,7 +169,7 @@ async def test_only_the_request_that_asks_gets_hidden_states(
     plain = chat("plain", PROMPTS[2], max_tokens=6)
     solo = await alone(engine, asking)
     with_states, without = await asyncio.gather(
-        collect(engine.generate(asking)), collect(engine.generate(plain))
+        collect(generate(engine, asking)), collect(generate(engine, plain))
     )
     assert without.hidden and all(h is None for h in without.hidden)
     rows = [h for h in with_states.hidden if h is not None]
@@ -218,7 +219,7 @@ async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEng
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
         requests = [EngineRequest(f"w{i}", token_ids=(5, 6, 7, 8), params=params) for i in range(3)]
-        runs = await asyncio.gather(*(collect(tiny.generate(r)) for r in requests))
+        runs = await asyncio.gather(*(collect(generate(tiny, r)) for r in requests))
     finally:
         recorder.close()
     assert [len(r.tokens) for r in runs] == [4, 4, 4]
@@ -237,7 +238,7 @@ async def test_a_long_prompt_does_not_hold_back_a_short_one(tiny: TransformersEn
     async def run(rid: str, prompt: tuple[int, ...]) -> Run:
         params = SamplingParams(temperature=0.0, max_tokens=2)
         run = Run()
-        async for event in tiny.generate(EngineRequest(rid, token_ids=prompt, params=params)):
+        async for event in generate(tiny, EngineRequest(rid, token_ids=prompt, params=params)):
             if isinstance(event, TokenOutput) and not run.tokens:
                 firsts.append(rid)
             if isinstance(event, TokenOutput):

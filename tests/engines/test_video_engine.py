@@ -28,6 +28,7 @@ from services.mesh.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
+from tests.helpers.engine_runs import generate
 
 ARGS = {"dim": 16, "heads": 2, "blocks": 4, "window_frames": 2}
 
@@ -50,7 +51,7 @@ def request(rid: str, video: torch.Tensor, seed: int | None = None) -> EngineReq
 
 async def upscaled(video_engine: VideoEngine, req: EngineRequest) -> list[torch.Tensor]:
     outs = []
-    async for event in video_engine.generate(req):
+    async for event in generate(video_engine, req):
         if isinstance(event, TensorOutput):
             outs.append(event.tensors["frames"])
     return outs
@@ -116,7 +117,7 @@ def test_bad_input_is_refused_by_name(req: EngineRequest, field: str) -> None:
 
 async def test_one_segment_per_window_and_usage() -> None:
     video_engine = engine()
-    events = [e async for e in video_engine.generate(request("r", frames(5)))]
+    events = [e async for e in generate(video_engine, request("r", frames(5)))]
     kinds = [type(e).__name__ for e in events]
     # A progress event after each window's frames makes the runtime flush them.
     assert kinds == ["TensorOutput", "ProgressOutput"] * 3 + ["FinishOutput"]
@@ -155,7 +156,7 @@ async def test_a_window_of_another_size_is_refused() -> None:
 
 async def test_a_request_cut_short_loses_its_state() -> None:
     video_engine = engine()
-    events = video_engine.generate(request("r", frames(6)))
+    events = generate(video_engine, request("r", frames(6)))
     assert isinstance(await anext(events), TensorOutput)
     await events.aclose()  # the consumer stopped: cancellation at a window boundary
     with pytest.raises(FailedPrecondition, match="dropped"):
@@ -197,11 +198,11 @@ async def test_the_frame_source_emits_one_segment_per_window() -> None:
         EngineSettings(engine_args={"frames": 10, "window_frames": 4, "height": 8, "width": 16})
     )
     source.check(EngineRequest("s", text="go"))
-    events = [e async for e in source.generate(EngineRequest("s", text="go"))]
+    events = [e async for e in generate(source, EngineRequest("s", text="go"))]
     chunks = [e.tensors["frames"] for e in events if isinstance(e, TensorOutput)]
     assert [tuple(c.shape) for c in chunks] == [(4, 3, 8, 16), (4, 3, 8, 16), (2, 3, 8, 16)]
     assert sum(isinstance(e, ProgressOutput) for e in events) == 3
-    again = [e async for e in source.generate(EngineRequest("t", text="go"))]
+    again = [e async for e in generate(source, EngineRequest("t", text="go"))]
     assert torch.equal(chunks[2], again[4].tensors["frames"])  # type: ignore[union-attr]
     with pytest.raises(InvalidArgument) as caught:
         source.check(EngineRequest("s", params=SamplingParams(extra={"frames": 0})))

@@ -28,6 +28,7 @@ from services.engines.registry import engine_class
 from services.engines.vllm import INSTALL_HINT, SamplingDefaults, VllmArgs, VllmEngine, intake
 from services.engines.vllm.sizing import model_bytes
 from services.mesh.errors import EngineDead, InitFailed, InvalidArgument
+from tests.helpers.engine_runs import generate
 
 EMBEDS = "inputs.tensors.prompt_embeds"
 HIDDEN = 256  # 4 heads of 64: a head size every attention backend takes
@@ -300,7 +301,7 @@ def tokens_of(events: list[EngineEvent]) -> list[int]:
 @pytest.mark.gpu
 @gpu_only
 async def test_tokens_stream_as_deltas(served: VllmEngine) -> None:
-    events = await collect(served.generate(request(max_tokens=12, temperature=0.0)))
+    events = await collect(generate(served, request(max_tokens=12, temperature=0.0)))
     finish = events[-1]
     assert isinstance(finish, FinishOutput) and finish.reason in {"length", "eos"}
     deltas = [e for e in events if isinstance(e, TokenOutput)]
@@ -313,8 +314,8 @@ async def test_tokens_stream_as_deltas(served: VllmEngine) -> None:
 @pytest.mark.gpu
 @gpu_only
 async def test_same_seed_same_tokens(served: VllmEngine) -> None:
-    a = tokens_of(await collect(served.generate(request("a", max_tokens=8, seed=11))))
-    b = tokens_of(await collect(served.generate(request("b", max_tokens=8, seed=11))))
+    a = tokens_of(await collect(generate(served, request("a", max_tokens=8, seed=11))))
+    b = tokens_of(await collect(generate(served, request("b", max_tokens=8, seed=11))))
     assert a == b
 
 
@@ -331,7 +332,7 @@ async def test_same_seed_same_tokens(served: VllmEngine) -> None:
 async def test_every_prompt_kind_generates(
     served: VllmEngine, inputs: dict[str, Any], prompt_tokens: int
 ) -> None:
-    events = await collect(served.generate(request(max_tokens=4, **inputs)))
+    events = await collect(generate(served, request(max_tokens=4, **inputs)))
     finish = events[-1]
     assert isinstance(finish, FinishOutput) and finish.prompt_tokens == prompt_tokens
     assert 1 <= finish.completion_tokens <= 4
@@ -340,7 +341,7 @@ async def test_every_prompt_kind_generates(
 @pytest.mark.gpu
 @gpu_only
 async def test_closing_the_stream_frees_the_request(served: VllmEngine) -> None:
-    stream = served.generate(request("left", max_tokens=200))
+    stream = generate(served, request("left", max_tokens=200))
     await asyncio.wait_for(anext(stream), timeout=60)  # type: ignore[call-overload]
     await stream.aclose()  # type: ignore[attr-defined]
     llm: Any = served._llm
@@ -349,7 +350,7 @@ async def test_closing_the_stream_frees_the_request(served: VllmEngine) -> None:
             break
         await asyncio.sleep(0.1)
     assert llm.output_processor.get_num_unfinished_requests() == 0
-    after = await collect(served.generate(request("after", max_tokens=2)))
+    after = await collect(generate(served, request("after", max_tokens=2)))
     assert isinstance(after[-1], FinishOutput)
 
 

@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -33,10 +34,11 @@ class EchoTensorsEngine:
     def warmup(self) -> None:
         pass
 
-    def check(self, request: EngineRequest) -> None:
-        pass
+    def check(self, request: EngineRequest) -> EnginePlan:
+        return EnginePlan(request)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
+    async def generate(self, plan: EnginePlan) -> AsyncGenerator[EngineEvent, None]:
+        request = plan.request
         # A copy: the inputs map the producer's blocks, which are reused once released.
         yield TensorOutput({name: t.clone() for name, t in request.tensors.items()})
         rows = next((int(t.shape[0]) for t in request.tensors.values() if t.dim()), 0)

@@ -23,6 +23,7 @@ import torch
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -52,10 +53,11 @@ class ScriptedEngine:
     def warmup(self) -> None:
         pass
 
-    def check(self, request: EngineRequest) -> None:
-        pass
+    def check(self, request: EngineRequest) -> EnginePlan:
+        return EnginePlan(request)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
+    async def generate(self, plan: EnginePlan) -> AsyncGenerator[EngineEvent, None]:
+        request = plan.request
         prompt = request.text or "".join(content for _role, content in request.messages)
         prompt_tokens = len(request.token_ids) or len(prompt.split())
         if self.dead:

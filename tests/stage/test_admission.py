@@ -1,7 +1,7 @@
-from __future__ import annotations
+"""Admission counts the requests a stage holds: up to max_batch_size running plus
+max_queue_size waiting (in the engine), and one more is refused at once, naming both."""
 
-import asyncio
-from collections.abc import Callable
+from __future__ import annotations
 
 import grpc
 import pytest
@@ -10,54 +10,26 @@ from services.mesh.errors import ResourceExhausted
 from services.stage.serving.admission import Admission
 
 
-async def settled(condition: Callable[[], bool], turns: int = 100) -> None:
-    """Let the loop run the tasks until ``condition`` holds (no wall-clock wait)."""
-    for _ in range(turns):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("the tasks never got there")
-
-
-async def test_runs_up_to_max_active_then_queues_then_refuses() -> None:
-    admission = Admission(max_active=1, max_queued=1)
-    release = asyncio.Event()
-    order: list[str] = []
-
-    async def job(name: str) -> None:
-        async with admission.slot(name):
-            order.append(name)
-            await release.wait()
-
-    first = asyncio.create_task(job("a"))
-    second = asyncio.create_task(job("b"))
-    await settled(lambda: admission.queued == 1)
-    assert (admission.active, admission.queued) == (1, 1)
+def test_holds_a_batch_and_a_queue_then_refuses_naming_both_settings() -> None:
+    admission = Admission("thinker", max_batch_size=2, max_queue_size=1)
+    for rid in ("a", "b", "c"):
+        admission.enter(rid)
     with pytest.raises(ResourceExhausted) as refused:
-        async with admission.slot("c"):
-            pass
+        admission.enter("d")
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "max_queue_size 1" in refused.value.message
-    release.set()
-    await asyncio.gather(first, second)
-    assert order == ["a", "b"]
-    assert (admission.active, admission.queued) == (0, 0)
+    assert refused.value.field == "request_id"
+    assert refused.value.message == (
+        "request d: stage thinker is full: 3 requests, up to 2 running "
+        "(runtime.max_batch_size) and 1 waiting (runtime.max_queue_size)"
+    )
+    assert admission.held == 3  # the refused one is not counted
 
 
-async def test_a_cancelled_waiter_leaves_the_queue() -> None:
-    admission = Admission(max_active=1, max_queued=4)
-    hold = asyncio.Event()
-
-    async def job() -> None:
-        async with admission.slot("x"):
-            await hold.wait()
-
-    running = asyncio.create_task(job())
-    waiting = asyncio.create_task(job())
-    await settled(lambda: admission.queued == 1)
-    waiting.cancel()
-    await asyncio.gather(waiting, return_exceptions=True)
-    assert admission.queued == 0
-    hold.set()
-    await running
-    assert admission.active == 0
+def test_a_request_that_leaves_makes_room_at_once() -> None:
+    admission = Admission("thinker", max_batch_size=1, max_queue_size=0)
+    admission.enter("a")
+    with pytest.raises(ResourceExhausted):
+        admission.enter("b")
+    admission.leave()
+    admission.enter("b")
+    assert admission.held == 1

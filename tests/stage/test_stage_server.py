@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.engines.transformers import TransformersEngine
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
@@ -166,8 +168,36 @@ async def test_queue_beyond_its_bound_is_resource_exhausted(stage) -> None:
     results = await collect(call)
     refused = [rid for rid, r in results.items() if r.error is not None]
     assert refused == ["q4"]
-    assert results["q4"].error.code_name == "RESOURCE_EXHAUSTED"
+    error = results["q4"].error
+    assert error is not None
+    assert (error.code_name, error.field) == ("RESOURCE_EXHAUSTED", "request_id")
+    # The stage's own settings, as configured (max_batch_size 2, max_queue_size 2).
+    assert error.message == (
+        "request q4: stage thinker is full: 4 requests, up to 2 running "
+        "(runtime.max_batch_size) and 2 waiting (runtime.max_queue_size)"
+    )
     assert all(results[f"q{i}"].completed is not None for i in range(4))
+
+
+async def test_a_request_is_templated_and_tokenized_once(
+    stage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, client = stage
+    engine = server.runtime.engine
+    assert isinstance(engine, TransformersEngine)
+    tokenizer = engine.tokenizer  # the real SmolLM2 tokenizer the engine plans with
+    real = tokenizer.apply_chat_template
+    calls: list[object] = []
+
+    def counted(conversation: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(conversation)
+        return real(conversation, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", counted)  # this instance only
+    results = await collect(client.generate(chat("once", CAPITAL, max_tokens=4).submit))
+    completed = results["once"].completed
+    assert completed is not None and completed.usage.prompt_tokens > 0
+    assert len(calls) == 1  # checked at intake, and that plan is what ran
 
 
 async def test_cancel_stops_a_generation_and_frees_its_slot(stage) -> None:

@@ -14,6 +14,7 @@ from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from tests.helpers.engine_runs import generate
 from tests.helpers.stage import collect
 
 MODEL = {"dim": 16, "heads": 2, "blocks": 4, "window_frames": 2, "seed": 5}
@@ -56,7 +57,7 @@ async def one_device(frames: torch.Tensor) -> list[torch.Tensor]:
         request = EngineRequest("reference", tensors={"frames": frames})
         return [
             e.tensors["frames"]
-            async for e in engine.generate(request)
+            async for e in generate(engine, request)
             if isinstance(e, TensorOutput)
         ]
     finally:

@@ -25,6 +25,7 @@ from diffusers.pipelines.pipeline_utils import DiffusionPipeline
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     ModelInfo,
@@ -44,6 +45,11 @@ from services.engines.prompt_size import PromptBound, longest_token_chars
 from services.mesh.errors import Cancelled, FailedPrecondition, InitFailed
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiffusersPlan(EnginePlan):
+    job: Job  # the pipeline call, every default filled in
 
 
 class DiffusersEngine:
@@ -104,13 +110,12 @@ class DiffusersEngine:
             raise InitFailed("the diffusers warm-up run failed (see the stage log)") from done.error
         logger.info("diffusers warm-up done")
 
-    def check(self, request: EngineRequest) -> None:
-        embed_dim = None if self._pipe is None else cross_attention_dim(self._pipe)
-        check_request(request, self._args, embed_dim, self._prompt_bound)
+    def check(self, request: EngineRequest) -> DiffusersPlan:
+        check_request(request, self._args, cross_attention_dim(self.pipeline), self._prompt_bound)
+        return DiffusersPlan(request, self._job(request))
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        self.check(request)
-        job = self._job(request)
+    async def generate(self, plan: DiffusersPlan) -> AsyncGenerator[EngineEvent, None]:
+        request, job = plan.request, plan.job
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[ProgressOutput | Done] = asyncio.Queue()
 

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -42,6 +43,11 @@ from services.mesh.errors import InitFailed
 logger = logging.getLogger(__name__)
 
 _WARMUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class TransformersPlan(EnginePlan):
+    resolved: intake.Plan  # the prompt tokenized (or templated), the parameters resolved
 
 
 class TransformersEngine:
@@ -150,16 +156,14 @@ class TransformersEngine:
 
     # -- requests --------------------------------------------------------------
 
-    def check(self, request: EngineRequest) -> None:
-        self._plan(request)
+    def check(self, request: EngineRequest) -> TransformersPlan:
+        # The stage calls this in a thread, several at once: safe, as with no
+        # truncation or padding asked for, encoding never reconfigures the Rust
+        # tokenizer (the one thing that raises "Already borrowed" across threads).
+        return TransformersPlan(request, self._plan(request))
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        # Tokenizing and chat templating take CPU in proportion to the prompt: in a
-        # thread, so the event loop (health, other requests' events) keeps turning.
-        # Concurrent use of the tokenizer is safe: with no truncation or padding
-        # asked for, encoding never reconfigures the Rust tokenizer (the one thing
-        # that raises "Already borrowed" across threads).
-        plan = await asyncio.to_thread(self._plan, request)
+    async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
+        request, resolved = plan.request, plan.resolved
         rid = request.request_id
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
@@ -170,12 +174,12 @@ class TransformersEngine:
             except RuntimeError:  # the event loop has closed: nobody is listening
                 pass
 
-        sequence = self._sequence(request, plan, deliver)
+        sequence = self._sequence(request, resolved, deliver)
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
         self._active[rid] = sequence
         step_loop = self._step_loop()
-        logger.debug("request %s: %d prompt tokens", rid, plan.prompt_tokens)
+        logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
             step_loop.submit(sequence)
             while True:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -30,6 +31,7 @@ import torch
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -48,6 +50,12 @@ logger = logging.getLogger(__name__)
 FRAMES = "frames"
 MAX_FRAME_SIDE = 1024
 MAX_FRAMES_PER_CALL = 4096
+
+
+@dataclass(frozen=True)
+class VideoPlan(EnginePlan):
+    frames: torch.Tensor  # uint8 [T, 3, H, W], checked
+    seed: int
 
 
 class VideoEngine:
@@ -107,7 +115,7 @@ class VideoEngine:
         asyncio.run(run())
         logger.info("video warm-up done")
 
-    def check(self, request: EngineRequest) -> None:
+    def check(self, request: EngineRequest) -> VideoPlan:
         if request.text or request.messages or request.token_ids:
             raise InvalidArgument(
                 f"the video engine takes only the tensor {FRAMES!r}", field="inputs"
@@ -144,12 +152,11 @@ class VideoEngine:
         seed = request.params.seed
         if seed is not None and not 0 <= seed < 2**63:
             raise InvalidArgument(f"seed must be in 0..2**63-1, got {seed}", field="params.seed")
+        return VideoPlan(request, frames, seed or 0)
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        self.check(request)
+    async def generate(self, plan: VideoPlan) -> AsyncGenerator[EngineEvent, None]:
         pipeline = self.pipeline
-        rid = request.request_id
-        frames = request.tensors[FRAMES]
+        rid, frames = plan.request.request_id, plan.frames
         state = self._streams.acquire(rid, pipeline.new_state)
         finished = False
         try:
@@ -161,7 +168,7 @@ class VideoEngine:
                     field=f"inputs.tensors.{FRAMES}",
                 )
             state.frame_size = size
-            windows = pipeline.plan(state, frames, request.params.seed or 0)
+            windows = pipeline.plan(state, frames, plan.seed)
             async for index, upscaled in pipeline.run(state, windows):
                 yield TensorOutput({FRAMES: upscaled})  # each window's frames: a segment
                 yield ProgressOutput(step=index + 1, total_steps=state.windows)

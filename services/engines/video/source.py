@@ -19,6 +19,7 @@ import torch
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -59,6 +60,14 @@ class SourceArgs:
             ):
                 raise InitFailed(f"{where} must be an integer in 1..{MAX_FRAMES}", field=where)
         return cls(**engine_args)
+
+
+@dataclass(frozen=True)
+class SourcePlan(EnginePlan):
+    frames: int
+    height: int
+    width: int
+    seed: int
 
 
 def pattern_frames(
@@ -107,7 +116,7 @@ class FrameSourceEngine:
     def warmup(self) -> None:
         pattern_frames(1, 8, 8, 0)
 
-    def check(self, request: EngineRequest) -> None:
+    def check(self, request: EngineRequest) -> SourcePlan:
         if request.tensors:
             raise InvalidArgument("the frame source takes no input tensors", field="inputs.tensors")
         params = request.params
@@ -128,17 +137,19 @@ class FrameSourceEngine:
                 f"extra.frames must be an integer in 1..{MAX_FRAMES}, got {frames!r}",
                 field="params.extra.frames",
             )
-
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        self.check(request)
-        params, args = request.params, self.args
+        args = self.args
         total = int(params.extra.get("frames", args.frames))
         height, width = params.height or args.height, params.width or args.width
+        return SourcePlan(request, total, height, width, params.seed or 0)
+
+    async def generate(self, plan: SourcePlan) -> AsyncGenerator[EngineEvent, None]:
+        args, rid = self.args, plan.request.request_id
+        total, height, width = plan.frames, plan.height, plan.width
         windows = -(-total // args.window_frames)
         for index, start in enumerate(range(0, total, args.window_frames)):
             count = min(args.window_frames, total - start)
-            out = self._blocks.allocate(request.request_id, (count, 3, height, width), torch.uint8)
-            frames = pattern_frames(count, height, width, params.seed or 0, start, out=out)
+            out = self._blocks.allocate(rid, (count, 3, height, width), torch.uint8)
+            frames = pattern_frames(count, height, width, plan.seed, start, out=out)
             yield TensorOutput({"frames": frames})
             yield ProgressOutput(step=index + 1, total_steps=windows)  # one segment per window
         yield FinishOutput("done", completion_tokens=total)

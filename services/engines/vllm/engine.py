@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,6 +17,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.engines.base import (
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -34,6 +36,11 @@ INSTALL_HINT = "the vllm engine needs the GPU image: pip install 'omni-mesh[gpu]
 
 # The pump's marker for a vLLM stream that simply ends (an aborted one may).
 _ENDED = object()
+
+
+@dataclass(frozen=True)
+class VllmPlan(EnginePlan):
+    resolved: intake.Plan  # the prompt tokenized (or templated), the parameters resolved
 
 
 class VllmEngine:
@@ -101,21 +108,19 @@ class VllmEngine:
         # AsyncLLM has already profiled memory and captured CUDA graphs while starting.
         logger.info("vllm engine: warm-up happened while starting")
 
-    def check(self, request: EngineRequest) -> None:
-        self._plan(request)
+    def check(self, request: EngineRequest) -> VllmPlan:
+        return VllmPlan(request, self._plan(request))
 
-    async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-        # Tokenizing and templating cost CPU in proportion to the prompt: off the loop.
-        plan = await asyncio.to_thread(self._plan, request)
+    async def generate(self, plan: VllmPlan) -> AsyncGenerator[EngineEvent, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         llm = self._llm
-        rid = request.request_id
-        sampling = SamplingParams(output_kind=RequestOutputKind.DELTA, **plan.sampling)
+        rid, resolved = plan.request.request_id, plan.resolved
+        sampling = SamplingParams(output_kind=RequestOutputKind.DELTA, **resolved.sampling)
         queue: asyncio.Queue[Any] = asyncio.Queue()
-        pump = asyncio.create_task(_pump(llm.generate(plan.prompt, sampling, rid), queue))
-        prompt_tokens, completion, finished = plan.prompt_tokens, 0, False
+        pump = asyncio.create_task(_pump(llm.generate(resolved.prompt, sampling, rid), queue))
+        prompt_tokens, completion, finished = resolved.prompt_tokens, 0, False
         try:
             while not finished:
                 item = await queue.get()

@@ -1,48 +1,37 @@
-"""Admission: up to ``max_active`` requests run, up to ``max_queued`` wait in
-FIFO order, and anything beyond is refused at once with RESOURCE_EXHAUSTED."""
+"""Admission: how many requests a stage holds at once, counted.
+
+The engine batches: its step loop runs up to ``runtime.max_batch_size`` requests
+together and keeps the rest waiting in its own queue. So the stage does not queue
+again; it holds up to ``max_batch_size + max_queue_size`` requests and refuses
+one more at once with RESOURCE_EXHAUSTED, naming both settings.
+"""
 
 from __future__ import annotations
-
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 from services.mesh.errors import ResourceExhausted
 
 
 class Admission:
-    def __init__(self, max_active: int, max_queued: int) -> None:
-        self.max_active = max_active
-        self.max_queued = max_queued
-        self._slots = asyncio.Semaphore(max_active)
-        self.active = 0
-        self.queued = 0
+    def __init__(self, stage: str, max_batch_size: int, max_queue_size: int) -> None:
+        self.stage = stage
+        self.max_batch_size = max_batch_size
+        self.max_queue_size = max_queue_size
+        self.held = 0
 
-    @asynccontextmanager
-    async def slot(self, request_id: str) -> AsyncIterator[None]:
-        """Hold a run slot for the body; a cancelled waiter leaves the queue."""
-        await self.wait_turn(request_id)
-        try:
-            yield
-        finally:
-            self.leave()
+    @property
+    def limit(self) -> int:
+        return self.max_batch_size + self.max_queue_size
 
-    async def wait_turn(self, request_id: str) -> None:
-        """Queue for a run slot and take it (``leave`` gives it back); refused at once
-        when the queue is full; a cancelled waiter leaves the queue."""
-        if self.active + self.queued >= self.max_active + self.max_queued:
+    def enter(self, request_id: str) -> None:
+        """Count ``request_id`` in (``leave`` counts it out); refused when the stage is full."""
+        if self.held >= self.limit:
             raise ResourceExhausted(
-                f"request {request_id}: stage is full ({self.active} running, "
-                f"{self.queued} queued, max_queue_size {self.max_queued})",
+                f"request {request_id}: stage {self.stage} is full: {self.held} requests, "
+                f"up to {self.max_batch_size} running (runtime.max_batch_size) and "
+                f"{self.max_queue_size} waiting (runtime.max_queue_size)",
                 field="request_id",
             )
-        self.queued += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.queued -= 1
-        self.active += 1
+        self.held += 1
 
     def leave(self) -> None:
-        self.active -= 1
-        self._slots.release()
+        self.held -= 1

@@ -1,21 +1,20 @@
-"""proto <-> domain for the Stage service: request ids, sizes, parameters and
-outputs. Input tensors are decoded and joined in ``inputs.py``; engine-specific
-checks (prompt length, ranges) live in the engines."""
+"""proto -> domain for the Stage service: where a Submit is read (its fields,
+its size, its parameters). Input tensors are decoded and joined in ``inputs.py``;
+outputs are written in ``outputs.py``; engine-specific checks (prompt length,
+ranges) live in the engines."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 
-import torch
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from services.engines.base import EngineRequest, SamplingParams
-from services.mesh.errors import InvalidArgument, OmniError, ResourceExhausted, wire_error
+from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
-from services.mesh.tensors import codec
-from services.stage.serving.events import CompletedOut, ProgressOut, SegmentOut, StageEvent
+from services.stage.config import Runtime
 from services.stage.serving.inputs import Inputs
 
 _SCALAR_PARAMS = (
@@ -34,7 +33,49 @@ _SCALAR_PARAMS = (
 )
 
 
-def check_size(submit: stage_pb2.Submit, limit: int) -> None:
+@dataclass(frozen=True)
+class SubmitIn:
+    """One Submit as the stage reads it: a window of a request's input and, on
+    the request's first, how the request runs."""
+
+    request_id: str
+    sequence: int
+    is_last: bool
+    input_ended: bool  # a half-close of the request's input: nothing else in it counts
+    inputs: stage_pb2.StageInputs  # decoded by inputs.decode (tensors in a thread)
+    params: stage_pb2.GenerationParams  # read by sampling_params where a window's count
+    transform: str
+    consumer: tensor_pb2.NodeIdentity | None  # where its output tensors will be opened
+    trace_context: dict[str, str]
+    credit: int  # 0: no per-request flow control
+    timeout_ms: int  # 0: no deadline
+
+
+def read_submit(submit: stage_pb2.Submit) -> SubmitIn:
+    return SubmitIn(
+        request_id=submit.request_id,
+        sequence=submit.sequence,
+        is_last=submit.is_last,
+        input_ended=submit.input_ended,
+        inputs=submit.inputs,
+        params=submit.params,
+        transform=submit.transform,
+        consumer=submit.consumer if submit.HasField("consumer") else None,
+        trace_context=dict(submit.trace_context),
+        credit=submit.credit,
+        timeout_ms=submit.timeout_ms,
+    )
+
+
+def check_submit(submit: stage_pb2.Submit, limits: Runtime) -> None:
+    """Before any of a Submit is used: its size, its count of token ids, and no
+    field this stage does not know."""
+    _check_size(submit, limits.max_message_bytes)
+    _check_token_count(submit, limits.max_prompt_tokens)
+    _refuse_unknown_fields(submit, "submit")
+
+
+def _check_size(submit: stage_pb2.Submit, limit: int) -> None:
     size = submit.ByteSize()
     if size > limit:
         raise ResourceExhausted(
@@ -44,7 +85,7 @@ def check_size(submit: stage_pb2.Submit, limit: int) -> None:
         )
 
 
-def check_token_count(submit: stage_pb2.Submit, limit: int) -> None:
+def _check_token_count(submit: stage_pb2.Submit, limit: int) -> None:
     """Refuse more token ids in one Submit than any prompt may have, before they are
     turned into Python ints (36 bytes each: 64 MiB of ids would take gigabytes)."""
     count = len(submit.inputs.token_ids)
@@ -97,10 +138,6 @@ def _extra(params: stage_pb2.GenerationParams) -> dict[str, object]:
         ) from None
 
 
-def refuse_unknown_fields(submit: stage_pb2.Submit) -> None:
-    _refuse_unknown_fields(submit, "submit")
-
-
 def engine_request(request_id: str, inputs: Inputs, params: SamplingParams) -> EngineRequest:
     return EngineRequest(
         request_id=request_id,
@@ -110,54 +147,3 @@ def engine_request(request_id: str, inputs: Inputs, params: SamplingParams) -> E
         tensors=inputs.tensors,
         params=params,
     )
-
-
-def error_output(request_id: str, error: OmniError) -> stage_pb2.StageOutput:
-    return stage_pb2.StageOutput(error=wire_error(request_id, error))
-
-
-Encode = Callable[[torch.Tensor, str], tensor_pb2.Tensor]
-
-
-def to_output(event: StageEvent, encode: Encode = codec.to_proto) -> stage_pb2.StageOutput:
-    """The wire form of ``event``; ``encode`` picks each output tensor's transport."""
-    if isinstance(event, SegmentOut):
-        seg = event.segment
-        return stage_pb2.StageOutput(
-            segment=stage_pb2.Segment(
-                request_id=event.request_id,
-                sequence=seg.sequence,
-                is_last=seg.is_last,
-                token_ids=seg.token_ids,
-                text_delta=seg.text,
-                tensors=[encode(t, name) for name, t in seg.tensors.items()],
-                blobs=[
-                    tensor_pb2.Blob(name=b.name, media_type=b.media_type, data=b.data)
-                    for b in seg.blobs
-                ],
-            )
-        )
-    if isinstance(event, ProgressOut):
-        p = event.progress
-        out = stage_pb2.Progress(
-            request_id=event.request_id, step=p.step, total_steps=p.total_steps
-        )
-        if p.preview is not None:
-            out.preview.CopyFrom(codec.to_proto(p.preview, "preview"))
-        return stage_pb2.StageOutput(progress=out)
-    if isinstance(event, CompletedOut):
-        return stage_pb2.StageOutput(
-            completed=stage_pb2.Completed(
-                request_id=event.request_id,
-                finish_reason=event.finish_reason,
-                usage=stage_pb2.Usage(
-                    prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens
-                ),
-                timings=stage_pb2.Timings(
-                    queue_ms=event.queue_ms,
-                    time_to_first_ms=event.time_to_first_ms,
-                    total_ms=event.total_ms,
-                ),
-            )
-        )
-    return error_output(event.request_id, event.error)

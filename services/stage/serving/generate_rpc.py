@@ -10,24 +10,21 @@ own stream only. A Cancel of an id with nothing in flight on this stream is
 answered with Error NOT_FOUND. A frame that is not a StageInput at all ends the
 whole RPC with INVALID_ARGUMENT (``UndecodableFrame``).
 
-The stream ends when the client has half-closed and every request it started
-has reported its final event. Outputs go through a bounded queue, so a client
-that stops reading holds its requests' producers (and HTTP/2 flow control
-holds the client's writes in turn). A request whose first Submit sets a credit
-(the orchestrator's, on its long-lived shared streams) is also held alone: it
-sends Segments and Progress only while it has credit, and the Credits the
-client sends as it takes them resume it. ``Submit.timeout_ms`` ends one
-request DEADLINE_EXCEEDED; ``Submit.input_ended`` is a half-close for one request.
+This module is the stream's input side: a Submit is read (``convert``), its
+inputs decoded and joined (``inputs``, ``transforms``), and the request planned
+and started on the runtime, which emits its events to this stream's
+``StreamEmitter`` (``outputs``, the output side: a bounded queue, so a client
+that stops reading holds its requests' producers). A request whose first Submit
+sets a credit sends Segments and Progress only while it has credit; the Credits
+the client sends, read here, resume it. ``Submit.timeout_ms`` ends one request
+DEADLINE_EXCEEDED; ``Submit.input_ended`` is a half-close for one request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
-
-import torch
 
 from services.engines.base import EngineRequest, SamplingParams
 from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk
@@ -39,27 +36,20 @@ from services.mesh.errors import (
     NotFound,
     OmniError,
 )
-from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
+from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.decoding import UndecodableFrame
 from services.mesh.rpc.request_ids import check_request_id
-from services.stage.serving import convert, observe
-from services.stage.serving.events import (
-    CompletedOut,
-    ErrorOut,
-    ProgressOut,
-    SegmentOut,
-    StageEvent,
-)
+from services.stage.serving import convert
+from services.stage.serving.convert import SubmitIn
 from services.stage.serving.frames import InputFrame
 from services.stage.serving.inputs import Inputs, InputWindows, decode, input_bytes
-from services.stage.serving.requests import InFlight, InputFeed, OutputCredit
+from services.stage.serving.outputs import StreamEmitter
+from services.stage.serving.requests import InputFeed, OutputCredit, RequestRecord
 from services.stage.serving.runtime import StageRuntime
 from services.stage.serving.tensor_io import StageTensors
 from services.stage.serving.transforms import apply_transform, check_transform
 
 logger = logging.getLogger(__name__)
-
-_END = object()
 
 
 class GenerateStream:
@@ -71,9 +61,7 @@ class GenerateStream:
         # One account for all this stream holds: unfinished chunks and its requests' inputs.
         self._account = runtime.budget.account(limits.max_input_bytes)
         self._chunks = ChunkAssembler(limits.max_input_bytes, self._account)
-        self._out: asyncio.Queue[object] = asyncio.Queue(runtime.config.runtime.output_queue_size)
-        self._reading = True
-        self._ended = False
+        self._emitter = StreamEmitter(runtime, tensors)
         self._fatal: OmniError | None = None
         self._expiring: set[asyncio.Task[None]] = set()
 
@@ -83,18 +71,14 @@ class GenerateStream:
         """The stream's outputs; raises OmniError when the RPC itself must fail."""
         reader = asyncio.create_task(self._read(inputs), name="generate-reader")
         try:
-            while True:
-                item = await self._out.get()
-                if item is _END:
-                    break
-                assert isinstance(item, stage_pb2.StageOutput | EncodedChunk)
+            async for item in self._emitter.outputs():
                 yield item
             if self._fatal is None:
                 await reader
         finally:
             # Client gone (or stream done): nothing it started may keep running.
             reader.cancel()
-            self._runtime.drop_stream(self)
+            self._runtime.drop_stream(self._emitter)
             await asyncio.gather(reader, return_exceptions=True)
             # Its requests gave their bytes back as they left; chunks nobody claimed go now.
             self._chunks.discard_all()
@@ -119,17 +103,15 @@ class GenerateStream:
                     )
                     await self._refuse(rid, OmniError("internal error handling this input"))
             # The client stopped sending: what came is all there is.
-            for record in self._requests.of_stream(self):
+            for record in self._requests.of_stream(self._emitter):
                 await self._input_ended(record)
         except UndecodableFrame as exc:  # the RPC itself fails, now
             self._fatal = exc
-            self._ended = True
-            await self._out.put(_END)
+            await self._emitter.end_now()
         finally:
-            self._reading = False
-            await self._maybe_end()
+            await self._emitter.input_closed()
 
-    async def _input_ended(self, record: InFlight) -> None:
+    async def _input_ended(self, record: RequestRecord) -> None:
         """No more input for ``record``: a streaming-input request runs on what
         came; any other still waiting for its last window ends INVALID_ARGUMENT."""
         if record.final or record.input_done:
@@ -151,7 +133,7 @@ class GenerateStream:
             try:
                 self._chunks.add(message.chunk)
             except OmniError as exc:
-                await self._put_error("", exc)
+                await self._emitter.refuse("", exc)
         elif isinstance(message, ChunkFrame):
             raise AssertionError("a ChunkFrame holds a chunk")
         elif kind == "submit":
@@ -164,7 +146,7 @@ class GenerateStream:
             if record is not None and record.credit is not None:
                 record.credit.grant(message.credit.outputs)
         else:
-            await self._put_error(
+            await self._emitter.refuse(
                 "",
                 InvalidArgument("input: expected submit, chunk, cancel or credit", field="input"),
             )
@@ -176,15 +158,16 @@ class GenerateStream:
                 f"cancel.request_id: no request {request_id!r} in flight on this stream",
                 field="cancel.request_id",
             )
-            await self._put_error(request_id, error)
+            await self._emitter.refuse(request_id, error)
             return
         await self._runtime.end(record, Cancelled(f"request {request_id}: cancelled by the client"))
 
-    def _on_this_stream(self, request_id: str) -> InFlight | None:
+    def _on_this_stream(self, request_id: str) -> RequestRecord | None:
         record = self._requests.live(request_id)
-        return record if record is not None and record.stream is self else None
+        return record if record is not None and record.emitter is self._emitter else None
 
-    async def _submit(self, submit: stage_pb2.Submit) -> None:
+    async def _submit(self, message: stage_pb2.Submit) -> None:
+        submit = convert.read_submit(message)
         rid = submit.request_id
         if submit.input_ended:
             record = self._on_this_stream(rid)
@@ -195,17 +178,14 @@ class GenerateStream:
                     f"submit.input_ended: no request {rid!r} in flight on this stream",
                     field="submit.input_ended",
                 )
-                await self._put_error(rid, error)
+                await self._emitter.refuse(rid, error)
             return
         try:
             check_request_id(rid, "submit.request_id")
             record = self._on_this_stream(rid)
             if record is None:
                 self._not_elsewhere(rid)
-            limits = self._runtime.config.runtime
-            convert.check_size(submit, limits.max_message_bytes)
-            convert.check_token_count(submit, limits.max_prompt_tokens)
-            convert.refuse_unknown_fields(submit)
+            convert.check_submit(message, self._runtime.config.runtime)
             if record is None:
                 await self._first(submit)
             else:
@@ -227,9 +207,9 @@ class GenerateStream:
         if record is not None:
             await self._runtime.end(record, error)
         else:
-            await self._put_error(request_id, error)
+            await self._emitter.refuse(request_id, error)
 
-    async def _first(self, submit: stage_pb2.Submit) -> None:
+    async def _first(self, submit: SubmitIn) -> None:
         rid = submit.request_id
         runtime = self._runtime
         if submit.sequence != 0:
@@ -238,22 +218,20 @@ class GenerateStream:
                 field="submit.sequence",
             )
         check_transform(submit.transform)
-        supported, engine = runtime.engine.supported_params, runtime.config.engine
-        params = convert.sampling_params(submit.params, supported, engine)
+        params = self._params(submit)
         inputs = await self._decode(submit)
         self._not_elsewhere(rid)  # again: another stream may have taken the id meanwhile
         held = self._account.hold()
         held.add(input_bytes(inputs), "inputs")  # nothing kept yet if this is refused
-        record = InFlight(
+        record = RequestRecord(
             request_id=rid,
-            stream=self,
-            sink=lambda event: self._emit(record, event),
-            consumer=submit.consumer if submit.HasField("consumer") else None,
+            emitter=self._emitter,
+            consumer=submit.consumer,
             transform=submit.transform,
             params=params,
             windows=InputWindows(rid, runtime.config.runtime.max_input_windows),
             held=held,
-            trace_context=dict(submit.trace_context),
+            trace_context=submit.trace_context,
             credit=OutputCredit(submit.credit) if submit.credit else None,
         )
         if submit.timeout_ms:
@@ -277,7 +255,7 @@ class GenerateStream:
         else:
             self._requests.add(record)
 
-    async def _next(self, record: InFlight, submit: stage_pb2.Submit) -> None:
+    async def _next(self, record: RequestRecord, submit: SubmitIn) -> None:
         """A later window of a request in flight on this stream."""
         rid = record.request_id
         if submit.sequence == 0:
@@ -294,10 +272,7 @@ class GenerateStream:
         if record.feed is not None:
             # Not charged: the feed holds at most a few windows, and holds the sender back.
             if not inputs.empty:  # an empty last window only ends the input
-                runtime = self._runtime
-                supported, engine = runtime.engine.supported_params, runtime.config.engine
-                params = convert.sampling_params(submit.params, supported, engine)
-                window = await self._request(record, inputs, params)
+                window = await self._request(record, inputs, self._params(submit))
                 await record.feed.put(await self._runtime.prepare(window))
             record.windows.add(None)
             if submit.is_last:
@@ -311,7 +286,7 @@ class GenerateStream:
             record.input_done = True
             await self._runtime.start(record, await self._request(record, None))
 
-    def _expire(self, record: InFlight, timeout_ms: int) -> None:
+    def _expire(self, record: RequestRecord, timeout_ms: int) -> None:
         error = DeadlineExceeded(
             f"request {record.request_id}: its deadline ({timeout_ms} ms) passed on stage "
             f"{self._runtime.config.name}"
@@ -320,7 +295,12 @@ class GenerateStream:
         self._expiring.add(task)
         task.add_done_callback(self._expiring.discard)
 
-    async def _decode(self, submit: stage_pb2.Submit) -> Inputs:
+    def _params(self, submit: SubmitIn) -> SamplingParams:
+        runtime = self._runtime
+        supported = runtime.engine.supported_params
+        return convert.sampling_params(submit.params, supported, runtime.config.engine)
+
+    async def _decode(self, submit: SubmitIn) -> Inputs:
         """Tensors decoded (chunked ones taken whole from this stream's assembler,
         refs opened, pieces joined: copies of up to ``max_input_bytes``): in a
         thread, while this stream's reader waits, so no other stream does."""
@@ -334,7 +314,7 @@ class GenerateStream:
 
     @staticmethod
     async def _request(
-        record: InFlight, inputs: Inputs | None, params: SamplingParams | None = None
+        record: RequestRecord, inputs: Inputs | None, params: SamplingParams | None = None
     ) -> EngineRequest:
         """The engine's request: whole inputs (``None``: the request's windows joined),
         then the request's transform; in a thread, as joining and transforms copy tensors."""
@@ -347,43 +327,3 @@ class GenerateStream:
         if inputs is not None and not inputs.tensors:
             return run()  # nothing to join or copy: a thread hop would cost more
         return await asyncio.to_thread(run)
-
-    async def _put_error(self, request_id: str, error: OmniError) -> None:
-        stage = self._runtime.config.name
-        logger.info("stage %s: refused request %r: %s", stage, request_id, error.message)
-        await self._out.put(convert.error_output(request_id, error))
-
-    async def _emit(self, record: InFlight, event: StageEvent) -> None:
-        rid = record.request_id
-        if record.credit is not None and isinstance(event, SegmentOut | ProgressOut):
-            await record.credit.spend()  # out of credit: the request pauses here
-        consumer = record.consumer
-
-        def encode(tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
-            began = time.time_ns()
-            msg = self._tensors.encode(tensor, name, rid, consumer)
-            observe.handed_off(self._runtime.config.name, msg, began)
-            return msg
-
-        if isinstance(event, SegmentOut) and event.segment.tensors:
-            # Copying tensors into shared blocks or bytes takes milliseconds per
-            # megabyte: off the loop, so other requests' events keep flowing.
-            output = await asyncio.to_thread(convert.to_output, event, encode)
-        else:
-            output = convert.to_output(event, encode)
-        if output.WhichOneof("kind") == "segment":
-            # Bytes too large for one message travel first, as chunks of the stream.
-            threshold = self._runtime.config.runtime.chunk_bytes
-            for chunk in self._tensors.chunk_outputs(output.segment, threshold):
-                await self._out.put(chunk)
-        await self._out.put(output)
-        if isinstance(event, CompletedOut | ErrorOut):
-            await self._maybe_end()
-
-    async def _maybe_end(self) -> None:
-        if self._ended or self._reading:
-            return
-        if any(not r.final for r in self._requests.of_stream(self)):
-            return
-        self._ended = True
-        await self._out.put(_END)

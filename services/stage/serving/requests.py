@@ -2,7 +2,7 @@
 
 A request is in flight from its first Submit to its final event (Completed or
 Error). Its record holds everything any part of the stage knows about it: the
-stream it came on and where its events go, the consumer its output tensors are
+stream it came on (whose emitter sends its events), the consumer its output tensors are
 for, its transform and parameters, the input windows that have come so far,
 the feed of a streaming-input request, and the task that runs it.
 """
@@ -10,17 +10,22 @@ the feed of a streaming-input request, and the task that runs it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from services.engines.base import EngineRequest, SamplingParams
+from services.engines.base import EnginePlan, SamplingParams
 from services.mesh.data.byte_budget import Hold
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.stage.serving.events import StageEvent
 from services.stage.serving.inputs import InputWindows
 
-Sink = Callable[[StageEvent], Awaitable[None]]
+
+class Emitter(Protocol):
+    """The output side of one Generate stream: where its requests' events go."""
+
+    async def emit(self, record: RequestRecord, event: StageEvent) -> None: ...
 
 
 class InputFeed:
@@ -32,12 +37,12 @@ class InputFeed:
     it tighter)."""
 
     def __init__(self, depth: int = 4) -> None:
-        self._queue: asyncio.Queue[EngineRequest | None] = asyncio.Queue(depth)
+        self._queue: asyncio.Queue[EnginePlan | None] = asyncio.Queue(depth)
         self._abandoned = False
 
-    async def put(self, request: EngineRequest | None) -> None:
+    async def put(self, plan: EnginePlan | None) -> None:
         if not self._abandoned:
-            await self._queue.put(request)
+            await self._queue.put(plan)
 
     async def close(self) -> None:
         """No more windows: the request ends after those already queued."""
@@ -49,9 +54,9 @@ class InputFeed:
         while not self._queue.empty():
             self._queue.get_nowait()
 
-    async def windows(self) -> AsyncIterator[EngineRequest]:
-        while (request := await self._queue.get()) is not None:
-            yield request
+    async def windows(self) -> AsyncIterator[EnginePlan]:
+        while (plan := await self._queue.get()) is not None:
+            yield plan
 
 
 class OutputCredit:
@@ -81,12 +86,11 @@ class OutputCredit:
 
 
 @dataclass(eq=False)
-class InFlight:
+class RequestRecord:
     """One request in this stage, from its first Submit to its final event."""
 
     request_id: str
-    stream: object  # the Generate stream it came on (its owner)
-    sink: Sink  # where its events go
+    emitter: Emitter  # the Generate stream it came on (its owner): its events go out there
     consumer: tensor_pb2.NodeIdentity | None  # where its output tensors will be opened
     transform: str
     params: SamplingParams
@@ -108,30 +112,30 @@ class InFlight:
 
 class InFlightRequests:
     def __init__(self) -> None:
-        self._records: dict[str, InFlight] = {}
+        self._records: dict[str, RequestRecord] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
     def __len__(self) -> int:
         return sum(1 for r in self._records.values() if r.task is not None)
 
-    def __iter__(self) -> Iterator[InFlight]:
+    def __iter__(self) -> Iterator[RequestRecord]:
         return iter(list(self._records.values()))
 
-    def live(self, request_id: str) -> InFlight | None:
+    def live(self, request_id: str) -> RequestRecord | None:
         """The request ``request_id`` unless it has ended (or is sending its final event)."""
         record = self._records.get(request_id)
         return None if record is None or record.final else record
 
-    def add(self, record: InFlight) -> None:
+    def add(self, record: RequestRecord) -> None:
         assert self.live(record.request_id) is None, f"{record.request_id} is in flight"
         self._records[record.request_id] = record
 
-    def started(self, record: InFlight, task: asyncio.Task[None]) -> None:
+    def started(self, record: RequestRecord, task: asyncio.Task[None]) -> None:
         record.task = task
         self._idle.clear()
 
-    def remove(self, record: InFlight) -> None:
+    def remove(self, record: RequestRecord) -> None:
         # Every path a request ends by comes through here: its input budget goes back.
         if record.held is not None:
             record.held.release()
@@ -142,8 +146,9 @@ class InFlightRequests:
         if not any(r.task is not None for r in self._records.values()):
             self._idle.set()
 
-    def of_stream(self, stream: object) -> list[InFlight]:
-        return [r for r in self._records.values() if r.stream is stream]
+    def of_stream(self, emitter: Emitter) -> list[RequestRecord]:
+        """The requests that came on the stream ``emitter`` sends for."""
+        return [r for r in self._records.values() if r.emitter is emitter]
 
     async def wait_idle(self) -> None:
         """Until no request is running."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from services.engines.base import (
     Engine,
     EngineEvent,
+    EnginePlan,
     EngineRequest,
     FinishOutput,
     KeepsRequestState,
@@ -37,7 +38,7 @@ from services.stage.serving.events import (
     SegmentOut,
     StageEvent,
 )
-from services.stage.serving.requests import InFlight, InFlightRequests, Sink
+from services.stage.serving.requests import Emitter, InFlightRequests, RequestRecord
 from services.stage.serving.segmenter import Segmenter
 
 logger = logging.getLogger(__name__)
@@ -53,12 +54,8 @@ class StageRuntime:
         # Input held in memory by every stream of this process (services.mesh.data.byte_budget).
         self.budget = InputBudget(config.runtime.max_process_input_bytes)
         self._clock = clock
-        # The engine batches: it decides which requests share a step (max_batch_size
-        # of them, within its KV plan) and queues the rest itself. Admission only
-        # bounds what the stage holds at once, so that enough requests reach the
-        # engine to form batches.
         runtime = config.runtime
-        self._admission = Admission(runtime.max_batch_size + runtime.max_queue_size, 0)
+        self._admission = Admission(config.name, runtime.max_batch_size, runtime.max_queue_size)
         self.ready = False
         self.draining = False
         self.not_ready_reason = "stage is starting"
@@ -70,15 +67,16 @@ class StageRuntime:
         """Requests running or queued for a run slot (not those still sending windows)."""
         return len(self.requests)
 
-    async def prepare(self, request: EngineRequest) -> EngineRequest:
-        """Stage defaults filled in and the engine's own checks passed.
+    async def prepare(self, request: EngineRequest) -> EnginePlan:
+        """The engine's plan for ``request``, stage defaults filled in: its checks
+        passed, its prompt tokenized once, for ``generate`` to run.
 
         In a thread: an engine's check may tokenize or template a prompt, which
         takes CPU in proportion to it; the event loop (health, every other
         request's events) must keep turning meanwhile."""
         prepared = replace(request, params=self.config.apply_defaults(request.params))
-        await asyncio.to_thread(self.engine.check, prepared)
-        return prepared
+        plan: EnginePlan = await asyncio.to_thread(self.engine.check, prepared)
+        return plan
 
     def check_open(self) -> None:
         """Refuse new work while the stage cannot serve it."""
@@ -92,13 +90,13 @@ class StageRuntime:
 
     async def start(
         self,
-        record: InFlight,
+        record: RequestRecord,
         request: EngineRequest,
-        more: AsyncIterator[EngineRequest] | None = None,
+        more: AsyncIterator[EnginePlan] | None = None,
     ) -> None:
         """Run ``record``'s request; raises OmniError (nothing started) when it is refused.
 
-        ``more`` streams further input windows of the same request (prepared),
+        ``more`` streams further input windows of the same request (planned),
         each run through the engine as it arrives, their output continuing the
         request's segment sequence (``runtime.streaming_input``).
         """
@@ -112,14 +110,14 @@ class StageRuntime:
         )
         self.requests.started(record, task)
 
-    async def end(self, record: InFlight, error: OmniError) -> None:
+    async def end(self, record: RequestRecord, error: OmniError) -> None:
         """End ``record`` with ``error`` as its one final event, stopping its work."""
         if record.final:
             return  # it has its final event already
         if record.task is None:  # still receiving windows: nothing runs yet
             record.final = True
             self.requests.remove(record)
-            await record.sink(ErrorOut(record.request_id, error))
+            await record.emitter.emit(record, ErrorOut(record.request_id, error))
             return
         record.cancel_reason = error.message
         record.cancel_error = error
@@ -133,9 +131,9 @@ class StageRuntime:
         await self.end(record, Cancelled(f"request {request_id}: {reason}"))
         return True
 
-    def drop_stream(self, stream: object) -> None:
+    def drop_stream(self, emitter: Emitter) -> None:
         """The stream is gone: its requests stop with nobody left to tell."""
-        for record in self.requests.of_stream(stream):
+        for record in self.requests.of_stream(emitter):
             if record.task is not None:
                 record.task.cancel()
             else:
@@ -156,13 +154,13 @@ class StageRuntime:
             return False
 
     async def _run(
-        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
+        self, record: RequestRecord, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> None:
         try:
             with observe.request(self.config.name, record.request_id, record.trace_context):
                 final = await self._outcome(record, first, more)
             record.final = True
-            await record.sink(final)
+            await record.emitter.emit(record, final)
         finally:
             if record.feed is not None:
                 record.feed.abandon()
@@ -171,7 +169,7 @@ class StageRuntime:
             self.requests.remove(record)
 
     async def _outcome(
-        self, record: InFlight, first: EngineRequest, more: AsyncIterator[EngineRequest] | None
+        self, record: RequestRecord, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> StageEvent:
         """The request run to its end; its final event (CancelledError: nobody to tell)."""
         rid = record.request_id
@@ -182,15 +180,15 @@ class StageRuntime:
         done = _Done(submitted)
         try:
             with observe.queued(stage):
-                await self._admission.wait_turn(rid)
+                self._admission.enter(rid)
             try:
                 started = self._clock()
                 with observe.running(stage):
-                    await self._generate(first, record.sink, segmenter, done)
+                    await self._generate(record, first, segmenter, done)
                     if more is not None:
                         async for window in more:
-                            await self._generate(window, record.sink, segmenter, done)
-                    await self._flush(rid, segmenter, record.sink, done, is_last=True)
+                            await self._generate(record, window, segmenter, done)
+                    await self._flush(record, segmenter, done, is_last=True)
             finally:
                 self._admission.leave()
             return CompletedOut(
@@ -219,7 +217,7 @@ class StageRuntime:
             error.__cause__ = exc
             return ErrorOut(rid, error)
 
-    async def _engine_died(self, record: InFlight, exc: EngineDead) -> None:
+    async def _engine_died(self, record: RequestRecord, exc: EngineDead) -> None:
         if self.death is not None:
             return
         logger.error("stage %s: the engine died: %s", self.config.name, exc.message)
@@ -233,20 +231,20 @@ class StageRuntime:
         self.died.set()
 
     async def _flush(
-        self, rid: str, segmenter: Segmenter, sink: Sink, done: _Done, is_last: bool = False
+        self, record: RequestRecord, segmenter: Segmenter, done: _Done, is_last: bool = False
     ) -> None:
         segment = segmenter.flush(is_last)
         if segment is not None:
             if segment.sequence == 0:
                 done.first_at = self._clock()
-            await sink(SegmentOut(rid, segment))
+            await record.emitter.emit(record, SegmentOut(record.request_id, segment))
 
     async def _generate(
-        self, request: EngineRequest, sink: Sink, segmenter: Segmenter, done: _Done
+        self, record: RequestRecord, plan: EnginePlan, segmenter: Segmenter, done: _Done
     ) -> None:
         """Run one (window of a) request through the engine; the last flush is the caller's."""
-        rid = request.request_id
-        events: AsyncGenerator[EngineEvent, None] = self.engine.generate(request)
+        emit = record.emitter.emit
+        events: AsyncGenerator[EngineEvent, None] = self.engine.generate(plan)
         pending: asyncio.Future[EngineEvent] | None = None
         try:
             while True:
@@ -254,7 +252,7 @@ class StageRuntime:
                     pending = asyncio.ensure_future(anext(events))
                 finished, _ = await asyncio.wait({pending}, timeout=segmenter.due_in())
                 if not finished:
-                    await self._flush(rid, segmenter, sink, done)  # min_flush_interval passed
+                    await self._flush(record, segmenter, done)  # min_flush_interval passed
                     continue
                 try:
                     event = pending.result()
@@ -265,13 +263,13 @@ class StageRuntime:
                         pending = None
                 if isinstance(event, TokenOutput):
                     if segmenter.add(event):
-                        await self._flush(rid, segmenter, sink, done)
+                        await self._flush(record, segmenter, done)
                 elif isinstance(event, ProgressOutput):
-                    await self._flush(rid, segmenter, sink, done)
-                    await sink(ProgressOut(rid, event))
+                    await self._flush(record, segmenter, done)
+                    await emit(record, ProgressOut(record.request_id, event))
                 elif isinstance(event, TensorOutput):
                     if segmenter.holds(event):  # a later window's: never over an earlier one
-                        await self._flush(rid, segmenter, sink, done)
+                        await self._flush(record, segmenter, done)
                     segmenter.add_outputs(event)
                 elif isinstance(event, FinishOutput):
                     done.reason = event.reason
