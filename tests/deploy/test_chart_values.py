@@ -9,7 +9,7 @@ import helm_python
 import pytest
 
 from tests.deploy.chart import merge, render
-from tests.deploy.test_chart import GROUP
+from tests.deploy.manifests import GROUP
 
 REFUSED = [
     # values.schema.json

@@ -4,6 +4,7 @@ asked or where they do not apply."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from services.engines.base import EngineRequest, EngineSettings, SamplingParams,
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.packed_linear import PackedLinear, pack_linears
 from tests.helpers.engine_runs import generate
+from tests.helpers.float_error import assert_float32_close, assert_same_choices, row_errors
 from tests.helpers.stage import TINY_LLAMA
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Why is the sky blue?"]
@@ -37,6 +39,12 @@ def both(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[tuple[Transformer
     plain.close()
 
 
+@pytest.fixture(scope="module")
+def exact(both: tuple[TransformersEngine, TransformersEngine]) -> torch.nn.Module:
+    """The plain model in float64: what both float32 paths are measured against."""
+    return copy.deepcopy(both[1].model).double()
+
+
 def _kinds(model: torch.nn.Module) -> tuple[int, int]:
     modules = list(model.modules())
     return (
@@ -56,16 +64,18 @@ def test_every_linear_is_packed_by_default_and_none_when_asked_not_to(
 
 @torch.inference_mode()
 def test_packed_logits_match_the_plain_model_for_one_row_and_a_batch(
-    both: tuple[TransformersEngine, TransformersEngine],
+    both: tuple[TransformersEngine, TransformersEngine], exact: torch.nn.Module
 ) -> None:
     packed, plain = both
     ids = torch.randint(100, 40_000, (4, 24), generator=torch.Generator().manual_seed(0))
     for rows in (ids[:1], ids):
         mine = packed.model(input_ids=rows).logits
-        reference = plain.model(input_ids=rows).logits
-        assert mine.shape == reference.shape == (len(rows), 24, 49152)
+        trusted = plain.model(input_ids=rows).logits
+        reference = exact(input_ids=rows).logits
+        assert mine.shape == trusted.shape == (len(rows), 24, 49152)
         # The same sums, blocked differently: float32 rounding apart, no more.
-        assert torch.allclose(mine, reference, rtol=1e-4, atol=1e-3)
+        assert_float32_close(mine, trusted, reference)
+        assert_same_choices(mine, trusted, reference)
 
 
 async def test_packed_greedy_tokens_equal_the_plain_model(
@@ -97,15 +107,42 @@ def test_a_non_boolean_packed_weights_is_refused(omni_cache_dir: Path) -> None:
         )
 
 
-@torch.inference_mode()
-def test_packing_leaves_a_bfloat16_model_alone_and_keeps_a_float32_one_exact() -> None:
+def _tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=300, **TINY_LLAMA)
-    half = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def test_packing_leaves_a_bfloat16_model_alone_and_a_float32_one_the_same_model() -> None:
+    half = _tiny_llama(torch.bfloat16)
     assert pack_linears(half) == 0
     assert _kinds(half) == (2 * 7 + 1, 0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model = _tiny_llama(torch.float32)
+    exact = copy.deepcopy(model).double()
     ids = torch.arange(12)[None]
     before = model(input_ids=ids).logits
     assert pack_linears(model) == 2 * 7 + 1
-    assert torch.allclose(model(input_ids=ids).logits, before, rtol=1e-5, atol=1e-5)
+    assert_float32_close(model(input_ids=ids).logits, before, exact(input_ids=ids).logits)
+
+
+@torch.inference_mode()
+def test_a_wrong_packed_weight_fails_the_same_criterion() -> None:
+    """The tolerance is no blanket: one weight of fifteen off by 1e-2, or transposed,
+    is caught."""
+    plain = _tiny_llama(torch.float32)
+    exact = copy.deepcopy(plain).double()
+    ids = torch.arange(12)[None]
+    trusted, reference = plain(input_ids=ids).logits, exact(input_ids=ids).logits
+    noise = torch.Generator().manual_seed(1)
+    wrongs = {
+        "model.layers.1.mlp.down_proj": lambda w: w + 1e-2 * torch.randn(w.shape, generator=noise),
+        "model.layers.0.self_attn.q_proj": lambda w: w.T,  # 64 x 64: the shape allows it
+    }
+    for path, wrong in wrongs.items():
+        model = copy.deepcopy(plain)
+        linear = model.get_submodule(path)
+        assert isinstance(linear, torch.nn.Linear)
+        linear.weight.copy_(wrong(linear.weight).clone())
+        assert pack_linears(model) == 2 * 7 + 1
+        assert not row_errors(model(input_ids=ids).logits, trusted, reference).ok, path

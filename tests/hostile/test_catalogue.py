@@ -12,11 +12,12 @@ import asyncio
 import pytest
 
 from tests.hostile.cases import Case
+from tests.hostile.catalogue_inputs import INPUTS
 from tests.hostile.catalogue_requests import REQUESTS
 from tests.hostile.catalogue_wire import WIRE
 from tests.hostile.conftest import Mesh
 
-CATALOGUE = [*WIRE, *REQUESTS]
+CATALOGUE = [*WIRE, *REQUESTS, *INPUTS]
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=[c.name for c in CATALOGUE])

@@ -67,8 +67,8 @@ async def test_timeout_names_the_holder_then_kill_frees_the_lock(
 
     holder.kill()  # no release: the kernel drops the lock with the process
     holder.wait(timeout=10)
-    waited = await lock.acquire(timeout_s=2.0, on_wait=seen.append)
-    assert waited < 0.2 and len(seen) == 1
+    await lock.acquire(timeout_s=2.0, on_wait=seen.append)
+    assert len(seen) == 1  # free at the first try: no second wait
     assert lock.holder().startswith(f"stage 'talker' (pid {os.getpid()}, since ")
     lock.release()
     lock.release()  # safe twice
@@ -88,10 +88,12 @@ async def test_acquirers_in_one_process_serialize(tmp_path: Path) -> None:
         lock.release()
         return waited
 
-    waited_a, waited_b = await asyncio.gather(stage("a"), stage("b"))
+    waited = dict(zip("ab", await asyncio.gather(stage("a"), stage("b")), strict=True))
     assert order in (["a in", "a out", "b in", "b out"], ["b in", "b out", "a in", "a out"])
-    assert min(waited_a, waited_b) < 0.1 <= max(waited_a, waited_b)
-    assert len(waits) == 1 and waits[0].startswith("stage ")
+    first, second = order[0][0], order[2][0]
+    # Only the second waited, for the first, and for about as long as the first held it.
+    assert len(waits) == 1 and waits[0].startswith(f"stage '{first}' ")
+    assert waited[second] >= 0.1
 
 
 def test_lock_file_names_are_safe_and_distinct() -> None:
