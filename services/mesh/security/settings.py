@@ -10,9 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from services.mesh import config_files
+from services.mesh.config_files import Frozen
 
 ENV = {
     "tls_cert": "OMNI_TLS_CERT",
@@ -27,9 +28,7 @@ ENV = {
 MIN_TOKEN_CHARS = 16
 
 
-class SecuritySettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class SecuritySettings(Frozen):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None
