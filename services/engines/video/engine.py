@@ -37,6 +37,13 @@ from services.engines.base import (
     ProgressOutput,
     TensorOutput,
 )
+from services.engines.defaults import DefaultLayers, resolve
+from services.engines.request_checks import (
+    check_seed,
+    one_input,
+    refuse_unknown_tensors,
+    tensor_field,
+)
 from services.engines.video.config import VideoArgs
 from services.engines.video.model import build_weights
 from services.engines.video.pipeline import WindowPipeline
@@ -54,6 +61,7 @@ class VideoEngine:
     name: ClassVar[str] = "video"
     supported_params: ClassVar[frozenset[str]] = frozenset({"seed"})
     output_tensors: ClassVar[tuple[str, ...]] = (FRAMES,)
+    settings_model: ClassVar[type[VideoArgs]] = VideoArgs
 
     def __init__(self, settings: EngineSettings) -> None:
         if settings.load_format != "dummy":
@@ -62,7 +70,8 @@ class VideoEngine:
                 field="load_format",
             )
         self._settings = settings
-        self.args = VideoArgs.from_engine_args(settings.engine_args, settings.device)
+        self.args = VideoArgs.of(settings)
+        self._defaults = DefaultLayers(settings.defaults)
         self._pipeline: WindowPipeline | None = None
         self._streams = StreamStates(self.args.max_streams, self.args.stream_idle_s)
 
@@ -108,20 +117,9 @@ class VideoEngine:
         logger.info("video warm-up done")
 
     def check(self, request: EngineRequest) -> None:
-        if request.text or request.messages or request.token_ids:
-            raise InvalidArgument(
-                f"the video engine takes only the tensor {FRAMES!r}", field="inputs"
-            )
-        for name in request.tensors:
-            if name != FRAMES:
-                raise InvalidArgument(
-                    f"unknown input tensor {name!r} (expected {FRAMES!r})",
-                    field=f"inputs.tensors.{name}",
-                )
-        frames = request.tensors.get(FRAMES)
-        where = f"inputs.tensors.{FRAMES}"
-        if frames is None:
-            raise InvalidArgument(f"expected the input tensor {FRAMES!r}", field=where)
+        refuse_unknown_tensors(request, (FRAMES,))
+        where = one_input(request, (tensor_field(FRAMES),))
+        frames = request.tensors[FRAMES]
         patch = self.args.shape.patch
         if (
             frames.dtype != torch.uint8
@@ -141,9 +139,7 @@ class VideoEngine:
                 f"got {height}x{width}",
                 field=where,
             )
-        seed = request.params.seed
-        if seed is not None and not 0 <= seed < 2**63:
-            raise InvalidArgument(f"seed must be in 0..2**63-1, got {seed}", field="params.seed")
+        check_seed(resolve(request.params, self._defaults).seed)
 
     async def generate(self, request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
         self.check(request)
@@ -161,7 +157,8 @@ class VideoEngine:
                     field=f"inputs.tensors.{FRAMES}",
                 )
             state.frame_size = size
-            windows = pipeline.plan(state, frames, request.params.seed or 0)
+            seed = resolve(request.params, self._defaults).seed or 0
+            windows = pipeline.plan(state, frames, seed)
             async for index, upscaled in pipeline.run(state, windows):
                 yield TensorOutput({FRAMES: upscaled})  # each window's frames: a segment
                 yield ProgressOutput(step=index + 1, total_steps=state.windows)

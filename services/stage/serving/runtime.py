@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.engines.base import (
     Engine,
@@ -71,14 +71,14 @@ class StageRuntime:
         return len(self.requests)
 
     async def prepare(self, request: EngineRequest) -> EngineRequest:
-        """Stage defaults filled in and the engine's own checks passed.
+        """The engine's own checks passed (the engine fills in the stage's defaults:
+        services/engines/defaults.py).
 
         In a thread: an engine's check may tokenize or template a prompt, which
         takes CPU in proportion to it; the event loop (health, every other
         request's events) must keep turning meanwhile."""
-        prepared = replace(request, params=self.config.apply_defaults(request.params))
-        await asyncio.to_thread(self.engine.check, prepared)
-        return prepared
+        await asyncio.to_thread(self.engine.check, request)
+        return request
 
     def check_open(self) -> None:
         """Refuse new work while the stage cannot serve it."""
