@@ -95,7 +95,7 @@ def ideal_s(timeline: Timeline, windows: int) -> float:
 
 
 def scenario(args: argparse.Namespace, emulated_ms: float) -> dict[str, Any]:
-    video = VideoArgs.from_engine_args(
+    video = VideoArgs.model_validate(
         {"blocks": args.blocks, "dim": args.dim, "window_frames": args.window_frames}
     )
     shape, split = video.shape, video.split_index

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
 from services.mesh import config_files
-from services.mesh.config_files import ConfigError
+from services.mesh.config_files import ConfigError, Frozen
 from services.mesh.security import SecuritySettings
 
 # An edge's transform is a name the consuming stage offers (its Describe lists
@@ -58,11 +58,7 @@ def check_address(address: str) -> str:
     return address
 
 
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class Stage(_Frozen):
+class Stage(Frozen):
     name: str = Field(pattern=NAME_PATTERN)
     # A launched stage may leave its address out: `omni up` fills it in at runtime
     # (PipelineConfig.with_addresses) once the process says where it listens.
@@ -95,8 +91,8 @@ class Stage(_Frozen):
         return self
 
 
-class Edge(_Frozen):
-    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+class Edge(Frozen):
+    model_config = ConfigDict(populate_by_name=True)
 
     from_: str = Field(alias="from")
     to: str
@@ -136,12 +132,12 @@ class Edge(_Frozen):
         return self
 
 
-class Watchdog(_Frozen):
+class Watchdog(Frozen):
     # The device-lock wait is never paused (DESIGN §4), so it is not a choice here.
     paused_phases: frozenset[Literal["download", "load"]] = frozenset({"download"})
 
 
-class PipelineConfig(_Frozen):
+class PipelineConfig(Frozen):
     name: str = Field(pattern=NAME_PATTERN)
     stages: tuple[Stage, ...] = Field(min_length=1)
     edges: tuple[Edge, ...] = ()

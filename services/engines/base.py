@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
+from pydantic import BaseModel
+
+from services.engines.defaults import NONE, RequestDefaults
 
 LoadFormat = Literal["auto", "dummy"]
 
@@ -28,7 +31,12 @@ class EngineSettings:
     # The most requests one engine step may run together (the stage's runtime.max_batch_size).
     max_batch_size: int = 1
     cache_dir: Path = field(default_factory=lambda: Path("~/.cache/omni-mesh").expanduser())
-    engine_args: Mapping[str, Any] = field(default_factory=dict)
+    # The engine's settings model as the stage file validated it (engine_args.py), or a
+    # plain mapping (an engine built directly, or a plug-in without a settings model).
+    engine_args: Mapping[str, Any] | BaseModel = field(default_factory=dict)
+    # The stage file's `defaults:`; an engine fills a request's unset parameters with
+    # services.engines.defaults.resolve, which says what wins.
+    defaults: RequestDefaults = NONE
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,12 @@ class Engine(Protocol[PlanT]):
 
     Errors: an ``OmniError`` from ``generate`` ends that request with its
     status; ``services.mesh.errors.EngineDead`` says the engine itself is gone,
-    and the stage then fails and exits to be restarted."""
+    and the stage then fails and exits to be restarted.
+
+    Settings: an engine may name its ``engine_args`` model as the class attribute
+    ``settings_model`` (an ``engine_args.EngineArgs``); the stage then validates
+    them when it loads the stage file. Parameters a request leaves unset arrive
+    unset: ``defaults.resolve`` fills them in."""
 
     name: ClassVar[str]
     # GenerationParams fields (and `extra` keys as "extra.KEY") this engine honours;

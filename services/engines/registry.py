@@ -4,7 +4,8 @@ stage never imports vllm and a GPU image need not carry diffusers.
 Plug-in engines: a stage file may name an engine class outside this package as
 ``engine: "package.module:ClassName"`` (an importable module, a colon, a class
 that implements ``services.engines.base.Engine``). The module is imported when
-the stage starts; a name that does not resolve fails the stage file's check.
+the stage file is loaded; a name that does not resolve fails the stage file's
+check. An engine's ``engine_args`` model (``settings_model``) is found here too.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import re
 from collections.abc import Callable
 
 from services.engines.base import Engine
+from services.engines.engine_args import EngineArgs
 
 
 def _transformers() -> type[Engine]:
@@ -78,3 +80,10 @@ def engine_class(name: str) -> type[Engine]:
         raise ValueError(
             f"unknown engine {name!r} (known: {known}, or package.module:ClassName)"
         ) from None
+
+
+def settings_model(name: str) -> type[EngineArgs] | None:
+    """The ``engine_args`` model of the engine ``name`` (its class attribute
+    ``settings_model``); None for a plug-in that takes a plain mapping."""
+    model = getattr(engine_class(name), "settings_model", None)
+    return model if isinstance(model, type) and issubclass(model, EngineArgs) else None

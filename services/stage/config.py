@@ -3,58 +3,22 @@ services.mesh.config_files)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from services.engines.base import EngineSettings, SamplingParams
-from services.engines.registry import ENGINES, is_plugin
+from services.engines.base import EngineSettings
+from services.engines.defaults import RequestDefaults
+from services.engines.engine_args import EngineArgs, StageFacts, from_stage_file
+from services.engines.registry import ENGINES, engine_class, is_plugin, settings_model
 from services.mesh import config_files, environment
+from services.mesh.config_files import Frozen
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.security import SecuritySettings
 
-_NUMBERS = (int, float, int | None, float | None)
 
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        # YAML's true/false would otherwise pass as 1/0 (max_batch_size: true).
-        if isinstance(value, bool) and info.field_name is not None:
-            if cls.model_fields[info.field_name].annotation in _NUMBERS:
-                raise ValueError("expected a number, not true/false")
-        return value
-
-
-class Defaults(_Frozen):
-    """Stage-wide defaults for GenerationParams a request leaves unset."""
-
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0)
-    stop: tuple[str, ...] = ()
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = None
-    height: int | None = Field(None, ge=8)
-    width: int | None = Field(None, ge=8)
-    preview_every: int | None = Field(None, ge=0)
-
-
-class Runtime(_Frozen):
+class Runtime(Frozen):
     device: str = "cpu"
     # "auto": lock CUDA devices only; stages on a CPU do not share a memory budget.
     device_lock: Literal["auto", True, False] = "auto"
@@ -98,21 +62,24 @@ class Runtime(_Frozen):
         return self.device_lock
 
 
-class Segmenting(_Frozen):
+class Segmenting(Frozen):
     max_segment_tokens: int = Field(16, ge=1)
     min_flush_interval_ms: float = Field(50.0, ge=0)
 
 
-class StageConfig(_Frozen):
+class StageConfig(Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     engine: str
     # None only with load_format: dummy, for an engine that builds from engine_args.
     model: str | None = Field(None, min_length=1)
     load_format: Literal["auto", "dummy"] = "auto"
     dtype: str | None = None
-    engine_args: dict[str, Any] = Field(default_factory=dict)
-    defaults: Defaults = Defaults()
+    # GenerationParams a request leaves unset (services/engines/defaults.py says what wins).
+    defaults: RequestDefaults = RequestDefaults()
     runtime: Runtime = Runtime()
+    # The engine's settings model (services/engines/engine_args.py); a plain mapping
+    # for a plug-in without one. Declared after the keys its validation reads.
+    engine_args: EngineArgs | dict[str, Any] = Field(default_factory=dict, validate_default=True)
     segmenting: Segmenting = Segmenting()
     cache_dir: Path | None = None
     # TLS / mTLS and the mesh token (services.mesh.security); OMNI_* env overrides.
@@ -124,7 +91,20 @@ class StageConfig(_Frozen):
         if engine not in ENGINES and not is_plugin(engine):
             known = ", ".join(sorted(ENGINES))
             raise ValueError(f"expected one of {known}, or a plug-in as package.module:ClassName")
+        engine_class(engine)  # a plug-in that does not import is refused here, by name
         return engine
+
+    @field_validator("engine_args", mode="plain")
+    @classmethod
+    def _engine_settings(cls, raw: Any, info: ValidationInfo) -> EngineArgs | dict[str, Any]:
+        if "engine" not in info.data or "runtime" not in info.data:
+            return {}  # the stage file is refused for those already
+        facts = StageFacts(
+            device=info.data["runtime"].device,
+            dtype=info.data.get("dtype"),
+            load_format=info.data.get("load_format", "auto"),
+        )
+        return from_stage_file(settings_model(info.data["engine"]), raw, facts)
 
     @model_validator(mode="after")
     def _model_needed(self) -> StageConfig:
@@ -144,19 +124,9 @@ class StageConfig(_Frozen):
             max_prompt_tokens=self.runtime.max_prompt_tokens,
             max_batch_size=self.runtime.max_batch_size,
             cache_dir=self.resolved_cache_dir,
-            engine_args=dict(self.engine_args),
+            engine_args=self.engine_args,
+            defaults=self.defaults,
         )
-
-    def apply_defaults(self, params: SamplingParams) -> SamplingParams:
-        """A request's params with the stage defaults filled in where unset."""
-        changes: dict[str, Any] = {}
-        for key, value in self.defaults.model_dump(exclude_defaults=True).items():
-            if key == "stop":
-                if not params.stop:
-                    changes["stop"] = tuple(value)
-            elif getattr(params, key) is None:
-                changes[key] = value
-        return replace(params, **changes) if changes else params
 
 
 def parse_stage_config(data: Any, source: str = "<stage config>") -> StageConfig:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.packed_linear import PackedLinear, pack_linears
+from services.mesh.errors import InitFailed
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close, assert_same_choices, row_errors
 from tests.helpers.stage import TINY_LLAMA
@@ -101,7 +102,7 @@ async def test_packed_greedy_tokens_equal_the_plain_model(
 
 
 def test_a_non_boolean_packed_weights_is_refused(omni_cache_dir: Path) -> None:
-    with pytest.raises(ValueError, match=r"engine_args\.packed_weights: expected true or false"):
+    with pytest.raises(InitFailed, match=r"engine_args\.packed_weights: expected true or false"):
         TransformersEngine(
             EngineSettings(cache_dir=omni_cache_dir, engine_args={"packed_weights": "yes"})
         )

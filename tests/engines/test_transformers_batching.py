@@ -8,8 +8,7 @@ batches themselves, not only the answers.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -18,10 +17,8 @@ import torch
 from transformers import BatchEncoding
 
 from services.engines.base import (
-    EngineEvent,
     EngineRequest,
     EngineSettings,
-    FinishOutput,
     SamplingParams,
     TokenOutput,
 )
@@ -30,6 +27,7 @@ from services.mesh.errors import InvalidArgument
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close
 from tests.helpers.stage import TINY_LLAMA
+from tests.helpers.text_engine import Result, collect
 
 PROMPTS = [
     "What is the capital of France?",
@@ -41,26 +39,6 @@ PROMPTS = [
     "Explain what a CPU cache is.",
     "Describe a red apple.",
 ]
-
-
-@dataclass
-class Run:
-    tokens: list[int] = field(default_factory=list)
-    hidden: list[torch.Tensor | None] = field(default_factory=list)
-    finish: FinishOutput | None = None
-
-
-async def collect(events: AsyncIterator[EngineEvent]) -> Run:
-    run = Run()
-    async for event in events:
-        if isinstance(event, TokenOutput):
-            run.tokens.extend(event.token_ids)
-            run.hidden.append(event.hidden_states)
-        else:
-            assert isinstance(event, FinishOutput)
-            run.finish = event
-    assert run.finish is not None
-    return run
 
 
 def chat(rid: str, prompt: str, max_tokens: int = 12, **params: Any) -> EngineRequest:
@@ -88,12 +66,9 @@ class Forwards:
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
-    engine = TransformersEngine(EngineSettings(cache_dir=omni_cache_dir, max_batch_size=8))
-    engine.load(smollm2_gguf)
-    engine.warmup()
-    yield engine
-    engine.close()
+def engine(smollm2_engine: TransformersEngine) -> TransformersEngine:
+    assert len(PROMPTS) <= smollm2_engine._settings.max_batch_size  # all in one batch
+    return smollm2_engine
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +89,7 @@ def forwards(engine: TransformersEngine) -> Iterator[Forwards]:
     recorder.close()
 
 
-async def alone(engine: TransformersEngine, request: EngineRequest) -> Run:
+async def alone(engine: TransformersEngine, request: EngineRequest) -> Result:
     return await collect(generate(engine, request))
 
 
@@ -146,7 +121,7 @@ async def test_requests_join_and_leave_a_running_batch(
     first = await anext(long_events)  # the long one is decoding alone now
     assert isinstance(first, TokenOutput)
     short = await collect(generate(engine, short_request))  # joins, finishes, leaves
-    rest = await collect(long_events)
+    rest = await collect(long_events, taken=len(first.token_ids))
     assert short.tokens == solo_short.tokens
     assert [*first.token_ids, *rest.tokens] == solo_long.tokens
     rows = forwards.decode_rows
@@ -261,9 +236,9 @@ async def test_a_long_prompt_does_not_hold_back_a_short_one(tiny: TransformersEn
     recorder = Forwards(tiny.model)
     firsts: list[str] = []
 
-    async def run(rid: str, prompt: tuple[int, ...]) -> Run:
+    async def run(rid: str, prompt: tuple[int, ...]) -> Result:
         params = SamplingParams(temperature=0.0, max_tokens=2)
-        run = Run()
+        run = Result()
         async for event in generate(tiny, EngineRequest(rid, token_ids=prompt, params=params)):
             if isinstance(event, TokenOutput) and not run.tokens:
                 firsts.append(rid)

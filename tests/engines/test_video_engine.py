@@ -74,15 +74,15 @@ async def upscaled(video_engine: VideoEngine, req: EngineRequest) -> list[torch.
 )
 def test_bad_engine_args_are_refused_by_name(args: dict[str, Any], field: str) -> None:
     with pytest.raises(InitFailed) as caught:
-        VideoArgs.from_engine_args({**ARGS, **args})
+        VideoArgs.of(EngineSettings(engine_args={**ARGS, **args}))
     assert caught.value.field == field
 
 
 @pytest.mark.parametrize(("blocks", "split"), [(2, 0), (3, 0), (4, 1), (6, 2), (9, 3)])
 def test_auto_split_is_half_the_blocks_minus_one(blocks: int, split: int) -> None:
-    args = VideoArgs.from_engine_args({"blocks": blocks, "split": "auto"})
+    args = VideoArgs.model_validate({"blocks": blocks, "split": "auto"})
     assert args.split_index == split
-    assert VideoArgs.from_engine_args({"blocks": blocks, "split": blocks - 2}).split_index == (
+    assert VideoArgs.model_validate({"blocks": blocks, "split": blocks - 2}).split_index == (
         blocks - 2
     )
 

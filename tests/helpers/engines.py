@@ -31,6 +31,7 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
+from services.engines.defaults import DefaultLayers, resolve
 from services.mesh.errors import EngineDead
 
 
@@ -80,7 +81,8 @@ class ScriptedEngine:
             raise EngineDead("the scripted engine died on request")
         if prompt == "hold":
             await asyncio.Event().wait()  # until cancelled
-        count = request.params.max_tokens or 4
+        # As a plug-in should: the stage's `defaults:` come in settings, not the request.
+        count = resolve(request.params, DefaultLayers(self._settings.defaults)).max_tokens or 4
         for token in range(1, count):
             await asyncio.sleep(0)  # a step boundary, as a real engine has
             yield TokenOutput(token_ids=(token,), text=f"{token} ")

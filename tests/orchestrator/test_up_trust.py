@@ -174,7 +174,7 @@ async def test_up_with_a_broken_launch_file_reports_the_stage_error(
     assert up.returncode == 1
     text = err.decode()
     assert "exited with 2 before binding" in text
-    assert f"omni stage: {stage}: engine_args: unknown keys ['no_such_key']" in text
+    assert f"omni stage: {stage}: engine_args.no_such_key: unknown key; expected one of" in text
 
 
 async def test_restart_backoff_starts_over_after_a_healthy_run(

@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 from services.engines.base import KvGeometry, SamplingParams
+from services.engines.defaults import DefaultLayers, resolve
+from services.engines.transformers.config import TransformersArgs
 from services.mesh.config_files import ConfigError
 from services.stage.config import load_stage_config
 from services.stage.startup.memory import bytes_per_page, plan_memory
@@ -21,9 +23,13 @@ def test_valid_file_with_defaults(tmp_path: Path) -> None:
         write(tmp_path, "name: a\nengine: transformers\nmodel: /m\ndefaults: {max_tokens: 7}\n")
     )
     assert config.runtime.max_batch_size == 1 and not config.runtime.uses_device_lock
-    params = config.apply_defaults(SamplingParams(temperature=0.1))
+    settings = config.engine_settings()
+    assert settings.defaults.max_tokens == 7  # handed to the engine, which resolves them
+    assert settings.engine_args == TransformersArgs()  # engine_args left out: all defaults
+    layers = DefaultLayers(settings.defaults)
+    params = resolve(SamplingParams(temperature=0.1), layers)
     assert params.max_tokens == 7 and params.temperature == 0.1
-    assert config.apply_defaults(SamplingParams(max_tokens=3)).max_tokens == 3
+    assert resolve(SamplingParams(max_tokens=3), layers).max_tokens == 3
 
 
 @pytest.mark.parametrize(
@@ -38,6 +44,15 @@ def test_valid_file_with_defaults(tmp_path: Path) -> None:
         ("engine: transformers\nmodel: m\n", "name: Field required"),
         ("name: a\nengine: [\n", "not valid YAML at line"),
         ("- 1\n", "expected a mapping of settings"),
+        (
+            "name: a\nengine: diffusers\nload_format: dummy\nengine_args: {gather_ms: -1}\n",
+            "engine_args.gather_ms: Input should be greater than or equal to 0 (got -1)",
+        ),
+        (
+            "name: a\nengine: video\nload_format: dummy\nengine_args: {split: 9}\n",
+            "engine_args.split: expected auto or a block in 0..2 (got 9)",
+        ),
+        ("name: a\nengine: nope.mod:Eng\nmodel: m\n", "engine: plug-in engine 'nope.mod:Eng'"),
     ],
 )
 def test_errors_name_the_file_the_key_and_the_expectation(

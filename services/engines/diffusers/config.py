@@ -1,77 +1,48 @@
-"""The diffusers engine's ``engine_args``, validated once when the engine is built."""
+"""The diffusers engine's ``engine_args`` (its settings model)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import Any
+from pydantic import Field
 
-from services.mesh.errors import InitFailed
+from services.engines.defaults import RequestDefaults
+from services.engines.engine_args import EngineArgs
 
 # A request may not ask for a side longer than this unless the stage raises it: one
 # huge image would hold the single pipeline thread for minutes.
 DEFAULT_MAX_IMAGE_SIZE = 2048
 
-
-@dataclass(frozen=True)
-class DiffusersArgs:
-    """Stage defaults for requests, and the shape of the ``load_format: dummy`` pipeline."""
-
-    num_inference_steps: int = 8
+BUILT_IN = RequestDefaults(
+    num_inference_steps=8,
     # 1.0 turns classifier-free guidance off: no negative embeddings are needed, which
     # is what an upstream stage handing over ``prompt_embeds`` can provide.
-    guidance_scale: float = 1.0
-    preview_every: int = 0  # 0: no progress events
-    max_image_size: int = DEFAULT_MAX_IMAGE_SIZE
+    guidance_scale=1.0,
+    preview_every=0,  # no progress events
+)
+
+
+class DiffusersArgs(EngineArgs):
+    """Defaults for requests, limits, and the shape of the ``load_format: dummy`` pipeline."""
+
+    # What a request that leaves these unset gets (unset here: BUILT_IN; the stage
+    # file's `defaults:` wins over both, see services/engines/defaults.py).
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0, allow_inf_nan=False)
+    preview_every: int | None = Field(None, ge=0)
+    max_image_size: int = Field(DEFAULT_MAX_IMAGE_SIZE, ge=8)
     # How long the oldest waiting request may wait, from its arrival, for others
     # sent with it to share its call (costs a lone request this much latency;
     # nothing with max_batch_size 1).
-    gather_ms: float = 10.0
+    gather_ms: float = Field(10.0, ge=0, allow_inf_nan=False)
     # Dummy pipeline only (ignored for a real folder).
-    cross_attention_dim: int = 32
-    sample_size: int = 8  # latent side; the image side is twice this
+    cross_attention_dim: int = Field(32, ge=1)
+    sample_size: int = Field(8, ge=1)  # latent side; the image side is twice this
     dummy_seed: int = 0
 
-    @classmethod
-    def from_engine_args(cls, engine_args: Mapping[str, Any]) -> DiffusersArgs:
-        known = {f.name: f for f in fields(cls)}
-        values: dict[str, Any] = {}
-        for key, value in engine_args.items():
-            if key not in known:
-                names = ", ".join(sorted(known))
-                raise InitFailed(
-                    f"unknown diffusers engine_args key {key!r} (known: {names})",
-                    field=f"engine_args.{key}",
-                )
-            allowed = (int, float) if known[key].type == "float" else (int,)
-            if isinstance(value, bool) or not isinstance(value, allowed):
-                kind = "a number" if float in allowed else "an integer"
-                raise InitFailed(
-                    f"engine_args.{key} must be {kind}, got {value!r}",
-                    field=f"engine_args.{key}",
-                )
-            values[key] = value
-        args = cls(**values)
-        args._validate()
-        return args
-
-    def _validate(self) -> None:
-        positive = {
-            "num_inference_steps": self.num_inference_steps,
-            "max_image_size": self.max_image_size,
-            "cross_attention_dim": self.cross_attention_dim,
-            "sample_size": self.sample_size,
-        }
-        for key, value in positive.items():
-            if value < 1:
-                raise InitFailed(f"engine_args.{key} must be >= 1", field=f"engine_args.{key}")
-        if self.preview_every < 0:
-            raise InitFailed(
-                "engine_args.preview_every must be >= 0", field="engine_args.preview_every"
-            )
-        if self.gather_ms < 0:
-            raise InitFailed("engine_args.gather_ms must be >= 0", field="engine_args.gather_ms")
-        if self.guidance_scale < 0:
-            raise InitFailed(
-                "engine_args.guidance_scale must be >= 0", field="engine_args.guidance_scale"
-            )
+    @property
+    def request_defaults(self) -> RequestDefaults:
+        """This layer of the defaults (defaults.resolve)."""
+        return RequestDefaults(
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            preview_every=self.preview_every,
+        )

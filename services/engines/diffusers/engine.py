@@ -32,9 +32,10 @@ from services.engines.base import (
     ProgressOutput,
     SamplingParams,
 )
+from services.engines.defaults import DefaultLayers, resolve
 from services.engines.diffusers.batch import Done, Job, Member, run_batch
-from services.engines.diffusers.checks import PROMPT_EMBEDS, check_request
-from services.engines.diffusers.config import DiffusersArgs
+from services.engines.diffusers.checks import check_request
+from services.engines.diffusers.config import BUILT_IN, DiffusersArgs
 from services.engines.diffusers.loading import (
     cross_attention_dim,
     load_pipeline,
@@ -42,6 +43,7 @@ from services.engines.diffusers.loading import (
     native_size,
 )
 from services.engines.prompt_size import PromptBound, longest_token_chars
+from services.engines.text_intake import EMBEDS
 from services.mesh.errors import Cancelled, FailedPrecondition, InitFailed
 
 logger = logging.getLogger(__name__)
@@ -66,10 +68,12 @@ class DiffusersEngine:
         }
     )
     output_tensors: ClassVar[tuple[str, ...]] = ("image",)
+    settings_model: ClassVar[type[DiffusersArgs]] = DiffusersArgs
 
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
-        self._args = DiffusersArgs.from_engine_args(settings.engine_args)
+        self._args = DiffusersArgs.of(settings)
+        self._defaults = DefaultLayers(settings.defaults, self._args.request_defaults, BUILT_IN)
         self._pipe: DiffusionPipeline | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers")
         self._lock = threading.Lock()  # guards _waiting (event loop and worker)
@@ -111,7 +115,9 @@ class DiffusersEngine:
         logger.info("diffusers warm-up done")
 
     def check(self, request: EngineRequest) -> DiffusersPlan:
-        check_request(request, self._args, cross_attention_dim(self.pipeline), self._prompt_bound)
+        embed_dim = None if self._pipe is None else cross_attention_dim(self._pipe)
+        params = resolve(request.params, self._defaults)
+        check_request(request, params, self._args, embed_dim, self._prompt_bound)
         return DiffusersPlan(request, self._job(request))
 
     async def generate(self, plan: DiffusersPlan) -> AsyncGenerator[EngineEvent, None]:
@@ -192,10 +198,10 @@ class DiffusersEngine:
         run_batch(self.pipeline, batch)
 
     def _job(self, request: EngineRequest) -> Job:
-        params = request.params
+        params = resolve(request.params, self._defaults)
         pipe = self.pipeline
         call: dict[str, Any] = {}
-        embeds = request.tensors.get(PROMPT_EMBEDS)
+        embeds = request.tensors.get(EMBEDS)
         if embeds is None:
             call["prompt"] = request.text
         else:
@@ -208,17 +214,15 @@ class DiffusersEngine:
             call["height"] = height
         if width is not None:
             call["width"] = width
-        preview_every = params.preview_every
+        # BUILT_IN sets all three.
+        assert params.num_inference_steps is not None and params.guidance_scale is not None
+        assert params.preview_every is not None
         return Job(
             request_id=request.request_id,
             call=call,
-            steps=params.num_inference_steps or self._args.num_inference_steps,
-            guidance_scale=(
-                self._args.guidance_scale
-                if params.guidance_scale is None
-                else params.guidance_scale
-            ),
+            steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale,
             seed=params.seed,
-            preview_every=self._args.preview_every if preview_every is None else preview_every,
+            preview_every=params.preview_every,
             return_png=params.return_png,
         )

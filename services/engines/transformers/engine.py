@@ -28,6 +28,7 @@ from services.engines.base import (
     ModelInfo,
     SamplingParams,
 )
+from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
@@ -56,10 +57,13 @@ class TransformersEngine:
         {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "return_hidden_states"}
     )
     output_tensors: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    settings_model: ClassVar[type[TransformersArgs]] = TransformersArgs
 
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
-        self._args = TransformersArgs.from_settings(settings)
+        self._args = TransformersArgs.of(settings)
+        self._dtype = self._args.torch_dtype(settings)
+        self._defaults = DefaultLayers(settings.defaults, self._args.defaults, TEXT_BUILT_IN)
         self._model: PreTrainedModel | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
@@ -83,7 +87,7 @@ class TransformersEngine:
                 "even with load_format: dummy",
                 field="model",
             )
-        loaded = load_model(model_path, self._settings, self._args)
+        loaded = load_model(model_path, self._settings, self._args, self._dtype)
         model, tokenizer = loaded.model, loaded.tokenizer
         config = model.config.get_text_config(decoder=True)
         embeddings = model.get_input_embeddings()  # may have more rows than the tokenizer
@@ -210,7 +214,7 @@ class TransformersEngine:
     def _plan(self, request: EngineRequest) -> intake.Plan:
         tokenizer = self._loaded()[1]
         assert self._limits is not None
-        return intake.plan(request, tokenizer, self._limits, self._args.defaults)
+        return intake.plan(request, tokenizer, self._limits, self._defaults)
 
     def _sequence(
         self, request: EngineRequest, plan: intake.Plan, deliver: Callable[[Delivery], None]

@@ -45,7 +45,9 @@ class LoadedModel:
     info: ModelInfo
 
 
-def load_model(model_path: Path, settings: EngineSettings, args: TransformersArgs) -> LoadedModel:
+def load_model(
+    model_path: Path, settings: EngineSettings, args: TransformersArgs, dtype: torch.dtype
+) -> LoadedModel:
     folder = model_path
     if model_path.is_file() and model_path.suffix == ".gguf":
         folder = converted_folder(model_path, settings.cache_dir)
@@ -54,12 +56,12 @@ def load_model(model_path: Path, settings: EngineSettings, args: TransformersArg
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if settings.load_format == "dummy":
-        model = _dummy_model(folder, settings, args)
+        model = _dummy_model(folder, settings, args, dtype)
     else:
         # v5 builds on the meta device and fills the weights in place on the target
         # device, so the weights are never held twice.
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=args.dtype, device_map=settings.device
+            folder, dtype=dtype, device_map=settings.device
         )
     model.eval()
     if args.packed_weights:
@@ -69,13 +71,15 @@ def load_model(model_path: Path, settings: EngineSettings, args: TransformersArg
         "loaded %s (%s, %s, %.1f MiB)",
         model_path,
         settings.load_format,
-        args.dtype,
+        dtype,
         info.model_bytes / 2**20,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
 
 
-def _dummy_model(folder: Path, settings: EngineSettings, args: TransformersArgs) -> PreTrainedModel:
+def _dummy_model(
+    folder: Path, settings: EngineSettings, args: TransformersArgs, dtype: torch.dtype
+) -> PreTrainedModel:
     config = AutoConfig.from_pretrained(folder)
     for key, value in args.config_overrides.items():
         if not hasattr(config, key):
@@ -85,7 +89,7 @@ def _dummy_model(folder: Path, settings: EngineSettings, args: TransformersArgs)
         setattr(config, key, value)
     # Building under the device context allocates the random weights there directly.
     with torch.device(settings.device):
-        return AutoModelForCausalLM.from_config(config, dtype=args.dtype)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def model_info(model: PreTrainedModel, description: str = "") -> ModelInfo:

@@ -1,15 +1,17 @@
-"""The video engine's ``engine_args``, validated once when the engine is built."""
+"""The settings models of the video engines (``engine_args``): the upscaler's
+(``VideoArgs``) and the test-pattern source's (``SourceArgs``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
-from services.mesh.errors import InitFailed
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from services.engines.engine_args import EngineArgs, StageFacts
 
 Mode = Literal["off", "basic", "aggressive"]
-MODES: tuple[Mode, ...] = ("off", "basic", "aggressive")
+MAX_FRAMES = 4096
 
 
 @dataclass(frozen=True)
@@ -26,99 +28,101 @@ class ModelShape:
     seed: int = 0
 
 
-@dataclass(frozen=True)
-class VideoArgs:
-    """Where the model runs and how its windows overlap.
+_SHAPE = ModelShape()
+
+
+class VideoArgs(EngineArgs):
+    """Where the model runs, how its windows overlap, and the model's shape (flat
+    keys: ``dim``, ``heads``, ``blocks``, ... as in ``ModelShape``).
 
     ``devices``: the two devices the blocks are split over (``cpu`` twice for
-    two in-order CPU queues; ``cuda:0`` twice for two streams of one GPU).
+    two in-order CPU queues; ``cuda:0`` twice for two streams of one GPU);
+    unset, the stage's ``runtime.device`` twice.
     ``split``: the last block on device 0; ``auto`` is ``blocks // 2 - 1``.
     ``emulated_block_ms``: a GIL-releasing wait after every block's work, to
     show the schedule's overlap where real compute cannot (benchmarks, demos).
     """
 
-    devices: tuple[str, str] = ("cpu", "cpu")
+    devices: tuple[str, str]
     mode: Mode = "aggressive"
+    emulated_block_ms: float = Field(0.0, ge=0, allow_inf_nan=False)
+    max_streams: int = Field(16, ge=1)  # requests whose window state the engine keeps at once
+    stream_idle_s: float = Field(300.0, ge=0)  # a request's state unused this long is dropped
+    # The model's shape; heads before dim and blocks before split: their checks read them.
+    heads: int = Field(_SHAPE.heads, ge=1)
+    dim: int = Field(_SHAPE.dim, ge=1)
+    blocks: int = Field(_SHAPE.blocks, ge=1)
     split: int | Literal["auto"] = "auto"
-    shape: ModelShape = ModelShape()
-    emulated_block_ms: float = 0.0
-    max_streams: int = 16  # requests whose window state the engine keeps at once
-    stream_idle_s: float = 300.0  # a request's state unused this long is dropped
+    patch: int = Field(_SHAPE.patch, ge=1)
+    scale: int = Field(_SHAPE.scale, ge=1)
+    window_frames: int = Field(_SHAPE.window_frames, ge=1)
+    kv_windows: int = Field(_SHAPE.kv_windows, ge=1)
+    seed: int = Field(_SHAPE.seed, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stage_device_twice(cls, data: Any, info: ValidationInfo) -> Any:
+        if isinstance(data, dict) and "devices" not in data:
+            device = StageFacts.of(info).device
+            return {**data, "devices": (device, device)}
+        return data
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _two_of_a_kind(cls, devices: Any) -> Any:
+        if not isinstance(devices, list | tuple) or len(devices) != 2:
+            raise ValueError("expected a list of two devices")
+        for device in devices:
+            if not isinstance(device, str):
+                raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+            if device not in ("cpu", "cuda") and not (
+                device.startswith("cuda:") and device[5:].isdigit()
+            ):
+                raise ValueError(f"expected 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        if (devices[0] == "cpu") != (devices[1] == "cpu"):
+            raise ValueError(f"expected both CPU or both CUDA, got {list(devices)}")
+        return devices
+
+    @field_validator("dim")
+    @classmethod
+    def _whole_heads(cls, dim: int, info: ValidationInfo) -> int:
+        heads = info.data.get("heads")
+        if heads and dim % heads:
+            raise ValueError(f"expected a multiple of heads ({heads})")
+        return dim
+
+    @field_validator("blocks")
+    @classmethod
+    def _two_devices(cls, blocks: int) -> int:
+        if blocks < 2:
+            raise ValueError("expected at least 2 (blocks are split over two devices)")
+        return blocks
+
+    @field_validator("split", mode="before")
+    @classmethod
+    def _inside(cls, split: Any, info: ValidationInfo) -> Any:
+        blocks = info.data.get("blocks", _SHAPE.blocks)
+        whole = isinstance(split, int) and not isinstance(split, bool)
+        if split != "auto" and not (whole and 0 <= split <= blocks - 2):
+            raise ValueError(f"expected auto or a block in 0..{blocks - 2}")
+        return split
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape(**{f.name: getattr(self, f.name) for f in fields(ModelShape)})
 
     @property
     def split_index(self) -> int:
         """The last block on device 0, in ``[0, blocks - 2]``."""
-        last = self.shape.blocks - 2
-        wanted = self.shape.blocks // 2 - 1 if self.split == "auto" else self.split
+        last = self.blocks - 2
+        wanted = self.blocks // 2 - 1 if self.split == "auto" else self.split
         return min(max(wanted, 0), last)
 
-    @classmethod
-    def from_engine_args(cls, engine_args: Mapping[str, Any], device: str = "cpu") -> VideoArgs:
-        shape_keys = {f.name for f in fields(ModelShape)}
-        own_keys = {"devices", "mode", "split", "emulated_block_ms", "max_streams", "stream_idle_s"}
-        values: dict[str, Any] = {"devices": (device, device)}
-        shape: dict[str, int] = {}
-        for key, value in engine_args.items():
-            where = f"engine_args.{key}"
-            if key in shape_keys:
-                shape[key] = _int(value, where, low=0 if key == "seed" else 1)
-            elif key == "devices":
-                values[key] = _devices(value)
-            elif key == "mode":
-                if value not in MODES:
-                    raise InitFailed(f"{where} must be one of {', '.join(MODES)}", field=where)
-                values[key] = cast(Mode, value)
-            elif key == "split":
-                values[key] = value if value == "auto" else _int(value, where, low=0)
-            elif key in ("emulated_block_ms", "stream_idle_s"):
-                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                    raise InitFailed(f"{where} must be a number >= 0, got {value!r}", field=where)
-                values[key] = float(value)
-            elif key == "max_streams":
-                values[key] = _int(value, where, low=1)
-            else:
-                known = ", ".join(sorted(shape_keys | own_keys))
-                raise InitFailed(
-                    f"unknown video engine_args key {key!r} (known: {known})", field=where
-                )
-        args = cls(shape=ModelShape(**shape), **values)
-        args._validate()
-        return args
 
-    def _validate(self) -> None:
-        shape = self.shape
-        if shape.blocks < 2:
-            raise InitFailed(
-                "engine_args.blocks must be >= 2 (blocks are split over two devices)",
-                field="engine_args.blocks",
-            )
-        if shape.dim % shape.heads:
-            raise InitFailed(
-                f"engine_args.dim ({shape.dim}) must be a multiple of heads ({shape.heads})",
-                field="engine_args.dim",
-            )
-        if self.split != "auto" and not 0 <= self.split <= shape.blocks - 2:
-            raise InitFailed(
-                f"engine_args.split must be auto or in 0..{shape.blocks - 2}, got {self.split}",
-                field="engine_args.split",
-            )
+class SourceArgs(EngineArgs):
+    """The test-pattern source's ``engine_args``."""
 
-
-def _int(value: Any, where: str, *, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise InitFailed(f"{where} must be an integer >= {low}, got {value!r}", field=where)
-    return value
-
-
-def _devices(value: Any) -> tuple[str, str]:
-    where = "engine_args.devices"
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise InitFailed(f"{where} must list two devices, got {value!r}", field=where)
-    for device in value:
-        if not isinstance(device, str) or not (
-            device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit())
-        ):
-            raise InitFailed(f"{where}: expected 'cpu' or 'cuda:N', got {device!r}", field=where)
-    if (value[0] == "cpu") != (value[1] == "cpu"):
-        raise InitFailed(f"{where}: both CPU or both CUDA, got {list(value)}", field=where)
-    return (value[0], value[1])
+    frames: int = Field(16, ge=1, le=MAX_FRAMES)  # per request, unless it sets extra.frames
+    window_frames: int = Field(4, ge=1, le=MAX_FRAMES)  # frames per segment
+    height: int = Field(32, ge=1, le=MAX_FRAMES)
+    width: int = Field(32, ge=1, le=MAX_FRAMES)

@@ -39,6 +39,13 @@ from services.engines.base import (
     ProgressOutput,
     TensorOutput,
 )
+from services.engines.defaults import DefaultLayers, resolve
+from services.engines.request_checks import (
+    check_seed,
+    one_input,
+    refuse_unknown_tensors,
+    tensor_field,
+)
 from services.engines.video.config import VideoArgs
 from services.engines.video.model import build_weights
 from services.engines.video.pipeline import WindowPipeline
@@ -62,6 +69,7 @@ class VideoEngine:
     name: ClassVar[str] = "video"
     supported_params: ClassVar[frozenset[str]] = frozenset({"seed"})
     output_tensors: ClassVar[tuple[str, ...]] = (FRAMES,)
+    settings_model: ClassVar[type[VideoArgs]] = VideoArgs
 
     def __init__(self, settings: EngineSettings) -> None:
         if settings.load_format != "dummy":
@@ -70,7 +78,8 @@ class VideoEngine:
                 field="load_format",
             )
         self._settings = settings
-        self.args = VideoArgs.from_engine_args(settings.engine_args, settings.device)
+        self.args = VideoArgs.of(settings)
+        self._defaults = DefaultLayers(settings.defaults)
         self._pipeline: WindowPipeline | None = None
         self._streams = StreamStates(self.args.max_streams, self.args.stream_idle_s)
 
@@ -116,20 +125,9 @@ class VideoEngine:
         logger.info("video warm-up done")
 
     def check(self, request: EngineRequest) -> VideoPlan:
-        if request.text or request.messages or request.token_ids:
-            raise InvalidArgument(
-                f"the video engine takes only the tensor {FRAMES!r}", field="inputs"
-            )
-        for name in request.tensors:
-            if name != FRAMES:
-                raise InvalidArgument(
-                    f"unknown input tensor {name!r} (expected {FRAMES!r})",
-                    field=f"inputs.tensors.{name}",
-                )
-        frames = request.tensors.get(FRAMES)
-        where = f"inputs.tensors.{FRAMES}"
-        if frames is None:
-            raise InvalidArgument(f"expected the input tensor {FRAMES!r}", field=where)
+        refuse_unknown_tensors(request, (FRAMES,))
+        where = one_input(request, (tensor_field(FRAMES),))
+        frames = request.tensors[FRAMES]
         patch = self.args.shape.patch
         if (
             frames.dtype != torch.uint8
@@ -149,9 +147,8 @@ class VideoEngine:
                 f"got {height}x{width}",
                 field=where,
             )
-        seed = request.params.seed
-        if seed is not None and not 0 <= seed < 2**63:
-            raise InvalidArgument(f"seed must be in 0..2**63-1, got {seed}", field="params.seed")
+        seed = resolve(request.params, self._defaults).seed
+        check_seed(seed)
         return VideoPlan(request, frames, seed or 0)
 
     async def generate(self, plan: VideoPlan) -> AsyncGenerator[EngineEvent, None]:

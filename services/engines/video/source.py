@@ -10,10 +10,10 @@ The prompt, if any, is ignored.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, fields
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -29,37 +29,12 @@ from services.engines.base import (
     ProgressOutput,
     TensorOutput,
 )
-from services.mesh.errors import InitFailed, InvalidArgument
+from services.engines.defaults import DefaultLayers, resolve
+from services.engines.request_checks import refuse_unknown_tensors
+from services.engines.video.config import MAX_FRAMES, SourceArgs
+from services.mesh.errors import InvalidArgument
 
 logger = logging.getLogger(__name__)
-
-MAX_FRAMES = 4096
-
-
-@dataclass(frozen=True)
-class SourceArgs:
-    frames: int = 16  # per request, unless it sets extra.frames
-    window_frames: int = 4  # frames per segment
-    height: int = 32
-    width: int = 32
-
-    @classmethod
-    def from_engine_args(cls, engine_args: Mapping[str, Any]) -> SourceArgs:
-        known = {f.name for f in fields(cls)}
-        for key, value in engine_args.items():
-            where = f"engine_args.{key}"
-            if key not in known:
-                names = ", ".join(sorted(known))
-                raise InitFailed(
-                    f"unknown video_frames engine_args key {key!r} (known: {names})", field=where
-                )
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int)
-                or not 1 <= value <= MAX_FRAMES
-            ):
-                raise InitFailed(f"{where} must be an integer in 1..{MAX_FRAMES}", field=where)
-        return cls(**engine_args)
 
 
 @dataclass(frozen=True)
@@ -103,8 +78,11 @@ class FrameSourceEngine:
     )
     output_tensors: ClassVar[tuple[str, ...]] = ("frames",)
 
+    settings_model: ClassVar[type[SourceArgs]] = SourceArgs
+
     def __init__(self, settings: EngineSettings) -> None:
-        self.args = SourceArgs.from_engine_args(settings.engine_args)
+        self.args = SourceArgs.of(settings)
+        self._defaults = DefaultLayers(settings.defaults)
         self._blocks: OutputBlocks = HeapBlocks()
 
     def use_output_blocks(self, blocks: OutputBlocks) -> None:
@@ -117,9 +95,8 @@ class FrameSourceEngine:
         pattern_frames(1, 8, 8, 0)
 
     def check(self, request: EngineRequest) -> SourcePlan:
-        if request.tensors:
-            raise InvalidArgument("the frame source takes no input tensors", field="inputs.tensors")
-        params = request.params
+        refuse_unknown_tensors(request, ())
+        params = resolve(request.params, self._defaults)
         for name in ("height", "width"):
             side = getattr(params, name)
             if side is not None and not 8 <= side <= 1024:

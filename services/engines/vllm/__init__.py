@@ -1,8 +1,7 @@
 """The ``vllm`` engine: vLLM v1's AsyncLLM on a GPU. vLLM itself is imported by
 ``VllmEngine.load`` only, so this package imports on any machine."""
 
-from services.engines.text_defaults import SamplingDefaults
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.engine import INSTALL_HINT, VllmEngine
 
-__all__ = ["INSTALL_HINT", "SamplingDefaults", "VllmArgs", "VllmEngine"]
+__all__ = ["INSTALL_HINT", "VllmArgs", "VllmEngine"]

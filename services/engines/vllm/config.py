@@ -1,61 +1,66 @@
-"""The vllm engine's ``engine_args``: two keys of ours, the rest handed to vLLM.
+"""The vllm engine's ``engine_args`` (its settings model): two keys of ours, the
+rest handed to vLLM.
 
 Our keys are ``defaults`` (what a request gets for an unset sampling parameter) and
 ``memory_ratio`` (the stage's share of the GPU, which becomes vLLM's
-``gpu_memory_utilization`` unless that is given). Every other key goes to
-``AsyncEngineArgs`` unchanged, so vLLM itself names any key it does not know.
+``gpu_memory_utilization`` unless that is given). Every other key is gathered into
+``vllm`` and goes to ``AsyncEngineArgs`` unchanged, so vLLM itself names any key it
+does not know (at load: vLLM lives in the GPU image only).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
 from services.engines.base import EngineSettings
-from services.engines.text_defaults import SamplingDefaults
-from services.mesh.errors import InitFailed
+from services.engines.defaults import TextDefaults
+from services.engines.engine_args import EngineArgs
 
-OWN_KEYS = frozenset({"defaults", "memory_ratio"})
+_OURS = ("defaults", "memory_ratio")
+# Keys the stage file sets itself (model:, load_format:): two sources of truth
+# would disagree silently.
+_STAGE_KEYS = ("model", "load_format")
 
 
-@dataclass(frozen=True)
-class VllmArgs:
-    defaults: SamplingDefaults = field(default_factory=SamplingDefaults)
-    memory_ratio: float | None = None
+class VllmArgs(EngineArgs):
+    defaults: TextDefaults = TextDefaults()
+    memory_ratio: float | None = Field(None, gt=0, le=1)
     # Passed to AsyncEngineArgs as given (enforce_eager, max_model_len, ...).
-    vllm: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    vllm: Mapping[str, Any] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
     @classmethod
-    def from_settings(cls, settings: EngineSettings) -> VllmArgs:
-        args = dict(settings.engine_args)
-        try:
-            defaults = SamplingDefaults.parse(args.pop("defaults", None))
-        except ValueError as exc:
-            raise InitFailed(str(exc), field="engine_args.defaults") from None
-        memory_ratio = args.pop("memory_ratio", None)
-        if memory_ratio is not None and not (
-            isinstance(memory_ratio, int | float) and 0 < memory_ratio <= 1
-        ):
-            raise InitFailed(
-                f"engine_args.memory_ratio must be in (0, 1], got {memory_ratio!r}",
-                field="engine_args.memory_ratio",
+    def _gather_vllm_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "vllm" in data:
+            return data  # not ours to sort: pydantic refuses it by name
+        stage_keys = [key for key in _STAGE_KEYS if key in data]
+        if stage_keys:
+            raise ValidationError.from_exception_data(
+                cls.__name__,
+                [
+                    InitErrorDetails(
+                        type=PydanticCustomError(
+                            "stage_key", "set by the stage file's own {key}: key", {"key": key}
+                        ),
+                        loc=(key,),
+                        input=data[key],
+                    )
+                    for key in stage_keys
+                ],
             )
-        for ours in ("model", "load_format"):
-            if ours in args:
-                # The stage decides these (model source, load_format); two sources of
-                # truth would disagree silently.
-                raise InitFailed(
-                    f"engine_args.{ours} is set by the stage, not engine_args",
-                    field=f"engine_args.{ours}",
-                )
-        return cls(
-            defaults=defaults,
-            memory_ratio=None if memory_ratio is None else float(memory_ratio),
-            vllm=MappingProxyType(args),
-        )
+        ours = {key: data[key] for key in _OURS if key in data}
+        return {**ours, "vllm": {k: v for k, v in data.items() if k not in ours}}
+
+    @field_validator("vllm")
+    @classmethod
+    def _read_only(cls, vllm: Mapping[str, Any]) -> Mapping[str, Any]:
+        return MappingProxyType(dict(vllm))
 
     @property
     def prompt_embeds_enabled(self) -> bool:

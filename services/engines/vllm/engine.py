@@ -24,6 +24,7 @@ from services.engines.base import (
     ModelInfo,
     TokenOutput,
 )
+from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
 from services.engines.vllm import intake
 from services.engines.vllm.config import VllmArgs
@@ -49,10 +50,12 @@ class VllmEngine:
         {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
     )
     output_tensors: ClassVar[tuple[str, ...]] = ()
+    settings_model: ClassVar[type[VllmArgs]] = VllmArgs
 
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
-        self._args = VllmArgs.from_settings(settings)
+        self._args = VllmArgs.of(settings)
+        self._defaults = DefaultLayers(settings.defaults, self._args.defaults, TEXT_BUILT_IN)
         self._llm: Any = None  # vllm.v1.engine.async_llm.AsyncLLM
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
@@ -154,7 +157,7 @@ class VllmEngine:
     def _plan(self, request: EngineRequest) -> intake.Plan:
         if self._llm is None or self._tokenizer is None or self._limits is None:
             raise FailedPrecondition("the vllm engine is not loaded")
-        return intake.plan(request, self._tokenizer, self._limits, self._args.defaults)
+        return intake.plan(request, self._tokenizer, self._limits, self._defaults)
 
     def _translate(self, rid: str, exc: BaseException) -> BaseException:
         """vLLM's errors in ours: a dead engine is fatal for the stage; a refused

@@ -1,4 +1,5 @@
-"""Validating a request and turning it into a vLLM prompt and sampling arguments.
+"""Validating a request and turning it into a vLLM prompt and sampling arguments:
+the shared text intake (services/engines/text_intake.py) in vLLM's terms.
 
 Plain Python over a Hugging Face tokenizer: it runs, and is tested, without vLLM.
 ``check`` and ``generate`` both call ``plan`` so they never disagree.
@@ -9,16 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
-from services.engines.base import EngineRequest, SamplingParams
-from services.engines.prompt_size import PromptBound
-from services.engines.text_defaults import SamplingDefaults, max_new_tokens
-from services.mesh.errors import InvalidArgument
+from services.engines import text_intake
+from services.engines.base import EngineRequest
+from services.engines.defaults import DefaultLayers
+from services.engines.request_checks import refuse
 
-EMBEDS = "prompt_embeds"
-_EMBEDS_FIELD = f"inputs.tensors.{EMBEDS}"
+EMBEDS = text_intake.EMBEDS
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,17 @@ class Limits:
     prompt_embeds_enabled: bool
     # The most characters one token stands for (prompt_size.longest_token_chars).
     token_chars: int = 1
+
+    @property
+    def prompt(self) -> text_intake.PromptLimits:
+        no_embeds = (
+            ""
+            if self.prompt_embeds_enabled
+            else f"this stage does not take {EMBEDS} (engine_args.enable_prompt_embeds is off)"
+        )
+        return text_intake.PromptLimits(
+            self.max_prompt_tokens, self.vocab_size, self.hidden_size, self.token_chars, no_embeds
+        )
 
 
 @dataclass(frozen=True)
@@ -47,126 +57,30 @@ def plan(
     request: EngineRequest,
     tokenizer: PreTrainedTokenizerBase,
     limits: Limits,
-    defaults: SamplingDefaults,
+    defaults: DefaultLayers,
 ) -> Plan:
     """Raises ``InvalidArgument`` naming the offending field."""
-    prompt, prompt_tokens, field = _prompt(request, tokenizer, limits)
-    if prompt_tokens == 0:
-        raise InvalidArgument(f"{field}: the prompt is empty", field=field)
-    if prompt_tokens > limits.max_prompt_tokens:
-        raise InvalidArgument(
-            f"{field}: prompt has {prompt_tokens} tokens, the limit is {limits.max_prompt_tokens}",
-            field=field,
-        )
-    room = limits.max_model_len - prompt_tokens
+    prompt = text_intake.read_prompt(request, tokenizer, limits.prompt)
+    room = limits.max_model_len - prompt.tokens
     if room < 1:
-        raise InvalidArgument(
-            f"{field}: prompt fills the model's context of {limits.max_model_len}", field=field
-        )
-    return Plan(prompt, prompt_tokens, _sampling(request.params, defaults, room))
-
-
-def _prompt(
-    request: EngineRequest, tokenizer: PreTrainedTokenizerBase, limits: Limits
-) -> tuple[dict[str, Any], int, str]:
-    for name in request.tensors:
-        if name != EMBEDS:
-            raise InvalidArgument(
-                f"unknown input tensor {name!r} (expected {EMBEDS!r})",
-                field=f"inputs.tensors.{name}",
-            )
-    given = [
-        name
-        for name, present in (
-            ("inputs.text", request.text is not None),
-            ("inputs.messages", bool(request.messages)),
-            ("inputs.token_ids", bool(request.token_ids)),
-            (_EMBEDS_FIELD, EMBEDS in request.tensors),
-        )
-        if present
-    ]
-    if len(given) != 1:
-        raise InvalidArgument(
-            f"give exactly one of text, messages, token_ids or {EMBEDS}; got {given or 'none'}",
-            field="inputs",
-        )
-    field = given[0]
-    # Sizes first: a prompt that cannot fit is refused before it costs tokenizing.
-    bound = PromptBound(limits.max_prompt_tokens, limits.token_chars)
-    if field == _EMBEDS_FIELD:
-        embeds = _embeds(request.tensors[EMBEDS], limits)
-        return {EMBEDS: embeds}, embeds.shape[0], field
-    if field == "inputs.token_ids":
-        bound.check_count(field, len(request.token_ids))
-        ids = list(request.token_ids)
-        bad = next((t for t in ids if not 0 <= t < limits.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"token id {bad} is outside the vocabulary of {limits.vocab_size}", field=field
-            )
-    elif field == "inputs.messages":
-        bound.check_messages(field, request.messages)
-        chat = [{"role": role, "content": content} for role, content in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # no template, or one that rejects these roles
-            raise InvalidArgument(
-                f"the model's chat template cannot render these messages ({type(exc).__name__})",
-                field=field,
-            ) from exc
-        # The template already holds any BOS it wants.
-        ids = tokenizer(str(text), add_special_tokens=False).input_ids
-    else:
-        bound.check_text(field, request.text or "")
-        ids = tokenizer(request.text).input_ids
-    return {"prompt_token_ids": ids}, len(ids), field
-
-
-def _embeds(embeds: torch.Tensor, limits: Limits) -> torch.Tensor:
-    if not limits.prompt_embeds_enabled:
-        raise InvalidArgument(
-            f"this stage does not take {EMBEDS} (engine_args.enable_prompt_embeds is off)",
-            field=_EMBEDS_FIELD,
-        )
-    if not embeds.is_floating_point():
-        raise InvalidArgument(f"{EMBEDS} must be a float tensor", field=_EMBEDS_FIELD)
-    if embeds.ndim == 3 and embeds.shape[0] == 1:
-        embeds = embeds[0]
-    if embeds.ndim != 2 or embeds.shape[1] != limits.hidden_size:
-        raise InvalidArgument(
-            f"{EMBEDS} must be [seq, {limits.hidden_size}] or [1, seq, {limits.hidden_size}], "
-            f"got {list(embeds.shape)}",
-            field=_EMBEDS_FIELD,
-        )
-    # vLLM ships the prompt to its engine-core process: a compact CPU copy.
-    return embeds.detach().cpu().contiguous()
-
-
-def _sampling(params: SamplingParams, defaults: SamplingDefaults, room: int) -> dict[str, Any]:
-    max_tokens = max_new_tokens(params.max_tokens, defaults.max_tokens, room)
-    temperature = defaults.temperature if params.temperature is None else params.temperature
-    top_p = defaults.top_p if params.top_p is None else params.top_p
-    top_k = defaults.top_k if params.top_k is None else params.top_k
-    if temperature < 0:
-        raise InvalidArgument("params.temperature: must be >= 0", field="params.temperature")
-    if not 0 < top_p <= 1:
-        raise InvalidArgument("params.top_p: must be in (0, 1]", field="params.top_p")
-    if top_k < 0:
-        raise InvalidArgument("params.top_k: must be >= 0 (0: off)", field="params.top_k")
-    if params.seed is not None and not 0 <= params.seed < 2**63:
-        raise InvalidArgument("params.seed: must be in 0..2**63-1", field="params.seed")
+        refuse(prompt.field, f"prompt fills the model's context of {limits.max_model_len}")
+    chosen = text_intake.sampling(request.params, defaults, room, "the model's context")
     sampling: dict[str, Any] = {
         "n": 1,
-        "max_tokens": max_tokens,
-        "temperature": temperature,
-        "top_p": top_p,
-        "stop": list(params.stop),
+        "max_tokens": chosen.max_tokens,
+        "temperature": chosen.temperature,
+        "top_p": chosen.top_p,
+        "stop": list(chosen.stop),
     }
-    if top_k > 0:  # vLLM versions disagree on how "off" is spelled (0 or -1): leave it unset
-        sampling["top_k"] = top_k
-    if params.seed is not None:
-        sampling["seed"] = params.seed
-    return sampling
+    if chosen.top_k > 0:  # vLLM versions disagree on how "off" is spelled (0 or -1): leave it unset
+        sampling["top_k"] = chosen.top_k
+    if chosen.seed is not None:
+        sampling["seed"] = chosen.seed
+    if prompt.embeds is None:
+        return Plan({"prompt_token_ids": list(prompt.token_ids)}, prompt.tokens, sampling)
+    # vLLM ships the prompt to its engine-core process: a compact CPU copy.
+    embeds = prompt.embeds.detach().cpu().contiguous()
+    return Plan({EMBEDS: embeds}, prompt.tokens, sampling)
 
 
 def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:

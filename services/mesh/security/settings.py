@@ -9,9 +9,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from services.mesh import config_files, environment
+from services.mesh.config_files import Frozen
 from services.mesh.environment import Variable
 
 # The environment layer: each setting's variable (services.mesh.environment).
@@ -28,9 +29,7 @@ ENV: dict[str, Variable[Any]] = {
 MIN_TOKEN_CHARS = 16
 
 
-class SecuritySettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
+class SecuritySettings(Frozen):
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None

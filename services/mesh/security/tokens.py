@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from services.mesh import config_files
-from services.mesh.config_files import ConfigError
+from services.mesh.config_files import ConfigError, Frozen
 from services.mesh.security.settings import MIN_TOKEN_CHARS
 
 
@@ -49,15 +49,13 @@ def read_secret(path: Path) -> str:
     return token
 
 
-class _TokenEntry(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _TokenEntry(Frozen):
     name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.@-]*$")
     token: str = Field(min_length=MIN_TOKEN_CHARS)
     admin: bool = False
 
 
-class _TokensFile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class _TokensFile(Frozen):
     tokens: tuple[_TokenEntry, ...] = Field(min_length=1)
 
     @model_validator(mode="after")

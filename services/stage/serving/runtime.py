@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from services.engines.base import (
     Engine,
@@ -68,14 +68,14 @@ class StageRuntime:
         return len(self.requests)
 
     async def prepare(self, request: EngineRequest) -> EnginePlan:
-        """The engine's plan for ``request``, stage defaults filled in: its checks
-        passed, its prompt tokenized once, for ``generate`` to run.
+        """The engine's plan for ``request``: its checks passed (with the stage's
+        defaults resolved by the engine: services/engines/defaults.py), its prompt
+        tokenized once, for ``generate`` to run.
 
         In a thread: an engine's check may tokenize or template a prompt, which
         takes CPU in proportion to it; the event loop (health, every other
         request's events) must keep turning meanwhile."""
-        prepared = replace(request, params=self.config.apply_defaults(request.params))
-        plan: EnginePlan = await asyncio.to_thread(self.engine.check, prepared)
+        plan: EnginePlan = await asyncio.to_thread(self.engine.check, request)
         return plan
 
     def check_open(self) -> None:

@@ -1,0 +1,100 @@
+"""The transformers engine's loading and settings: a GGUF converted once, dummy
+weights of a tiny shape, engine_args refused by name, its declared contract."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.engines.base import EngineSettings, FinishOutput, KvGeometry, SamplingParams
+from services.engines.registry import engine_class, settings_model
+from services.engines.transformers import TransformersEngine
+from services.engines.transformers.config import TransformersArgs
+from services.engines.transformers.loading import converted_folder
+from services.mesh.errors import InitFailed
+from tests.helpers.engine_runs import generate
+from tests.helpers.stage import TINY_LLAMA
+from tests.helpers.text_engine import Tiny, collect, req
+
+
+def test_registry_names_the_engine_and_its_settings() -> None:
+    assert engine_class("transformers") is TransformersEngine
+    assert settings_model("transformers") is TransformersArgs
+
+
+def test_second_gguf_load_reuses_the_conversion(
+    smollm2_engine: TransformersEngine, smollm2_gguf: Path, omni_cache_dir: Path
+) -> None:
+    folder = converted_folder(smollm2_gguf, omni_cache_dir)  # the engine converted it
+    # The parent's mtime moves if a conversion so much as creates a temp folder.
+    watched = [folder.parent, folder, *folder.iterdir()]
+    before = [p.stat().st_mtime_ns for p in watched]
+    again = TransformersEngine(EngineSettings(cache_dir=omni_cache_dir))
+    try:
+        info = again.load(smollm2_gguf)
+    finally:
+        again.close()
+    assert [p.stat().st_mtime_ns for p in watched] == before
+    assert info.kv == KvGeometry(layers=30, kv_heads=3, head_dim=64, dtype_bytes=4)
+    # ~135M float32 parameters, plus the packed copy of the output projection, which
+    # shares its 49152 x 576 weight with the input embeddings (packed_linear.py).
+    tied = 49152 * 576 * 4
+    assert 130e6 * 4 + tied < info.model_bytes < 140e6 * 4 + tied
+    assert not list(folder.parent.glob(f".{folder.name}.*")), "a temp folder was left behind"
+
+
+async def test_dummy_weights_give_a_tiny_model_with_the_real_tokenizer(
+    tiny_smollm2: Tiny, smollm2_engine: TransformersEngine
+) -> None:
+    assert tiny_smollm2.info.kv == KvGeometry(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)
+    # Mostly the 49152-row embedding, twice: the tied output projection's packed copy.
+    assert tiny_smollm2.info.model_bytes < 32 * 2**20
+    text = "What is the capital of France?"
+    params = SamplingParams(temperature=0.0, max_tokens=4)  # seeded weights: no stray EOS
+    small = await collect(generate(tiny_smollm2.engine, req(text=text, params=params)))
+    one = SamplingParams(max_tokens=1)
+    real = await collect(generate(smollm2_engine, req(text=text, params=one)))
+    assert small.finish == FinishOutput("length", real.finish.prompt_tokens, 4)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "complaint"),
+    [
+        (
+            EngineSettings(engine_args={"dtyp": "float32"}),
+            "engine_args.dtyp",
+            "unknown key; expected one of dtype, defaults,",
+        ),
+        (EngineSettings(dtype="float64"), "dtype", "'float64' is not one of"),
+        (
+            EngineSettings(engine_args={"defaults": {"max_token": 4}}),
+            "engine_args.defaults.max_token",
+            "unknown key; expected one of max_tokens, temperature, top_p, top_k",
+        ),
+        (
+            EngineSettings(engine_args={"config_overrides": TINY_LLAMA}),
+            "engine_args.config_overrides",
+            "needs load_format: dummy",
+        ),
+        (
+            EngineSettings(engine_args={"prefill_tokens": True}),
+            "engine_args.prefill_tokens",
+            "expected a number, not true/false",
+        ),
+    ],
+)
+def test_bad_engine_args_fail_at_construction_naming_the_key(
+    settings: EngineSettings, field: str, complaint: str
+) -> None:
+    with pytest.raises(InitFailed) as caught:
+        TransformersEngine(settings)
+    assert caught.value.field == field
+    assert caught.value.message.startswith(f"{field}: {complaint}")
+
+
+def test_engine_declares_its_contract() -> None:
+    assert TransformersEngine.name == "transformers"
+    assert TransformersEngine.output_tensors == ("hidden_states",)
+    assert "seed" in TransformersEngine.supported_params
+    assert "num_inference_steps" not in TransformersEngine.supported_params
