@@ -133,7 +133,8 @@ class Edge(Frozen):
 
 
 class Watchdog(Frozen):
-    # The device-lock wait is never paused (docs/design.md, 'The init watchdog'), so it is not a choice here.
+    # The device-lock wait is never paused (docs/design.md, 'The init watchdog'), so it
+    # is not a choice here.
     paused_phases: frozenset[Literal["download", "load"]] = frozenset({"download"})
 
 
