@@ -14,12 +14,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.audio import AudioFiles
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
@@ -49,6 +51,10 @@ class Result:
 
     stages: dict[str, StageResult] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
+    # Where each output stage's audio is written as it arrives (orchestrator/audio.py,
+    # <audio_dir>/<request id>-<stage>.wav); None: kept in ``stages`` only.
+    audio_dir: Path | None = None
+    audio: AudioFiles | None = None
     # Tensors and blobs too large for one message arrive as chunks before their segment.
     _chunks: ChunkAssembler = field(default_factory=lambda: ChunkAssembler(MAX_CHUNKED_BYTES))
 
@@ -60,6 +66,8 @@ class Result:
         kind = event.WhichOneof("kind")
         if kind == "done":
             self.done = event.done
+            if self.audio is not None:
+                self.audio.close()
             return
         if kind == "chunk":
             self._chunks.add(event.chunk)
@@ -74,6 +82,9 @@ class Result:
             for tensor in seg.tensors:
                 stage.tensors.setdefault(tensor.name, []).append(tensor)
             stage.blobs.extend(seg.blobs)
+            if self.audio_dir is not None:
+                self.audio = self.audio or AudioFiles(self.audio_dir)
+                self.audio.add(event.stage, seg)
         elif kind == "progress":
             stage.progress += 1
         elif kind == "completed":

@@ -137,7 +137,7 @@ async def generate(
         params["max_tokens"] = max_tokens
     if seed is not None:
         params["seed"] = seed
-    result = Result()
+    result = Result(audio_dir=out)  # <out>/<id>-<stage>.wav grows as speech arrives
     try:
         await _stream(address, prompt, params, request_id, result, dialing, timeout_s)
     except grpc.aio.AioRpcError as exc:

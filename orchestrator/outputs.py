@@ -60,13 +60,21 @@ def save_outputs(result: Result, request_id: str, out_dir: Path) -> list[Path]:
     written: list[Path] = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for stage, produced in result.stages.items():
+        streamed = result.audio.paths(stage) if result.audio is not None else []
+        written += streamed  # its audio, written as it came (orchestrator/audio.py)
         for index, blob in enumerate(produced.blobs):
             if blob.media_type == "image/png":
                 path = out_dir / f"{_name(request_id, stage, blob.name, str(index))}.png"
                 path.write_bytes(blob.data)
                 written.append(path)
+            elif blob.media_type == "audio/wav" and not streamed:
+                path = out_dir / f"{_name(request_id, stage, blob.name)}.wav"
+                path.write_bytes(blob.data)
+                written.append(path)
         others: dict[str, tensor_pb2.Tensor] = {}
         for name, pieces in produced.tensors.items():
+            if name == "audio" and streamed:
+                continue
             tensor = _joined(pieces)
             if not _is_image(tensor):
                 others[name] = tensor

@@ -99,6 +99,15 @@ class Blob:
 
 
 @dataclass(frozen=True)
+class AudioFormat:
+    """How to play an "audio" output tensor (float32 PCM, [samples] or
+    [samples, channels]): the Segment's audio_format on the wire."""
+
+    sample_rate: int
+    channels: int = 1
+
+
+@dataclass(frozen=True)
 class TensorOutput:
     """Whole outputs such as an image: tensors by name, and encoded blobs. An
     emitted tensor is handed over: the stage may send it later, or as the shared
@@ -106,6 +115,7 @@ class TensorOutput:
 
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     blobs: tuple[Blob, ...] = ()
+    audio_format: AudioFormat | None = None  # set when ``tensors`` holds "audio"
 
 
 @dataclass(frozen=True)
@@ -235,6 +245,18 @@ class KeepsRequestState(Protocol):
     path (completed, failed, cancelled, its stream gone)."""
 
     def release(self, request_id: str) -> None: ...
+
+
+@runtime_checkable
+class HoldsInputBack(Protocol):
+    """An engine that may hold the end of a request's input back until more of
+    it comes (a sentence not finished yet, a character whose bytes are not all
+    there). When the request's input has ended (its last window, or its only
+    Submit, has run) the stage asks for the rest and runs that plan too."""
+
+    def input_ended(self, request_id: str) -> EnginePlan | None:
+        """The plan that finishes ``request_id`` (None: nothing was held back)."""
+        ...
 
 
 @runtime_checkable

@@ -48,12 +48,19 @@ def _video_frames() -> type[Engine]:
     return FrameSourceEngine
 
 
+def _speech() -> type[Engine]:
+    from services.engines.speech import SpeechEngine
+
+    return SpeechEngine
+
+
 ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "transformers": _transformers,
     "diffusers": _diffusers,
     "vllm": _vllm,
     "video": _video,
     "video_frames": _video_frames,
+    "speech": _speech,
 }
 
 

@@ -69,4 +69,4 @@ def test_network_policy_lets_only_the_orchestrator_reach_stages() -> None:
     assert (
         peer["podSelector"]["matchLabels"] == orchestrator["spec"]["template"]["metadata"]["labels"]
     )
-    assert sorted(p["port"] for p in rule["ports"]) == [50051, 50052]
+    assert sorted(p["port"] for p in rule["ports"]) == [50051, 50052, 50055]

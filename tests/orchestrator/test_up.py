@@ -7,8 +7,10 @@ import asyncio
 import os
 import signal
 import sys
+import wave
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 from orchestrator.client import AsyncClient, Result
@@ -52,7 +54,7 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
         ready = await read_until(up.stdout, "ready in", 240)
         address = ready.rsplit(" ", 1)[1]
         children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) == 2  # one process per stage; the orchestrator is omni up itself
+        assert len(children) == 3  # one process per stage; the orchestrator is omni up itself
 
         out = tmp_path / "out"
         generate = await asyncio.create_subprocess_exec(
@@ -73,6 +75,14 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
         assert "Paris" in stdout.decode()
         image = out / "paris-renderer-image.png"
         assert image.stat().st_size > 0
+        # The answer spoken: 16-bit 24 kHz speech, as long as hibari makes the text
+        # (its voice speaks 10-25 characters a second; the text is what the thinker said).
+        with wave.open(str(out / "paris-speaker.wav")) as spoken:
+            seconds = spoken.getnframes() / spoken.getframerate()
+            pcm = np.frombuffer(spoken.readframes(spoken.getnframes()), dtype="<i2")
+        answer = stdout.decode().strip()  # the thinker's text (labels go to stderr)
+        assert spoken.getframerate() == 24000 and np.abs(pcm).max() > 3000
+        assert len(answer) / 25 <= seconds <= len(answer) / 10, (seconds, answer)
 
         # A stage that crashes fails its in-flight request at once, naming it,
         # and comes back (restarted by omni up on the same port).

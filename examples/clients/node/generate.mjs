@@ -5,7 +5,9 @@
 //
 // Env: OMNI_TOKEN (a bearer token), OMNI_CACERT (a CA file: TLS). With --json the
 // last line of stdout is the whole result as JSON (status, then per stage its
-// token ids and text), for scripts.
+// token ids and text), for scripts. Speech (a segment's "audio" tensor: float32
+// PCM, see AudioFormat in stage.proto) is written as it arrives to
+// OUT/<request id>-<stage>.wav (--out, default omni-out), a valid WAV after each piece.
 import fs from "node:fs";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -32,6 +34,7 @@ const { values, positionals } = parseArgs({
     "max-tokens": { type: "string" },
     temperature: { type: "string" },
     json: { type: "boolean", default: false },
+    out: { type: "string", default: "omni-out" },
   },
   allowPositionals: true,
 });
@@ -68,6 +71,38 @@ if (values["max-tokens"] !== undefined) params.max_tokens = Number(values["max-t
 if (values.temperature !== undefined) params.temperature = Number(values.temperature);
 const request = { inputs: { messages: [{ role: "user", content: prompt }] }, params };
 
+// A 16-bit PCM WAV header for `bytes` of samples (RIFF sizes rewritten after each piece).
+function wavHeader(rate, channels, bytes) {
+  const h = Buffer.alloc(44);
+  h.write("RIFF", 0); h.writeUInt32LE(36 + bytes, 4); h.write("WAVEfmt ", 8);
+  h.writeUInt32LE(16, 16); h.writeUInt16LE(1, 20); h.writeUInt16LE(channels, 22);
+  h.writeUInt32LE(rate, 24); h.writeUInt32LE(rate * channels * 2, 28);
+  h.writeUInt16LE(channels * 2, 32); h.writeUInt16LE(16, 34);
+  h.write("data", 36); h.writeUInt32LE(bytes, 40);
+  return h;
+}
+const wavs = {};
+function saveAudio(stage, segment) {
+  const tensor = segment.tensors.find((t) => t.name === "audio" && t.dtype === "float32");
+  if (!tensor) return;
+  const { sample_rate: rate, channels } = segment.audio_format;
+  const file = path.join(values.out, `${segment.request_id}-${stage}.wav`);
+  const wav = (wavs[file] ??= { fd: null, bytes: 0 });
+  if (wav.fd === null) {
+    fs.mkdirSync(values.out, { recursive: true });
+    wav.fd = fs.openSync(file, "w");
+  }
+  const raw = tensor.raw; // little-endian float32 in [-1, 1]
+  const pcm = Buffer.alloc((raw.length / 4) * 2);
+  for (let i = 0; i < raw.length / 4; i++) {
+    const x = Math.max(-1, Math.min(1, raw.readFloatLE(i * 4)));
+    pcm.writeInt16LE(Math.trunc(x * 32767), i * 2);
+  }
+  fs.writeSync(wav.fd, pcm, 0, pcm.length, 44 + wav.bytes);
+  wav.bytes += pcm.length;
+  fs.writeSync(wav.fd, wavHeader(rate, channels || 1, wav.bytes), 0, 44, 0);
+}
+
 const stages = {};
 let done = null;
 const call = orchestrator.generate(request, metadata);
@@ -81,6 +116,7 @@ call.on("data", (event) => {
   stage.token_ids.push(...event.segment.token_ids);
   stage.text += event.segment.text_delta;
   stage.segments += 1;
+  saveAudio(event.stage, event.segment);
   if (!values.json && event.segment.text_delta) process.stdout.write(event.segment.text_delta);
 });
 await new Promise((resolve, reject) => {

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 
+from services.engines.base import AudioFormat
 from services.mesh.data.chunk_wire import EncodedChunk
 from services.mesh.errors import OmniError, wire_error
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
@@ -124,6 +125,7 @@ def to_output(event: events.StageEvent, encode: Encode = codec.to_proto) -> stag
                     tensor_pb2.Blob(name=b.name, media_type=b.media_type, data=b.data)
                     for b in seg.blobs
                 ],
+                audio_format=_audio_format(seg.audio_format),
             )
         )
     if isinstance(event, events.ProgressOut):
@@ -150,3 +152,9 @@ def to_output(event: events.StageEvent, encode: Encode = codec.to_proto) -> stag
             )
         )
     return error_output(event.request_id, event.error)
+
+
+def _audio_format(audio: AudioFormat | None) -> stage_pb2.AudioFormat | None:
+    if audio is None:
+        return None
+    return stage_pb2.AudioFormat(sample_rate=audio.sample_rate, channels=audio.channels)

@@ -21,6 +21,7 @@ from services.engines.base import (
     EnginePlan,
     EngineRequest,
     FinishOutput,
+    HoldsInputBack,
     KeepsRequestState,
     ProgressOutput,
     TensorOutput,
@@ -188,6 +189,10 @@ class StageRuntime:
                     if more is not None:
                         async for window in more:
                             await self._generate(record, window, segmenter, done)
+                    if isinstance(self.engine, HoldsInputBack):
+                        rest = self.engine.input_ended(rid)
+                        if rest is not None:
+                            await self._generate(record, rest, segmenter, done)
                     await self._flush(record, segmenter, done, is_last=True)
             finally:
                 self._admission.leave()

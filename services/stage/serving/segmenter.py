@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.engines.base import Blob, TensorOutput, TokenOutput
+from services.engines.base import AudioFormat, Blob, TensorOutput, TokenOutput
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class Segment:
     text: str = ""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     blobs: tuple[Blob, ...] = ()
+    audio_format: AudioFormat | None = None
 
 
 class Segmenter:
@@ -43,6 +44,7 @@ class Segmenter:
         self._hidden: list[torch.Tensor] = []
         self._tensors: dict[str, torch.Tensor] = {}
         self._blobs: list[Blob] = []
+        self._audio_format: AudioFormat | None = None
 
     @property
     def pending(self) -> int:
@@ -64,6 +66,7 @@ class Segmenter:
         """Whole outputs (an image) ride with the next flush, usually the last one."""
         self._tensors.update(out.tensors)
         self._blobs.extend(out.blobs)
+        self._audio_format = out.audio_format or self._audio_format
 
     def due_in(self) -> float | None:
         """Seconds until a time-based flush is due, or None with nothing pending."""
@@ -87,9 +90,11 @@ class Segmenter:
             "".join(self._text),
             tensors,
             tuple(self._blobs),
+            self._audio_format if "audio" in tensors else None,
         )
         self._sequence += 1
         self._ids, self._text, self._hidden, self._blobs = [], [], [], []
         self._tensors = {}
+        self._audio_format = None
         self._last_flush = self._clock()
         return segment

@@ -155,8 +155,16 @@ class StageInput(_message.Message):
     credit: Credit
     def __init__(self, submit: _Optional[_Union[Submit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., credit: _Optional[_Union[Credit, _Mapping]] = ...) -> None: ...
 
+class AudioFormat(_message.Message):
+    __slots__ = ("sample_rate", "channels")
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    sample_rate: int
+    channels: int
+    def __init__(self, sample_rate: _Optional[int] = ..., channels: _Optional[int] = ...) -> None: ...
+
 class Segment(_message.Message):
-    __slots__ = ("request_id", "sequence", "is_last", "token_ids", "text_delta", "tensors", "blobs")
+    __slots__ = ("request_id", "sequence", "is_last", "token_ids", "text_delta", "tensors", "blobs", "audio_format")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +172,7 @@ class Segment(_message.Message):
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BLOBS_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FORMAT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sequence: int
     is_last: bool
@@ -171,7 +180,8 @@ class Segment(_message.Message):
     text_delta: str
     tensors: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Tensor]
     blobs: _containers.RepeatedCompositeFieldContainer[_tensor_pb2.Blob]
-    def __init__(self, request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., blobs: _Optional[_Iterable[_Union[_tensor_pb2.Blob, _Mapping]]] = ...) -> None: ...
+    audio_format: AudioFormat
+    def __init__(self, request_id: _Optional[str] = ..., sequence: _Optional[int] = ..., is_last: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[_tensor_pb2.Tensor, _Mapping]]] = ..., blobs: _Optional[_Iterable[_Union[_tensor_pb2.Blob, _Mapping]]] = ..., audio_format: _Optional[_Union[AudioFormat, _Mapping]] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("request_id", "step", "total_steps", "preview")
