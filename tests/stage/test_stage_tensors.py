@@ -4,7 +4,6 @@ this node, refs validated on input, chunked tensors in and out."""
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import grpc
@@ -26,11 +25,13 @@ from services.mesh.tensors.shm import ShmProducer
 from services.mesh.tensors.transport import TensorReceiver
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from tests.helpers.shm_blocks import blocks_of
 from tests.helpers.stage import chat, collect, tiny_config
+from tests.mesh.test_shm import made_name
 
 
 def blocks() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("omni-default-")}
+    return set(blocks_of("default"))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ async def test_outputs_go_by_shared_memory_to_a_consumer_on_this_node(thinker) -
     assert refs and all(t.WhichOneof("data") == "shm" for t in refs)
     assert all(t.WhichOneof("data") == "raw" for s in raw.segments for t in s.tensors)
     receiver = TensorReceiver("default", allow_refs=True)
-    opened = torch.cat([receiver.decode(t, "t") for t in refs])
+    opened = torch.cat([receiver.decode(t, "t", request_id="ref") for t in refs])
     expected = torch.cat([codec.from_proto(t) for s in raw.segments for t in s.tensors])
     assert torch.equal(opened, expected)
     assert {t.shm.name for t in refs} <= blocks() - before
@@ -67,9 +68,10 @@ async def test_outputs_go_by_shared_memory_to_a_consumer_on_this_node(thinker) -
 @pytest.mark.parametrize(
     ("name", "offset", "code", "field"),
     [
-        ("omni-othermesh-1-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
+        (made_name("othermesh", "bad-ref"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
         ("../../etc/passwd", 0, "INVALID_ARGUMENT", "inputs.tensors[0].shm.name"),
-        ("omni-default-999999999-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
+        (made_name("default", "bad-ref"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
+        (made_name("default", "another"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
     ],
 )
 async def test_refs_that_cannot_be_opened_here_are_refused(thinker, name, offset, code, field):
