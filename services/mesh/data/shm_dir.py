@@ -105,9 +105,12 @@ class ProducerDir:
             except BaseException:
                 os.close(fd)
                 raise
-        except FileNotFoundError:  # the directory was removed under us
+        except FileNotFoundError:
+            removed = os.fstat(dir_fd).st_nlink == 0  # by a sweep, under us: try again
             os.close(dir_fd)
-            return False
+            if removed:
+                return False
+            raise  # no /proc/self/fd to link from, say
         except BaseException:
             os.close(dir_fd)
             raise
