@@ -84,6 +84,19 @@ def test_a_directory_open_to_others_is_neither_written_nor_read(
     assert sweep(mesh) == [] and planted.exists()  # not ours to sweep either
 
 
+def test_a_link_in_place_of_the_directory_is_refused(mesh: str, tmp_path: Path) -> None:
+    mesh_dir(mesh).symlink_to(tmp_path, target_is_directory=True)
+    try:
+        with pytest.raises(FailedPrecondition, match="a link or not a directory"):
+            ShmProducer(mesh)
+        with pytest.raises(FailedPrecondition, match="a link") as err:
+            open_tensor(bad_ref(made_name(mesh)), mesh_id=mesh, request_id="r", field="t")
+        assert err.value.field == "t.shm.name"
+        assert sweep(mesh) == [] and list(tmp_path.iterdir()) == []
+    finally:
+        mesh_dir(mesh).unlink()
+
+
 @ROOT_ONLY
 def test_a_directory_owned_by_another_user_is_refused(foreign_dir: Path, mesh: str) -> None:
     foreign_dir.chmod(0o700)

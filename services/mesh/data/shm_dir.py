@@ -53,7 +53,14 @@ def mesh_dir(mesh_id: str, root: Path = SHM_ROOT) -> Path:
 def open_dir(path: Path) -> int:
     """A descriptor of ``path``, checked to be a directory private to this uid.
     FileNotFoundError when there is none; FailedPrecondition when it is not ours."""
-    fd = os.open(path, _DIR_FLAGS)
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise FailedPrecondition(
+            f"shared-memory directory {path} is a link or not a directory: refused"
+        ) from None
     try:
         info = os.fstat(fd)
         if info.st_uid != os.geteuid() or info.st_mode & 0o077:
@@ -185,12 +192,8 @@ def _mesh_dirs(root: Path) -> Iterator[Path]:
 def _sweep_dir(path: Path) -> list[str]:
     try:
         dir_fd = open_dir(path)
-    except (FileNotFoundError, NotADirectoryError, FailedPrecondition):
+    except (FileNotFoundError, FailedPrecondition):
         return []  # gone meanwhile, or not ours: nothing of ours to sweep there
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # a symlink named like a mesh directory
-            return []
-        raise
     removed: list[str] = []
     try:
         names = os.listdir(dir_fd)
