@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from services.mesh.data.node import node_identity
+from services.mesh.data.shm_dir import mesh_dir
 from services.mesh.data.shm_names import BLOCK_NAME, request_tag
 from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -228,6 +229,7 @@ def test_release_by_owner_and_by_name_unlinks_the_files(producer: ShmProducer, m
     assert blocks_of(mesh) == [b[1]]
     producer.close()
     assert blocks_of(mesh) == [] and producer.live_names == []
+    assert not mesh_dir(mesh).exists()  # the last producer out took the directory along
 
 
 def test_blocks_expire_after_their_ttl(mesh: str) -> None:

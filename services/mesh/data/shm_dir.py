@@ -22,6 +22,7 @@ before its first block, so only a sweep that held the lock removed it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -159,6 +160,8 @@ class ProducerDir:
         os.close(self._lock_fd)
         os.close(self._dir_fd)
         self._lock_fd = self._dir_fd = -1
+        with contextlib.suppress(OSError):  # the last one out; if empty (else it stays)
+            os.rmdir(self.path)
 
 
 def sweep(mesh_id: str, root: Path = SHM_ROOT, *, every_mesh: bool = True) -> list[str]:
