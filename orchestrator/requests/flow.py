@@ -262,7 +262,8 @@ class RequestFlow:
             for index, tensor in enumerate(tensors):
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
-                    tensors[index].CopyFrom(self._refs.read(tensor, f"segment.tensors[{index}]"))
+                    where = f"segment.tensors[{index}]"
+                    tensors[index].CopyFrom(self._refs.read(tensor, where, self.request_id))
             blobs = event.segment.blobs
             for chunk in [
                 *chunks.split(tensors, threshold=self._chunk_bytes),

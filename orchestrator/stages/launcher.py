@@ -158,7 +158,7 @@ class Launcher:
 def _sweep(mesh_id: str) -> None:
     """Remove shared-memory blocks left by dead processes of this mesh."""
     try:
-        from services.mesh.data.shm_refs import sweep
+        from services.mesh.data.shm_dir import sweep
     except ImportError:  # the data plane is optional for a mesh that moves bytes only
         return
     removed = sweep(mesh_id)

@@ -48,6 +48,7 @@ STAGE_SERVICE = STAGE.full_name
 # (a headless Service) resolves again then, so replicas added since are found: gRPC's
 # DNS resolver has no refresh period of its own.
 MAX_CONNECTION_AGE_MS = 120_000
+MAX_GRPC_BYTES = (1 << 31) - 1  # gRPC's message length limit is an int
 # With mesh auth on, only the mesh (its client certificate or token) may run,
 # abort or release anything, or read what the stage says of itself (Describe
 # names its node, which a forged ref would copy). Health, reflection and
@@ -190,11 +191,14 @@ class StageServer:
         """Bind at once (health NOT_SERVING), then bring the engine up in the background.
         ``health_port``: also serve health alone, plaintext, there (for probes)."""
         self._bus = InitBus(self.config.name, asyncio.get_running_loop())
-        limit = self.config.runtime.max_message_bytes
-        # The transport admits twice the stage's own limit so that a message a
-        # little too large gets a per-request RESOURCE_EXHAUSTED on a stream
-        # that goes on, rather than the whole stream being torn down.
-        transport_limit = 2 * limit + (1 << 20)
+        runtime = self.config.runtime
+        # The transport admits a message as large as the stream may hold
+        # (max_input_bytes), so that a Submit over max_message_bytes gets a
+        # per-request RESOURCE_EXHAUSTED on a stream that goes on; only a message
+        # the stream could never hold tears the stream down.
+        transport_limit = min(
+            max(runtime.max_input_bytes, 2 * runtime.max_message_bytes + (1 << 20)), MAX_GRPC_BYTES
+        )
         security = self.config.security.with_env()
         server = MeshServer(
             STAGE,

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.mesh.data.shm_refs import SECRET_HEX
+from services.mesh.data.shm_names import SECRET_HEX
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from tests.hostile.conftest import Mesh
 from tests.hostile.senders import (
@@ -99,9 +99,19 @@ def victim(mesh: Mesh, **ref: Any) -> tensor_pb2.Tensor:
     return tensor
 
 
+# The request the victim's block was made for: a ref opens only in a request of
+# that id (the ended request's id may be used again).
+VICTIM = "victim"
+
+
 def guessed(mesh: Mesh) -> str:
-    """The victim's block name with the secret guessed: pid and counter are public."""
+    """The victim's block name with the secret guessed: the rest of it is public."""
     return mesh.victim.shm.name[:-SECRET_HEX] + "0" * SECRET_HEX
+
+
+def absent(mesh: Mesh) -> str:
+    """A well-formed name of a block of the victim's request that was never made."""
+    return mesh.victim.shm.name[:-SECRET_HEX] + "ab" * (SECRET_HEX // 2)
 
 
 def foreign(tensor: tensor_pb2.Tensor) -> tensor_pb2.Tensor:

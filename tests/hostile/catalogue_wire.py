@@ -4,13 +4,14 @@ blocks that are not the caller's to open."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from tests.hostile.cases import (
+    VICTIM,
     Case,
+    absent,
     chunk,
     chunked,
     embeds,
@@ -273,17 +274,13 @@ WIRE = [
     ),
     Case(
         "another request's block with a guessed secret",
-        stage(lambda mesh: [submit(tensors=[victim(mesh, name=guessed(mesh))])]),
+        stage(lambda mesh: [submit(VICTIM, tensors=[victim(mesh, name=guessed(mesh))])], VICTIM),
         "FAILED_PRECONDITION",
         "inputs.tensors[0].shm.name",
     ),
     Case(
         "a block that does not exist",
-        stage(
-            lambda mesh: [
-                submit(tensors=[victim(mesh, name=f"omni-default-{os.getpid()}-fffff-{'ab' * 16}")])
-            ]
-        ),
+        stage(lambda mesh: [submit(VICTIM, tensors=[victim(mesh, name=absent(mesh))])], VICTIM),
         "FAILED_PRECONDITION",
         "inputs.tensors[0].shm.name",
     ),
@@ -317,13 +314,13 @@ WIRE = [
     ),
     Case(
         "ref past the end of its block",
-        stage(lambda mesh: [submit(tensors=[victim(mesh, offset=1 << 40)])]),
+        stage(lambda mesh: [submit(VICTIM, tensors=[victim(mesh, offset=1 << 40)])], VICTIM),
         "INVALID_ARGUMENT",
         "inputs.tensors[0].shm.offset",
     ),
     Case(
         "ref from another node",
-        stage(lambda mesh: [submit(tensors=[foreign(victim(mesh))])]),
+        stage(lambda mesh: [submit(VICTIM, tensors=[foreign(victim(mesh))])], VICTIM),
         "FAILED_PRECONDITION",
         "inputs.tensors[0].shm",
     ),

@@ -5,7 +5,6 @@ that must go on completing whatever a hostile one does."""
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 from collections.abc import AsyncIterator
@@ -21,12 +20,12 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from services.mesh.data.node import node_identity
-from services.mesh.data.shm_refs import SHM_ROOT
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, SecuritySettings, client_dialing
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from tests.helpers.shm_blocks import blocks_of
 from tests.helpers.stage import tiny_config
 
 CONTROL_TOKENS = 24  # what the ordinary request asks for, and must get
@@ -73,10 +72,9 @@ class Mesh:
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING, address
 
 
-def own_blocks() -> set[str]:
-    """This process's shared blocks in /dev/shm (the stage runs in it)."""
-    mine = f"-{os.getpid()}-"
-    return {p.name for p in SHM_ROOT.iterdir() if p.name.startswith("omni-") and mine in p.name}
+def own_blocks(producer: str) -> set[str]:
+    """The shared blocks of the stage's producer (its lock token ``producer``)."""
+    return {name for name in blocks_of("default") if f"-{producer}-" in name}
 
 
 async def _victim_block(mesh: Mesh) -> tensor_pb2.Tensor:
@@ -116,6 +114,8 @@ async def mesh(
     )
     stage = StageServer(parse_stage_config(config))
     stage_port = await stage.start("127.0.0.1", 0)
+    assert stage.tensors.shm is not None
+    producer = stage.tensors.shm.files.token
     pipeline = parse_pipeline(
         {"name": "hostile", "stages": [{"name": "thinker", "address": f"127.0.0.1:{stage_port}"}]},
         "hostile.yaml",
@@ -144,7 +144,7 @@ async def mesh(
         await orchestrator.stop(1.0)
         await stage.stop(1.0)
     # Nothing left behind: every block the stage made is gone with it, and both ports.
-    assert not own_blocks()
+    assert not own_blocks(producer)
     for port in (stage.port, orchestrator.port):
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listens"

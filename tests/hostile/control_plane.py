@@ -8,7 +8,7 @@ from __future__ import annotations
 import grpc
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
-from tests.hostile.cases import cancel, guessed, streamed, submit, victim
+from tests.hostile.cases import VICTIM, cancel, guessed, streamed, submit, victim
 from tests.hostile.conftest import Mesh
 from tests.hostile.senders import (
     LONG,
@@ -57,7 +57,7 @@ async def stranger_releases_the_victims_block(mesh: Mesh) -> Outcome:
         except grpc.aio.AioRpcError as exc:
             outcome = Outcome(exc.code().name, exc.details() or "")
     # The block is still there for the mesh: the victim's data opens.
-    assert await on_stage(mesh, [submit("reader", tensors=[victim(mesh)])], "reader") == Outcome(
+    assert await on_stage(mesh, [submit(VICTIM, tensors=[victim(mesh)])], VICTIM) == Outcome(
         "OK", ""
     )
     return outcome
@@ -68,7 +68,7 @@ async def mesh_releases_guessed_names(mesh: Mesh) -> Outcome:
     async with mesh.stage() as stage_client:
         reply = await stage_client.release_tensors(stage_pb2.ReleaseTensorsRequest(names=names))
     assert reply.released == 0
-    assert await on_stage(mesh, [submit("reader", tensors=[victim(mesh)])], "reader") == Outcome(
+    assert await on_stage(mesh, [submit(VICTIM, tensors=[victim(mesh)])], VICTIM) == Outcome(
         "OK", ""
     )
     return Outcome("OK", "")

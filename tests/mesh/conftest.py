@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.mesh.tensors.shm import SHM_ROOT, ShmProducer
-from tests.helpers.shm_blocks import blocks_of
+from services.mesh.tensors.shm import ShmProducer
+from tests.helpers.shm_blocks import remove_mesh
 
 
 @pytest.fixture
@@ -18,8 +18,7 @@ def mesh() -> Iterator[str]:
     try:
         yield mesh_id
     finally:
-        for name in blocks_of(mesh_id):
-            (SHM_ROOT / name).unlink(missing_ok=True)
+        remove_mesh(mesh_id)
 
 
 @pytest.fixture

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -14,15 +11,20 @@ import pytest
 import torch
 
 from services.mesh.data.node import node_identity
-from services.mesh.data.shm_refs import BLOCK_NAME
+from services.mesh.data.shm_dir import mesh_dir
+from services.mesh.data.shm_names import BLOCK_NAME, request_tag
 from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
-from tests.helpers.shm_blocks import blocks_of
+from services.mesh.tensors.shm import ShmProducer, open_tensor
+from tests.helpers.shm_blocks import block_path, blocks_of
 
 SECRET = "0123456789abcdef" * 2  # the form of a block name's secret, for hand-made names
+PRODUCER = "fedcba9876543210"  # the form of a producer's token
 
-REPO = Path(__file__).resolve().parents[2]
+
+def made_name(mesh: str, request_id: str = "r", producer: str = PRODUCER) -> str:
+    """A well-formed name of request ``request_id``'s block that no producer made."""
+    return f"omni-{mesh}-{producer}-{request_tag(request_id)}-{SECRET}"
 
 
 SAMPLES = {
@@ -46,11 +48,12 @@ def test_round_trip(key: str, producer: ShmProducer, mesh: str) -> None:
     msg = producer.put(tensor, "req-1")
     ref = msg.shm
     match = BLOCK_NAME.fullmatch(ref.name)
-    assert match and match["mesh"] == mesh and int(match["pid"]) == os.getpid()
+    assert match and match["mesh"] == mesh and match["producer"] == producer.files.token
+    assert match["request"] == request_tag("req-1")
     assert ref.offset == 0 and ref.nbytes == tensor.numel() * tensor.element_size()
     assert ref.producer == node_identity()
-    assert (SHM_ROOT / ref.name).stat().st_size == ref.nbytes
-    back = open_tensor(msg, mesh_id=mesh, field="t")
+    assert block_path(mesh, ref.name).stat().st_size == ref.nbytes
+    back = open_tensor(msg, mesh_id=mesh, request_id="req-1", field="t")
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     assert torch.equal(back, tensor)
 
@@ -60,18 +63,19 @@ def test_a_ref_into_the_middle_of_a_block(producer: ShmProducer, mesh: str) -> N
     half = tensor_pb2.Tensor(dtype="int32", shape=[2, 4])
     half.shm.CopyFrom(msg.shm)
     half.shm.offset, half.shm.nbytes = 32, 32
-    assert open_tensor(half, mesh_id=mesh, field="t").tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
+    got = open_tensor(half, mesh_id=mesh, request_id="r", field="t")
+    assert got.tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
 
 
 def test_open_maps_the_block_without_copying_and_writes_stay_private(
     producer: ShmProducer, mesh: str
 ) -> None:
     msg = producer.put(torch.zeros(1 << 20), "r")  # 4 MiB
-    first = open_tensor(msg, mesh_id=mesh, field="t")
-    second = open_tensor(msg, mesh_id=mesh, field="t")
+    first = open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
+    second = open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
     # The block changes under the consumer: a copy made at open would not see it.
     last_page = (1 << 22) - 4096
-    with open(SHM_ROOT / msg.shm.name, "r+b") as block:
+    with open(block_path(mesh, msg.shm.name), "r+b") as block:
         block.seek(last_page)
         block.write(torch.full((1024,), 7.0).numpy().tobytes())
     assert first[-1].item() == 7.0 and second[-1].item() == 7.0
@@ -79,7 +83,7 @@ def test_open_maps_the_block_without_copying_and_writes_stay_private(
     # other consumer keep the producer's bytes.
     first[:1024] = 3.0
     assert second[0].item() == 0.0
-    assert open_tensor(msg, mesh_id=mesh, field="t")[0].item() == 0.0
+    assert open_tensor(msg, mesh_id=mesh, request_id="r", field="t")[0].item() == 0.0
 
 
 def test_tensor_outlives_every_other_reference_and_the_block_name(
@@ -89,7 +93,7 @@ def test_tensor_outlives_every_other_reference_and_the_block_name(
     expected = source.clone()
     msg = producer.put(source, "r")
     fds_before = len(os.listdir("/proc/self/fd"))
-    kept = [open_tensor(msg, mesh_id=mesh, field="t") for _ in range(20)]
+    kept = [open_tensor(msg, mesh_id=mesh, request_id="r", field="t") for _ in range(20)]
     # The mapping holds no descriptor: a stage with thousands of live inputs
     # must not run out of files.
     assert len(os.listdir("/proc/self/fd")) == fds_before
@@ -109,38 +113,77 @@ def bad_ref(name: str, **fields: int) -> tensor_pb2.Tensor:
 
 
 @pytest.mark.parametrize(
-    "name", ["../etc/passwd", "/etc/passwd", "a/b", "..", ".hidden", "", "omni-x-1-1\0", "passwd"]
+    "name",
+    ["../etc/passwd", "/etc/passwd", "a/b", "..", ".hidden", "", "omni-x-1-1\0", "passwd"],
 )
 def test_malformed_names_are_refused_before_the_file_system(name: str, mesh: str) -> None:
     with pytest.raises(InvalidArgument) as err:
-        open_tensor(bad_ref(name), mesh_id=mesh, field="inputs[2]", root=Path("/nonexistent"))
+        open_tensor(
+            bad_ref(name),
+            mesh_id=mesh,
+            request_id="r",
+            field="inputs[2]",
+            root=Path("/nonexistent"),
+        )
     assert err.value.field == "inputs[2].shm.name"
 
 
 def test_a_block_of_another_mesh_is_refused_before_the_file_system(mesh: str) -> None:
     with pytest.raises(FailedPrecondition) as err:
         open_tensor(
-            bad_ref(f"omni-other-12-1-{SECRET}"), mesh_id=mesh, field="t", root=Path("/nonexistent")
+            bad_ref(made_name("other")),
+            mesh_id=mesh,
+            request_id="r",
+            field="t",
+            root=Path("/nonexistent"),
         )
     assert "not a block of this mesh" in err.value.message and err.value.field == "t.shm.name"
     # A mesh whose id extends ours is another mesh, not ours.
     with pytest.raises(FailedPrecondition):
-        open_tensor(bad_ref(f"omni-{mesh}-x-12-1-{SECRET}"), mesh_id=mesh, field="t")
+        open_tensor(bad_ref(made_name(f"{mesh}-x")), mesh_id=mesh, request_id="r", field="t")
 
 
-def test_a_missing_block_fails_its_precondition(mesh: str) -> None:
+def test_a_block_of_another_request_is_refused_before_the_file_system(
+    producer: ShmProducer, mesh: str
+) -> None:
+    msg = producer.put(torch.arange(4.0), "alice-1")
+    # Copied into another request, the very same ref opens nothing.
     with pytest.raises(FailedPrecondition) as err:
-        open_tensor(bad_ref(f"omni-{mesh}-1-ff-{SECRET}"), mesh_id=mesh, field="t")
-    assert err.value.field == "t.shm.name" and "gone" in err.value.message
+        open_tensor(msg, mesh_id=mesh, request_id="mallory-1", field="inputs.tensors[0]")
+    assert err.value.field == "inputs.tensors[0].shm.name"
+    assert "not made for request 'mallory-1'" in err.value.message
+    with pytest.raises(FailedPrecondition):  # nor does a free pooled block's name
+        open_tensor(
+            bad_ref(made_name(mesh).replace(request_tag("r"), "free")),
+            mesh_id=mesh,
+            request_id="r",
+            field="t",
+            root=Path("/nonexistent"),
+        )
+    got = open_tensor(msg, mesh_id=mesh, request_id="alice-1", field="inputs.tensors[0]")
+    assert got.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_a_link_named_like_a_block_is_not_followed(mesh: str, tmp_path: Path) -> None:
+def test_a_missing_block_fails_its_precondition(producer: ShmProducer, mesh: str) -> None:
+    for name in (made_name(mesh), made_name(mesh, producer=producer.files.token)):
+        with pytest.raises(FailedPrecondition) as err:
+            open_tensor(bad_ref(name), mesh_id=mesh, request_id="r", field="t")
+        assert err.value.field == "t.shm.name" and "gone" in err.value.message
+    # No mesh directory at all: no block either.
+    with pytest.raises(FailedPrecondition) as err:
+        open_tensor(bad_ref(made_name("t-none")), mesh_id="t-none", request_id="r", field="t")
+    assert "gone" in err.value.message
+
+
+def test_a_link_named_like_a_block_is_not_followed(
+    producer: ShmProducer, mesh: str, tmp_path: Path
+) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"\x01" * 16)
-    link = SHM_ROOT / f"omni-{mesh}-1-1-{SECRET}"
+    link = block_path(mesh, made_name(mesh))
     link.symlink_to(secret)
     with pytest.raises(FailedPrecondition):
-        open_tensor(bad_ref(link.name), mesh_id=mesh, field="t")
+        open_tensor(bad_ref(link.name), mesh_id=mesh, request_id="r", field="t")
 
 
 @pytest.mark.parametrize(
@@ -157,7 +200,7 @@ def test_refs_outside_or_disagreeing_with_the_block_are_refused(
 ) -> None:
     name = producer.put(torch.zeros(4), "r").shm.name
     with pytest.raises(InvalidArgument) as err:
-        open_tensor(bad_ref(name, **fields), mesh_id=mesh, field="t")
+        open_tensor(bad_ref(name, **fields), mesh_id=mesh, request_id="r", field="t")
     assert err.value.field == bad
 
 
@@ -165,15 +208,15 @@ def test_bad_dtype_and_foreign_producer_are_refused(producer: ShmProducer, mesh:
     msg = producer.put(torch.zeros(4), "r")
     msg.dtype = "pickle"
     with pytest.raises(InvalidArgument) as err:
-        open_tensor(msg, mesh_id=mesh, field="t")
+        open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
     assert err.value.field == "t.dtype"
     msg.dtype = "float32"
     msg.shm.producer.ipc_namespace = "ipc:[1]"
     with pytest.raises(FailedPrecondition, match="another node or IPC namespace"):
-        open_tensor(msg, mesh_id=mesh, field="t")
+        open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
     msg.shm.ClearField("producer")
     with pytest.raises(InvalidArgument, match="producer"):
-        open_tensor(msg, mesh_id=mesh, field="t")
+        open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
 
 
 def test_release_by_owner_and_by_name_unlinks_the_files(producer: ShmProducer, mesh: str) -> None:
@@ -186,6 +229,7 @@ def test_release_by_owner_and_by_name_unlinks_the_files(producer: ShmProducer, m
     assert blocks_of(mesh) == [b[1]]
     producer.close()
     assert blocks_of(mesh) == [] and producer.live_names == []
+    assert not mesh_dir(mesh).exists()  # the last producer out took the directory along
 
 
 def test_blocks_expire_after_their_ttl(mesh: str) -> None:
@@ -218,95 +262,17 @@ def test_producer_is_thread_safe(producer: ShmProducer, mesh: str) -> None:
     assert blocks_of(mesh) == []
 
 
-def test_a_block_name_cannot_be_guessed_from_pid_and_counter(
+def test_a_block_name_cannot_be_guessed_from_the_rest_of_it(
     producer: ShmProducer, mesh: str
 ) -> None:
     first, second = (producer.put(torch.ones(4), "r") for _ in range(2))
     a, b = (BLOCK_NAME.fullmatch(m.shm.name) for m in (first, second))
     assert a and b and a["secret"] != b["secret"]
-    # The right mesh, pid and counter with another secret name no block.
+    # The right mesh, producer and request with another secret name no block.
     guess = tensor_pb2.Tensor()
     guess.CopyFrom(second)
     guess.shm.name = second.shm.name[: -len(SECRET)] + SECRET
     with pytest.raises(FailedPrecondition) as err:
-        open_tensor(guess, mesh_id=mesh, field="t")
+        open_tensor(guess, mesh_id=mesh, request_id="r", field="t")
     assert "gone" in err.value.message
-    assert open_tensor(second, mesh_id=mesh, field="t").sum().item() == 4
-
-
-def test_sweep_spares_live_blocks_and_takes_stale_ones(producer: ShmProducer, mesh: str) -> None:
-    mine = producer.put(torch.zeros(8), "r").shm.name
-    dead_pid = subprocess.Popen(["true"])
-    dead_pid.wait()
-    stale = [f"omni-{mesh}-{dead_pid.pid}-1-{SECRET}", f"omni-{mesh}-{os.getpid()}-ffff0-{SECRET}"]
-    # A dead mesh's block goes too (nobody of that mesh is left to sweep it);
-    # a live mesh's block stays.
-    dead_mesh = f"omni-z{mesh}-{dead_pid.pid}-1-{SECRET}"
-    live_mesh = f"omni-y{mesh}-{os.getppid()}-1-{SECRET}"
-    for name in [*stale, dead_mesh, live_mesh]:
-        (SHM_ROOT / name).write_bytes(b"x")
-    try:
-        swept = sweep(mesh)
-        assert {*stale, dead_mesh} <= set(swept) and live_mesh not in swept
-        assert blocks_of(mesh) == [mine]
-        assert (SHM_ROOT / live_mesh).exists() and not (SHM_ROOT / dead_mesh).exists()
-        assert sweep(mesh, every_mesh=False) == []
-    finally:
-        (SHM_ROOT / live_mesh).unlink(missing_ok=True)
-
-
-PRODUCER = """
-import sys, time, torch
-from services.mesh.tensors.shm import ShmProducer
-shm = ShmProducer(sys.argv[1])
-for i in range(3):
-    print(shm.put(torch.full((4096,), float(i + 1)), "req").SerializeToString().hex(), flush=True)
-time.sleep(120)
-"""
-CONSUMER = """
-import sys, time
-from services.mesh.pb.omni.v1 import tensor_pb2
-from services.mesh.tensors.shm import open_tensor
-msg = tensor_pb2.Tensor.FromString(bytes.fromhex(sys.stdin.readline()))
-print(float(open_tensor(msg, mesh_id=sys.argv[1], field="t").sum()), flush=True)
-time.sleep(120)
-"""
-
-
-def spawn(script: str, mesh: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", script, mesh],
-        cwd=REPO,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-
-
-@pytest.mark.slow  # two subprocesses that import torch
-def test_sweep_removes_everything_of_killed_producers_and_consumers(mesh: str) -> None:
-    # Both start at once (importing torch is most of their cost).
-    producer, consumer = procs = [spawn(PRODUCER, mesh), spawn(CONSUMER, mesh)]
-    assert producer.stdout and consumer.stdin and consumer.stdout
-    try:
-        refs = [producer.stdout.readline() for _ in range(3)]
-        assert len(blocks_of(mesh)) == 3
-        consumer.stdin.write(refs[1])
-        consumer.stdin.flush()
-        assert consumer.stdout.readline().strip() == str(2.0 * 4096)
-        assert sweep(mesh, every_mesh=False) == []  # both alive: nothing is stale yet
-        for proc in procs:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()  # reaped: a zombie's pid still answers kill(pid, 0)
-        leftovers = blocks_of(mesh)
-        assert len(leftovers) == 3
-        assert sorted(sweep(mesh, every_mesh=False)) == leftovers
-        assert blocks_of(mesh) == []
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe:
-                    pipe.close()
+    assert open_tensor(second, mesh_id=mesh, request_id="r", field="t").sum().item() == 4

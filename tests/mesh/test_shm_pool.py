@@ -17,15 +17,15 @@ import torch
 
 from services.mesh.data.shm_pool import MIN_CLASS, size_class
 from services.mesh.errors import FailedPrecondition
-from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor, sweep
-from tests.helpers.shm_blocks import blocks_of
+from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep
+from tests.helpers.shm_blocks import block_path, blocks_of
 
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
 def inodes_of(mesh: str) -> set[int]:
-    return {(SHM_ROOT / n).stat().st_ino for n in blocks_of(mesh)}
+    return {block_path(mesh, n).stat().st_ino for n in blocks_of(mesh)}
 
 
 def floats(nbytes: int, value: float) -> torch.Tensor:
@@ -48,8 +48,9 @@ def test_a_second_request_reuses_the_block_without_a_new_file(
     producer: ShmProducer, mesh: str
 ) -> None:
     first = producer.put(floats(3 * MIB, 1.0), "req-1")
-    assert torch.equal(open_tensor(first, mesh_id=mesh, field="t"), floats(3 * MIB, 1.0))
-    block = SHM_ROOT / first.shm.name
+    got = open_tensor(first, mesh_id=mesh, request_id="req-1", field="t")
+    assert torch.equal(got, floats(3 * MIB, 1.0))
+    block = block_path(mesh, first.shm.name)
     inode = block.stat().st_ino
     # Made whole and pre-faulted: the 4 MiB class is allocated, not sparse.
     assert block.stat().st_size == 4 * MIB and block.stat().st_blocks * 512 >= 4 * MIB
@@ -59,9 +60,9 @@ def test_a_second_request_reuses_the_block_without_a_new_file(
 
     second = producer.put(floats(4 * MIB - 4, 2.0), "req-2")  # same class, other size
     assert inodes_of(mesh) == before  # no new /dev/shm file
-    assert (SHM_ROOT / second.shm.name).stat().st_ino == inode
+    assert block_path(mesh, second.shm.name).stat().st_ino == inode
     assert second.shm.name != first.shm.name
-    got = open_tensor(second, mesh_id=mesh, field="t")
+    got = open_tensor(second, mesh_id=mesh, request_id="req-2", field="t")
     assert torch.equal(got, floats(4 * MIB - 4, 2.0))
 
 
@@ -73,15 +74,15 @@ def test_the_old_name_no_longer_opens_or_releases_after_reuse(
     new = producer.put(floats(2 * MIB, 5.0), "req-2")
     # The previous consumer still knows the old name: it names nothing now.
     with pytest.raises(FailedPrecondition) as err:
-        open_tensor(old, mesh_id=mesh, field="t")
+        open_tensor(old, mesh_id=mesh, request_id="req-1", field="t")
     assert "gone" in err.value.message
     assert producer.release(names=[old.shm.name]) == 0
     assert producer.live_names == [new.shm.name]
-    assert open_tensor(new, mesh_id=mesh, field="t")[0].item() == 5.0
+    assert open_tensor(new, mesh_id=mesh, request_id="req-2", field="t")[0].item() == 5.0
     # Free blocks, too, are out of reach under the name they were last handed out by.
     producer.release("req-2")
     with pytest.raises(FailedPrecondition):
-        open_tensor(new, mesh_id=mesh, field="t")
+        open_tensor(new, mesh_id=mesh, request_id="req-2", field="t")
 
 
 def test_blocks_beyond_the_bound_are_unlinked_on_release(mesh: str) -> None:
@@ -91,14 +92,14 @@ def test_blocks_beyond_the_bound_are_unlinked_on_release(mesh: str) -> None:
         assert shm.release("req-0") == shm.release("req-1") == shm.release("req-2") == 1
         assert shm.pool is not None and shm.pool.free_bytes == 2 * MIB
         assert len(blocks_of(mesh)) == 1  # one pooled, two unlinked
-        assert not any((SHM_ROOT / r.shm.name).exists() for r in refs)
+        assert not any(block_path(mesh, r.shm.name).exists() for r in refs)
     assert blocks_of(mesh) == []
 
 
 def test_no_pool_when_its_bound_is_zero(mesh: str) -> None:
     with ShmProducer(mesh, pool_bytes=0) as shm:
         msg = shm.put(floats(2 * MIB, 1.0), "r")
-        assert (SHM_ROOT / msg.shm.name).stat().st_size == 2 * MIB  # exact, as before
+        assert block_path(mesh, msg.shm.name).stat().st_size == 2 * MIB  # exact, as before
         shm.release("r")
         assert blocks_of(mesh) == []
 
@@ -124,7 +125,7 @@ def test_expired_blocks_are_unlinked_not_reused(mesh: str) -> None:
         assert shm.expire() == 1
         assert blocks_of(mesh) == [] and shm.pool is not None and shm.pool.free_bytes == 0
         with pytest.raises(FailedPrecondition):
-            open_tensor(msg, mesh_id=mesh, field="t")
+            open_tensor(msg, mesh_id=mesh, request_id="r", field="t")
 
 
 def test_an_allocated_block_is_shared_in_place_without_a_copy(
@@ -140,18 +141,18 @@ def test_an_allocated_block_is_shared_in_place_without_a_copy(
     rows = producer.share(out[128:], "req-1")
     assert rows is not None and rows.shm.name == ref.shm.name
     assert rows.shm.offset == 128 * 1024 * 4
-    assert open_tensor(rows, mesh_id=mesh, field="t")[0, 0].item() == 128 * 1024
+    assert open_tensor(rows, mesh_id=mesh, request_id="req-1", field="t")[0, 0].item() == 128 * 1024
     # No copy: what the producer writes after sharing is what the consumer reads.
     out[0, 0] = -1.0
-    assert open_tensor(ref, mesh_id=mesh, field="t")[0, 0].item() == -1.0
+    assert open_tensor(ref, mesh_id=mesh, request_id="req-1", field="t")[0, 0].item() == -1.0
     # Released while the producer still holds its view: not reused until the view dies.
     assert producer.release("req-1") == 1
     assert producer.pool is not None and producer.pool.free_bytes == 0
-    assert (SHM_ROOT / ref.shm.name).exists()
+    assert block_path(mesh, ref.shm.name).exists()
     del out
     gc.collect()
     assert producer.pool.free_bytes == MIB
-    assert not (SHM_ROOT / ref.shm.name).exists() and producer.live_names == []
+    assert not block_path(mesh, ref.shm.name).exists() and producer.live_names == []
 
 
 def test_an_allocated_block_never_shared_returns_when_its_views_die(

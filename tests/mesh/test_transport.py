@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from collections.abc import Iterator
 
@@ -13,7 +12,7 @@ from services.mesh.data.node import mesh_id, node_identity, same_ipc, same_node,
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.tensors import codec
-from services.mesh.tensors.shm import SHM_ROOT, ShmProducer
+from services.mesh.tensors.shm import ShmProducer
 from services.mesh.tensors.transport import (
     TensorReceiver,
     TensorSender,
@@ -21,6 +20,7 @@ from services.mesh.tensors.transport import (
     choose,
     release_name,
 )
+from tests.helpers.shm_blocks import block_path, blocks_of, remove_mesh
 
 BIG = 1 << 18  # float32 elements: 1 MiB, above the default inline limit
 POLICY = TransportPolicy()
@@ -156,9 +156,7 @@ def mesh() -> Iterator[str]:
     try:
         yield mesh_id
     finally:
-        for name in os.listdir(SHM_ROOT):
-            if name.startswith(f"omni-{mesh_id}-"):
-                (SHM_ROOT / name).unlink(missing_ok=True)
+        remove_mesh(mesh_id)
 
 
 @pytest.fixture
@@ -179,7 +177,7 @@ def test_sender_picks_the_transport_and_receiver_opens_it(sender: TensorSender, 
     for tensor, consumer, kind in cases:
         msg = sender.encode(tensor, "hidden", "req-1", consumer)
         assert msg.name == "hidden" and msg.WhichOneof("data") == kind
-        assert torch.equal(receiver.decode(msg, "inputs[0]"), tensor)
+        assert torch.equal(receiver.decode(msg, "inputs[0]", request_id="req-1"), tensor)
     stats = sender.stats
     assert stats.tensors == {"raw": 3, "shm": 1}
     assert stats.bytes == {"raw": 80 + 2 * 2 * BIG, "shm": 2 * BIG}
@@ -210,9 +208,8 @@ def test_release_frees_the_blocks_of_a_request(sender: TensorSender, mesh: str) 
     assert sender.release("req-a") == 1
     # Released blocks are gone under the names their consumers knew; the pool
     # keeps them for reuse under fresh names.
-    assert not any((SHM_ROOT / m.shm.name).exists() for m in a)
-    on_disk = {n for n in os.listdir(SHM_ROOT) if n.startswith(f"omni-{mesh}-")}
-    assert on_disk == {b.shm.name, *shm_pool_names(sender)}
+    assert not any(block_path(mesh, m.shm.name).exists() for m in a)
+    assert set(blocks_of(mesh)) == {b.shm.name, *shm_pool_names(sender)}
     assert release_name(tensor_pb2.Tensor(raw=b"")) == ""
 
 
@@ -221,16 +218,18 @@ def test_receiver_refuses_refs_from_outside_and_unresolved_chunks(
 ) -> None:
     ref = sender.encode(torch.zeros(BIG), "x", "req", identity())
     with pytest.raises(InvalidArgument) as err:
-        TensorReceiver(mesh, allow_refs=False).decode(ref, "submit.inputs.tensors[3]")
+        TensorReceiver(mesh, allow_refs=False).decode(
+            ref, "submit.inputs.tensors[3]", request_id="req"
+        )
     assert err.value.field == "submit.inputs.tensors[3]"
     assert "only accepted from inside the mesh" in err.value.message
     cuda = tensor_pb2.Tensor(dtype="float32", shape=[1], cuda_ipc=tensor_pb2.CudaIpcRef())
     with pytest.raises(InvalidArgument, match="inside the mesh"):
-        TensorReceiver(mesh, allow_refs=False).decode(cuda, "t")
+        TensorReceiver(mesh, allow_refs=False).decode(cuda, "t", request_id="req")
     chunked = [codec.to_proto(torch.zeros(2 * BIG))]
     split(chunked)
     with pytest.raises(InvalidArgument, match="not resolved") as err:
-        TensorReceiver(mesh, allow_refs=True).decode(chunked[0], "t")
+        TensorReceiver(mesh, allow_refs=True).decode(chunked[0], "t", request_id="req")
     assert err.value.field == "t"
 
 

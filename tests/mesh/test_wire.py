@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -15,7 +16,8 @@ from services.mesh.errors import FailedPrecondition, InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer
-from tests.mesh.test_shm import SAMPLES, bad_ref
+from tests.helpers.shm_blocks import remove_mesh
+from tests.mesh.test_shm import SAMPLES, bad_ref, made_name
 
 
 @pytest.fixture
@@ -25,8 +27,10 @@ def producer(mesh: str) -> Iterator[ShmProducer]:
 
 
 @pytest.fixture
-def mesh() -> str:
-    return "wiretest"
+def mesh() -> Iterator[str]:
+    mesh_id = f"w{uuid.uuid4().hex[:12]}"
+    yield mesh_id
+    remove_mesh(mesh_id)
 
 
 def test_dtype_sizes_are_torchs() -> None:
@@ -39,7 +43,7 @@ def test_dtype_sizes_are_torchs() -> None:
 def test_read_bytes_gives_what_the_codec_would(key: str, producer: ShmProducer, mesh: str) -> None:
     tensor = SAMPLES[key]
     msg = producer.put(tensor, "r")
-    inline = read_bytes(msg, mesh_id=mesh, field="t")
+    inline = read_bytes(msg, mesh_id=mesh, request_id="r", field="t")
     assert inline.WhichOneof("data") in ("raw", None)
     assert torch.equal(codec.from_proto(inline, "t"), tensor.contiguous())
     assert inline == codec.to_proto(tensor) or inline.raw == codec.to_proto(tensor).raw
@@ -59,7 +63,7 @@ def test_read_bytes_refuses_what_open_tensor_refuses(
 ) -> None:
     name = producer.put(torch.zeros(4), "r").shm.name
     with pytest.raises(InvalidArgument) as err:
-        read_bytes(bad_ref(name, **fields), mesh_id=mesh, field="t")
+        read_bytes(bad_ref(name, **fields), mesh_id=mesh, request_id="r", field="t")
     assert err.value.field == bad
 
 
@@ -67,10 +71,19 @@ def test_read_bytes_refuses_paths_and_other_meshes(producer: ShmProducer, mesh: 
     msg = producer.put(torch.zeros(4), "r")
     msg.shm.name = "../etc/passwd"
     with pytest.raises(InvalidArgument, match="not a bare block name"):
-        read_bytes(msg, mesh_id=mesh, field="t")
-    msg.shm.name = "omni-other-1-1-0123456789abcdef0123456789abcdef"
+        read_bytes(msg, mesh_id=mesh, request_id="r", field="t")
+    msg.shm.name = made_name("other")
     with pytest.raises(FailedPrecondition, match="not a block of this mesh"):
-        read_bytes(msg, mesh_id=mesh, field="t")
+        read_bytes(msg, mesh_id=mesh, request_id="r", field="t")
+
+
+def test_read_bytes_refuses_another_requests_block(producer: ShmProducer, mesh: str) -> None:
+    msg = producer.put(torch.arange(4.0), "alice-1")
+    with pytest.raises(FailedPrecondition, match="not made for request 'bob-1'") as err:
+        read_bytes(msg, mesh_id=mesh, request_id="bob-1", field="segment.tensors[0]")
+    assert err.value.field == "segment.tensors[0].shm.name"
+    read = read_bytes(msg, mesh_id=mesh, request_id="alice-1", field="t")
+    assert read.raw == torch.arange(4.0).numpy().tobytes()
 
 
 def test_shapes_beyond_any_tensor_are_refused_not_crashed() -> None:

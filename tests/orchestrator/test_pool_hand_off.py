@@ -7,7 +7,6 @@ file) once the orchestrator released them.
 
 from __future__ import annotations
 
-import os
 import uuid
 from pathlib import Path
 
@@ -18,16 +17,11 @@ from services.engines.video.source import pattern_frames
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
-from services.mesh.tensors.shm import SHM_ROOT
+from tests.helpers.shm_blocks import inodes_of
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 FRAMES, WINDOW, SIDE = 12, 4, 256  # a window of 4 frames is 768 KiB: a 1 MiB pooled block
-
-
-def blocks_of(mesh: str, pid: int) -> dict[str, int]:
-    prefix = f"omni-{mesh}-{pid}-"
-    return {n: (SHM_ROOT / n).stat().st_ino for n in os.listdir(SHM_ROOT) if n.startswith(prefix)}
 
 
 @pytest.mark.slow
@@ -60,7 +54,6 @@ async def test_frames_written_into_pool_blocks_reach_the_consumer_and_blocks_are
                 },
             }
         )
-        pid = stages.processes["frames"].pid
         config = pipeline(
             stages, ["frames", "echo"], [{"from": "frames", "to": "echo"}], outputs=["echo"]
         )
@@ -74,7 +67,7 @@ async def test_frames_written_into_pool_blocks_reach_the_consumer_and_blocks_are
                     # The orchestrator releases in the background; this call returns once
                     # the blocks are back in the pool, whoever's release came first.
                     await frames.release_tensors(stage_pb2.ReleaseTensorsRequest(request_id=rid))
-                    files.append(blocks_of(mesh, pid))
+                    files.append(inodes_of(mesh))
     finally:
         await stages.stop()
     for seed, result in zip((3, 4), results, strict=True):
@@ -89,4 +82,4 @@ async def test_frames_written_into_pool_blocks_reach_the_consumer_and_blocks_are
     assert len(first) == FRAMES // WINDOW
     assert set(second.values()) == set(first.values())
     assert not set(second) & set(first)
-    assert blocks_of(mesh, pid) == {}  # the stage unlinked its pool when it stopped
+    assert inodes_of(mesh) == {}  # the stage unlinked its pool when it stopped

@@ -5,13 +5,13 @@ shared memory or as bytes) and requests in different stages at once."""
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 
 import torch
 
 from orchestrator.client import Result
 from services.mesh.tensors import codec
+from tests.helpers.shm_blocks import blocks_of
 from tests.orchestrator.conftest import RENDER_DIM, THINK_TO_RENDER, orchestrator, pipeline
 
 
@@ -84,8 +84,8 @@ async def test_requests_pipeline_across_stages(stages) -> None:
     )
 
 
-def dev_shm(prefix: str = "omni-default-") -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
+def dev_shm() -> set[str]:
+    return set(blocks_of("default"))
 
 
 async def test_hidden_states_go_by_shared_memory_not_through_the_orchestrator(stages) -> None:

@@ -15,6 +15,7 @@ import psutil
 
 from orchestrator.client import AsyncClient, Result
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+from tests.helpers.shm_blocks import blocks_of
 
 REPO = Path(__file__).resolve().parents[2]
 OMNI = str(Path(sys.executable).parent / "omni")
@@ -31,7 +32,7 @@ async def read_until(stream: asyncio.StreamReader, prefix: str, timeout_s: float
 
 
 def shm_blocks(mesh_id: str) -> list[str]:
-    return [name for name in os.listdir("/dev/shm") if name.startswith(f"omni-{mesh_id}-")]
+    return blocks_of(mesh_id)
 
 
 async def test_up_generates_recovers_from_a_crash_and_cleans_up(

@@ -93,7 +93,8 @@ async def test_odd_tensors_round_trip_exactly_through_chunks(encoding: str) -> N
                     assembler.add(output.chunk)
                 elif kind == "segment":
                     for i, t in enumerate(output.segment.tensors):
-                        back[t.name] = receiver.decode(t, f"tensors[{i}]", assembler)
+                        where = f"tensors[{i}]"
+                        back[t.name] = receiver.decode(t, where, assembler, request_id="odd")
                 elif kind == "error":
                     raise AssertionError(output.error.message)
     finally:

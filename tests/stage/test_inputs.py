@@ -25,7 +25,7 @@ def rows(start: int, count: int, width: int = 4) -> torch.Tensor:
 def window(text: str = "", tensors: list[tensor_pb2.Tensor] | None = None) -> Inputs:
     inputs = stage_pb2.StageInputs(text=text)
     inputs.tensors.extend(tensors or [])
-    return decode(inputs, RECEIVER)
+    return decode(inputs, RECEIVER, request_id="r")
 
 
 def test_inline_pieces_of_one_name_are_joined_in_order() -> None:

@@ -141,6 +141,28 @@ async def test_hostile_prompts_are_refused_by_size_while_health_and_running_requ
     assert (peak - rss_before) < 500 << 10, (rss_before, peak)
 
 
+async def test_a_submit_over_the_message_limit_ends_its_request_and_the_stream_goes_on(
+    stage,
+) -> None:
+    _process, address = stage
+    async with StageClient(address) as client:
+        await client.wait_ready(timeout_s=120)
+        call = client.open_stream()
+        await call.write(chat("before", "Hello", max_tokens=4))
+        huge = submit("huge", text="x" * 200_000_000)  # 200 MB: three times the limit
+        await call.write(huge)
+        del huge
+        await call.write(chat("after", "Hello", max_tokens=4))
+        await call.done_writing()
+        results = await collect(call)  # the stream ended as streams end: no RPC error
+    error = results["huge"].error
+    assert error is not None and (error.code_name, error.field) == ("RESOURCE_EXHAUSTED", "submit")
+    assert f"at most {MAX_MESSAGE} (runtime.max_message_bytes)" in error.message
+    for rid in ("before", "after"):
+        done = results[rid]
+        assert done.completed is not None and len(done.token_ids) == 4, (rid, done)
+
+
 async def test_a_prompt_under_the_bound_but_over_the_token_limit_is_still_refused(stage) -> None:
     _process, address = stage
     async with StageClient(address) as client:

@@ -51,7 +51,7 @@ async def test_frames_are_drawn_in_pool_blocks_and_sent_without_a_copy() -> None
                 for t in out.segment.tensors
             ]
             assert [t.WhichOneof("data") for t in shipped] == ["shm"] * (FRAMES // WINDOW)
-            got = torch.cat([receiver.decode(t, "t") for t in shipped])
+            got = torch.cat([receiver.decode(t, "t", request_id="near") for t in shipped])
             assert torch.equal(got, pattern_frames(FRAMES, SIDE, SIDE, 5))
             stats = server.tensors.sender.stats
             assert stats.in_place == FRAMES // WINDOW  # drawn in the block, never copied

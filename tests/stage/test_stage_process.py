@@ -112,6 +112,28 @@ async def test_a_model_that_fails_to_load_reports_failed(tmp_path: Path) -> None
         assert await stage.stop() == 0
 
 
+async def test_a_model_source_that_is_no_model_fails_start_up_in_one_line(tmp_path: Path) -> None:
+    config = {"name": "passwd", "engine": "transformers", "model": "/etc/passwd"}
+    log_path = tmp_path / "passwd.log"
+    with log_path.open("ab") as log:
+        stage = StageProcess(write_config(tmp_path / "passwd.yaml", config), log=log)
+        address = await stage.start()
+        try:
+            async with StageClient(address) as client:
+                events = [e async for e in client.init_events()]
+        finally:
+            assert await stage.stop() == 0
+    failed = events[-1]
+    assert failed.phase == stage_pb2.FAILED
+    assert failed.reason == (
+        "model: /etc/passwd is neither a Hugging Face model folder (with config.json) "
+        "nor a .gguf file"
+    )
+    logged = log_path.read_text()
+    assert f"FAILED {failed.reason}" in logged
+    assert "Traceback" not in logged and "Error" not in logged
+
+
 async def test_slow_http_model_download_reports_byte_progress(
     tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
 ) -> None:

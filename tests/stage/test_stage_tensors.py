@@ -4,7 +4,9 @@ this node, refs validated on input, chunked tensors in and out."""
 from __future__ import annotations
 
 import io
+import logging
 import os
+import uuid
 from pathlib import Path
 
 import grpc
@@ -19,6 +21,7 @@ from orchestrator.server import OrchestratorServer
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.data.node import mesh_id, node_identity
+from services.mesh.data.shm_dir import mesh_dir
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
@@ -26,11 +29,14 @@ from services.mesh.tensors.shm import ShmProducer
 from services.mesh.tensors.transport import TensorReceiver
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.stage.serving.tensor_io import StageTensors
+from tests.helpers.shm_blocks import blocks_of, remove_mesh
 from tests.helpers.stage import chat, collect, tiny_config
+from tests.mesh.test_shm import made_name
 
 
 def blocks() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("omni-default-")}
+    return set(blocks_of("default"))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +61,7 @@ async def test_outputs_go_by_shared_memory_to_a_consumer_on_this_node(thinker) -
     assert refs and all(t.WhichOneof("data") == "shm" for t in refs)
     assert all(t.WhichOneof("data") == "raw" for s in raw.segments for t in s.tensors)
     receiver = TensorReceiver("default", allow_refs=True)
-    opened = torch.cat([receiver.decode(t, "t") for t in refs])
+    opened = torch.cat([receiver.decode(t, "t", request_id="ref") for t in refs])
     expected = torch.cat([codec.from_proto(t) for s in raw.segments for t in s.tensors])
     assert torch.equal(opened, expected)
     assert {t.shm.name for t in refs} <= blocks() - before
@@ -67,9 +73,10 @@ async def test_outputs_go_by_shared_memory_to_a_consumer_on_this_node(thinker) -
 @pytest.mark.parametrize(
     ("name", "offset", "code", "field"),
     [
-        ("omni-othermesh-1-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
+        (made_name("othermesh", "bad-ref"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
         ("../../etc/passwd", 0, "INVALID_ARGUMENT", "inputs.tensors[0].shm.name"),
-        ("omni-default-999999999-1-0123456789abcdef0123456789abcdef", 0, "FAILED_PRECONDITION", ""),
+        (made_name("default", "bad-ref"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
+        (made_name("default", "another"), 0, "FAILED_PRECONDITION", "inputs.tensors[0].shm.name"),
     ],
 )
 async def test_refs_that_cannot_be_opened_here_are_refused(thinker, name, offset, code, field):
@@ -203,3 +210,25 @@ async def test_windows_of_shared_blocks_reach_a_stage_without_streaming_input(
         producer.close()
     assert result.error is None, result.error
     assert result.completed.usage.prompt_tokens == 7  # every window's rows, joined
+
+
+def test_a_shm_directory_open_to_others_turns_shared_memory_off(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    mesh = f"t{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv("OMNI_MESH_ID", mesh)
+    folder = mesh_dir(mesh)
+    folder.mkdir()
+    folder.chmod(0o777)  # made first by someone else, for us to write into
+    try:
+        config = {"name": "s", "engine": "transformers", "load_format": "dummy"}
+        with caplog.at_level(logging.ERROR, logger="services.stage.serving.tensor_io"):
+            tensors = StageTensors(parse_stage_config(config))
+        assert tensors.shm is None
+        assert "shared memory off" in caplog.text and "not private" in caplog.text
+        msg = tensors.encode(torch.zeros(1 << 16), "hidden_states", "r", node_identity())
+        assert msg.WhichOneof("data") == "raw"  # 256 KiB to a consumer here: bytes
+        assert tensors.sender.stats.fallbacks == {"shm disabled": 1}
+        assert os.listdir(folder) == []
+    finally:
+        remove_mesh(mesh)

@@ -29,6 +29,7 @@ from transformers import (
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.packed_linear import pack_linears
+from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ def load_model(
     if model_path.is_file() and model_path.suffix == ".gguf":
         folder = converted_folder(model_path, settings.cache_dir)
     elif not (model_path / "config.json").is_file():
-        raise FileNotFoundError(f"{model_path}: neither an HF model folder nor a .gguf file")
+        raise InitFailed(
+            f"model: {model_path} is neither a Hugging Face model folder (with config.json) "
+            "nor a .gguf file"
+        )
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     if settings.load_format == "dummy":

@@ -7,7 +7,9 @@ in pyproject.toml holds this).
     chunks.py       large inline tensors and blobs as chunks, and their assembly
     byte_budget.py  input held in memory: a cap per stream and per process
     node.py         node identity (boot, namespaces, GPUs) and the mesh id
-    shm_refs.py     shared blocks by name: checking refs, opening blocks, the sweep
+    shm_names.py    what a shared block's name says: mesh, producer, request, secret
+    shm_dir.py      the mesh's private /dev/shm directory, producers' locks, the sweep
+    shm_refs.py     checking a ref and opening its block (for its own request only)
     shm_pool.py     pre-faulted shared blocks reused across requests
     ref_reader.py   a tensor ref's bytes, for a process that hands them to a client
     malloc.py       glibc's malloc set up to keep large freed buffers warm

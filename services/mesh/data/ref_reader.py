@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.mesh.data.shm_refs import SHM_ROOT, read_bytes
+from services.mesh.data.shm_dir import SHM_ROOT
+from services.mesh.data.shm_refs import read_bytes
 from services.mesh.environment import check_mesh_id
 from services.mesh.pb.omni.v1 import tensor_pb2
 
@@ -16,15 +17,18 @@ class RefReader:
         self.mesh_id = check_mesh_id(mesh_id)
         self.root = root
 
-    def read(self, msg: tensor_pb2.Tensor, field: str) -> tensor_pb2.Tensor:
-        """``msg`` with its ref replaced by the bytes it names (validated as a stage would)."""
+    def read(self, msg: tensor_pb2.Tensor, field: str, request_id: str) -> tensor_pb2.Tensor:
+        """``msg``, an output of request ``request_id``, with its ref replaced by the
+        bytes it names (validated as a stage would)."""
         kind = msg.WhichOneof("data")
         if kind == "shm":
-            return read_bytes(msg, mesh_id=self.mesh_id, field=field, root=self.root)
+            return read_bytes(
+                msg, mesh_id=self.mesh_id, request_id=request_id, field=field, root=self.root
+            )
         if kind == "cuda_ipc":
             from services.mesh.tensors import codec
             from services.mesh.tensors.transport import TensorReceiver
 
             receiver = TensorReceiver(self.mesh_id, allow_refs=True, root=self.root)
-            return codec.to_proto(receiver.decode(msg, field), msg.name)
+            return codec.to_proto(receiver.decode(msg, field, request_id=request_id), msg.name)
         return msg

@@ -7,12 +7,13 @@ it again is a warm memcpy: no page faults, no zero-fill, no file creation.
 Blocks that come back wait in a free list per class, up to ``max_bytes`` in
 all; a block beyond that bound is unlinked instead.
 
-A block name is a capability (``shm_refs``). A block that comes back is renamed
-to a fresh unguessable name (``rename(2)`` on tmpfs: atomic, no copy) before it
-can be handed out again, so whoever knew its old name, its last consumer or
-anyone who read the name, can no longer open or release it. Names keep the
-``omni-{mesh}-{pid}-`` form and the pool's names stay in ``HELD``: a free block
-is spared by this process's sweeps and swept like any other once it is dead.
+A block name is a capability bound to one request (``shm_names``). A block that
+comes back is renamed to a fresh free name (``rename(2)`` on tmpfs: atomic, no
+copy), and again to a name of its next request when it is taken, so whoever
+knew an old name, its last consumer or anyone who read the name, can no longer
+open or release it. Every name carries the producer's lock token
+(``shm_dir.ProducerDir``): free blocks are swept like any other once the
+producer is gone.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from services.mesh.data.shm_refs import HELD, create_block, new_name
+from services.mesh.data.shm_dir import ProducerDir
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,10 @@ class PoolBlock:
 class BlockPool:
     """Free pre-faulted blocks by size class, at most ``max_bytes`` of them."""
 
-    def __init__(self, mesh_id: str, root: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, files: ProducerDir, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.mesh_id = mesh_id
-        self.root = root
+        self._files = files
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._free: dict[int, list[PoolBlock]] = {}
@@ -72,16 +71,21 @@ class BlockPool:
         with self._lock:
             return [b.name for blocks in self._free.values() for b in blocks]
 
-    def take(self, nbytes: int) -> PoolBlock:
-        """A free block of ``nbytes``' class, else a new one. OSError (ENOSPC) when
-        /dev/shm has no room: raised here, never a SIGBUS at a later store."""
+    def take(self, nbytes: int, request_id: str) -> PoolBlock:
+        """A free block of ``nbytes``' class, else a new one, named for request
+        ``request_id``. OSError (ENOSPC) when /dev/shm has no room: raised here,
+        never a SIGBUS at a later store."""
         capacity = size_class(nbytes)
-        with self._lock:
-            free = self._free.get(capacity)
-            if free:
+        while True:
+            with self._lock:
+                free = self._free.get(capacity)
+                if not free:
+                    break
                 self._free_bytes -= capacity
-                return free.pop()  # the most recently used: warmest in cache
-        return self._create(capacity)
+                block = free.pop()  # the most recently used: warmest in cache
+            if self._rename(block, request_id):
+                return block
+        return self._create(capacity, request_id)
 
     def give_back(self, block: PoolBlock) -> bool:
         """Keep ``block`` for reuse under a fresh name, or unlink it when the pool
@@ -93,33 +97,26 @@ class BlockPool:
         if not keep:
             self.discard(block)
             return False
-        fresh = new_name(self.mesh_id)
-        HELD.add(fresh)
-        try:
-            os.rename(self.root / block.name, self.root / fresh)
-        except OSError:
-            # Swept or removed behind our back: the memory is not ours to reuse.
-            HELD.discard(fresh)
-            HELD.discard(block.name)
+        if not self._rename(block, None):
             with self._lock:
                 self._free_bytes -= block.capacity
             return False
-        HELD.discard(block.name)
-        block.name = fresh
         with self._lock:
             self._free.setdefault(block.capacity, []).append(block)
         return True
 
+    def _rename(self, block: PoolBlock, request_id: str | None) -> bool:
+        """Give ``block`` a fresh name for ``request_id`` (None: free); False when
+        its file was removed behind our back (the memory is not ours to reuse)."""
+        fresh = self._files.rename(block.name, request_id)
+        if fresh is None:
+            return False
+        block.name = fresh
+        return True
+
     def discard(self, block: PoolBlock) -> None:
         """Unlink ``block``; the memory goes once the last mapping of it does."""
-        self._unlink(block.name)
-
-    def _unlink(self, name: str) -> None:
-        HELD.discard(name)
-        try:
-            os.unlink(self.root / name)
-        except FileNotFoundError:
-            pass  # swept by someone else: it is gone either way
+        self._files.unlink(block.name)
 
     def close(self) -> None:
         with self._lock:
@@ -129,9 +126,8 @@ class BlockPool:
         for block in blocks:
             self.discard(block)
 
-    def _create(self, capacity: int) -> PoolBlock:
-        name, fd = create_block(self.root, self.mesh_id)
-        HELD.add(name)
+    def _create(self, capacity: int, request_id: str) -> PoolBlock:
+        name, fd = self._files.create(request_id)
         try:
             # fallocate reports a full /dev/shm as ENOSPC now; MAP_POPULATE then
             # maps every page, so neither the producer's fill nor a later reuse
@@ -140,7 +136,7 @@ class BlockPool:
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mapping = mmap.mmap(fd, capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            self._unlink(name)
+            self._files.unlink(name)
             raise
         finally:
             os.close(fd)

@@ -8,12 +8,12 @@ requests (``shm_pool``); smaller ones are files of their exact size. Blocks are
 plain files (os.open + mmap), not multiprocessing.shared_memory, whose resource
 tracker unlinks and warns about blocks behind their owner's back.
 
-Names are ``omni-{mesh_id}-{pid}-{counter:x}-{secret}``: the mesh prefix keeps meshes
-on one host apart, the pid lets ``sweep`` find blocks whose producer died, and
-the random secret makes the name a capability (a consumer must be handed it; a
-pooled block gets a fresh one each time it comes back). ``sweep`` assumes every
-process sharing the /dev/shm also shares the PID namespace (one Pod with
-shareProcessNamespace, or one machine).
+Blocks live in the mesh's private directory (``shm_dir``), which the producer
+claims with a lock held for its life: that lock, not a pid, tells ``sweep`` the
+producer is alive, across PID namespaces and containers. A block's name
+(``shm_names``) binds it to the request it was made for and carries a random
+secret; a pooled block is renamed each time it comes back and each time it is
+taken, so an old name opens nothing.
 
 A released block is reused: its consumer promises, by releasing, that it holds no
 mapping of it any more (a mapping kept past release would see the next request's
@@ -38,8 +38,9 @@ import numpy as np
 import torch
 
 from services.mesh.data.node import node_identity
+from services.mesh.data.shm_dir import SHM_ROOT, ProducerDir, sweep
 from services.mesh.data.shm_pool import DEFAULT_MAX_BYTES, MIN_CLASS, BlockPool, PoolBlock
-from services.mesh.data.shm_refs import HELD, SHM_ROOT, create_block, opened_block, sweep
+from services.mesh.data.shm_refs import opened_block
 from services.mesh.environment import check_mesh_id
 from services.mesh.errors import ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -88,7 +89,9 @@ class ShmProducer:
         self._lock = threading.RLock()
         self._blocks: dict[str, _Block] = {}
         self._by_address: dict[int, str] = {}
-        self.pool = BlockPool(self.mesh_id, root, pool_bytes) if pool_bytes > 0 else None
+        # FailedPrecondition when the mesh's directory is not private to us.
+        self.files = ProducerDir(self.mesh_id, root)
+        self.pool = BlockPool(self.files, pool_bytes) if pool_bytes > 0 else None
 
     @property
     def live_names(self) -> list[str]:
@@ -102,7 +105,7 @@ class ShmProducer:
         source = tensor.detach().resolve_conj().resolve_neg()
         nbytes = source.numel() * source.element_size()
         if self.pool is not None and nbytes >= MIN_CLASS:
-            block = self._take(nbytes)
+            block = self._take(nbytes, owner)
             name = block.name
             try:
                 # No name holds the view, so no export of the mapping is left behind.
@@ -127,7 +130,7 @@ class ShmProducer:
         nbytes = math.prod(shape) * dtype.itemsize
         if self.pool is None or nbytes == 0:
             return torch.empty(tuple(shape), dtype=dtype)
-        block = self._take(nbytes)
+        block = self._take(nbytes, owner)
         array = np.frombuffer(block.mapping, dtype=np.uint8, count=nbytes)
         # The array lives exactly as long as the last tensor view of it (torch's
         # storage holds it): its finalizer is how the pool learns the block is free.
@@ -198,6 +201,7 @@ class ShmProducer:
         self._unlink(chosen)
         if self.pool is not None:
             self.pool.close()
+        self.files.close()
 
     def __enter__(self) -> ShmProducer:
         return self
@@ -205,10 +209,10 @@ class ShmProducer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _take(self, nbytes: int) -> PoolBlock:
+    def _take(self, nbytes: int, owner: str) -> PoolBlock:
         assert self.pool is not None
         try:
-            return self.pool.take(nbytes)
+            return self.pool.take(nbytes, owner)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise ResourceExhausted(
@@ -238,8 +242,7 @@ class ShmProducer:
             return
         pooled = block.pooled
         if pooled is None:
-            HELD.discard(name)
-            (self.root / name).unlink(missing_ok=True)
+            self.files.unlink(name)
             return
         self._by_address.pop(pooled.address, None)
         assert self.pool is not None
@@ -247,11 +250,10 @@ class ShmProducer:
 
     def _put_file(self, source: torch.Tensor, nbytes: int, owner: str) -> str:
         """A block of exactly ``nbytes``, not pooled (small tensors, or no pool)."""
-        name, fd = create_block(self.root, self.mesh_id)
+        name, fd = self.files.create(owner)
         # Registered before it is filled, so close() from another thread frees it too.
         with self._lock:
             self._blocks[name] = _Block(owner, self._clock())
-            HELD.add(name)
         try:
             _fill(fd, source, nbytes)
         except BaseException as exc:
@@ -274,11 +276,7 @@ class ShmProducer:
                     continue  # another thread freed it first
                 if block.pooled is not None:
                     self._by_address.pop(block.pooled.address, None)
-                HELD.discard(name)
-            try:
-                os.unlink(self.root / name)
-            except FileNotFoundError:
-                pass  # swept by someone else: it is gone either way
+            self.files.unlink(name)
             freed += 1
         return freed
 
@@ -308,13 +306,14 @@ def _fill(fd: int, tensor: torch.Tensor, nbytes: int) -> None:
 
 
 def open_tensor(
-    msg: tensor_pb2.Tensor, *, mesh_id: str, field: str, root: Path = SHM_ROOT
+    msg: tensor_pb2.Tensor, *, mesh_id: str, request_id: str, field: str, root: Path = SHM_ROOT
 ) -> torch.Tensor:
     """Map a ShmRef's bytes copy-on-write and view them as a tensor (no read copy);
-    the ref is checked first (``shm_refs.opened_block``)."""
+    the ref is checked first (``shm_refs.opened_block``): it must name a block of
+    request ``request_id``."""
     ref = msg.shm
     dtype = codec.DTYPES[msg.dtype] if msg.dtype in codec.DTYPES else None
-    with opened_block(msg, mesh_id, field, root) as fd:
+    with opened_block(msg, mesh_id=mesh_id, request_id=request_id, field=field, root=root) as fd:
         assert dtype is not None  # checked by opened_block
         if ref.nbytes == 0:
             return torch.empty(tuple(msg.shape), dtype=dtype)

@@ -248,17 +248,25 @@ class TensorReceiver:
         self.root = root
 
     def decode(
-        self, msg: tensor_pb2.Tensor, field: str, chunks: ChunkAssembler | None = None
+        self,
+        msg: tensor_pb2.Tensor,
+        field: str,
+        chunks: ChunkAssembler | None = None,
+        *,
+        request_id: str,
     ) -> torch.Tensor:
-        """``msg`` as a tensor; a ``chunked`` one is taken from ``chunks``, where its
-        TensorChunk messages were assembled, without another copy."""
+        """``msg``, an input of request ``request_id``, as a tensor (a shared block
+        must have been made for that request); a ``chunked`` one is taken from
+        ``chunks``, where its TensorChunk messages were assembled, without another copy."""
         kind = msg.WhichOneof("data")
         if kind in (SHM, CUDA_IPC) and not self.allow_refs:
             raise InvalidArgument(
                 f"{field}: tensor refs are only accepted from inside the mesh", field=field
             )
         if kind == SHM:
-            return open_tensor(msg, mesh_id=self.mesh_id, field=field, root=self.root)
+            return open_tensor(
+                msg, mesh_id=self.mesh_id, request_id=request_id, field=field, root=self.root
+            )
         if kind == CUDA_IPC:
             return open_cuda(msg, field=field)
         if kind == "chunked" and chunks is not None:

@@ -306,7 +306,9 @@ class GenerateStream:
         thread, while this stream's reader waits, so no other stream does."""
 
         def run() -> Inputs:
-            return decode(submit.inputs, self._tensors.receiver, self._chunks)
+            return decode(
+                submit.inputs, self._tensors.receiver, self._chunks, request_id=submit.request_id
+            )
 
         if not submit.inputs.tensors:
             return run()  # text, messages, ids (at most max_prompt_tokens): no thread needed

@@ -55,17 +55,22 @@ def input_bytes(inputs: Inputs) -> int:
 
 
 def decode(
-    inputs: stage_pb2.StageInputs, receiver: TensorReceiver, chunks: ChunkAssembler | None = None
+    inputs: stage_pb2.StageInputs,
+    receiver: TensorReceiver,
+    chunks: ChunkAssembler | None = None,
+    *,
+    request_id: str,
 ) -> Inputs:
-    """``inputs`` decoded by whatever transport each tensor came (chunked ones from
-    ``chunks``, where their stream assembled them), pieces of one name joined."""
+    """``inputs`` of request ``request_id`` decoded by whatever transport each tensor
+    came (chunked ones from ``chunks``, where their stream assembled them; shared
+    blocks only if made for this request), pieces of one name joined."""
     pieces: dict[str, list[torch.Tensor]] = {}
     for index, tensor in enumerate(inputs.tensors):
         where = f"inputs.tensors[{index}]"
         if not tensor.name:
             raise InvalidArgument(f"{where}.name: must not be empty", field=f"{where}.name")
         try:
-            decoded = receiver.decode(tensor, where, chunks)
+            decoded = receiver.decode(tensor, where, chunks, request_id=request_id)
         except (RuntimeError, ValueError, OverflowError) as exc:
             # torch refuses shapes whose storage size overflows: the input's fault.
             raise InvalidArgument(

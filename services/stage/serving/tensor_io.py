@@ -17,12 +17,12 @@ import torch
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_OUTPUT_CHUNK, EncodedChunk
 from services.mesh.data.node import mesh_id
-from services.mesh.errors import ResourceExhausted
+from services.mesh.errors import FailedPrecondition, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors.cuda_ipc import CudaIpcProducer
 from services.mesh.tensors.shm import ShmProducer, sweep
 from services.mesh.tensors.transport import TensorReceiver, TensorSender, TransportPolicy
-from services.stage.config import StageConfig
+from services.stage.config import Runtime, StageConfig
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +31,12 @@ class StageTensors:
     def __init__(self, config: StageConfig) -> None:
         runtime = config.runtime
         self.mesh_id = mesh_id()
-        self._shm = (
-            ShmProducer(self.mesh_id, ttl_s=runtime.shm_ttl_s, pool_bytes=runtime.shm_pool_bytes)
-            if runtime.shm
-            else None
-        )
+        self._shm = _shm_producer(self.mesh_id, runtime) if runtime.shm else None
         self._inline_max_bytes = runtime.inline_max_bytes
         self._cuda = CudaIpcProducer() if runtime.device.startswith("cuda") else None
         policy = TransportPolicy(
             inline_max_bytes=runtime.inline_max_bytes,
-            shm=runtime.shm,
+            shm=self._shm is not None,
             cuda_ipc=runtime.device.startswith("cuda"),
         )
         self.sender = TensorSender(
@@ -111,3 +107,13 @@ class StageTensors:
             self._shm.close()
         if self._cuda is not None:
             self._cuda.close()
+
+
+def _shm_producer(mesh: str, runtime: Runtime) -> ShmProducer | None:
+    """The stage's shared blocks; None (tensors go as bytes) when the mesh's
+    directory is not private to this user: it is never written to then."""
+    try:
+        return ShmProducer(mesh, ttl_s=runtime.shm_ttl_s, pool_bytes=runtime.shm_pool_bytes)
+    except FailedPrecondition as exc:
+        logger.error("shared memory off, tensors go as bytes: %s", exc.message)
+        return None
