@@ -28,6 +28,21 @@ def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> podman.Image:
 
 
 @pytest.fixture(scope="session")
+def vllm_cpu_image(
+    cpu_image: podman.Image, tmp_path_factory: pytest.TempPathFactory
+) -> podman.Image:
+    """The vLLM-on-CPU image over this tree's CPU image (built when either changed)."""
+    image = podman.vllm_cpu_image(cpu_image, tmp_path_factory.mktemp("vllm-image"))
+    figures = {
+        "image": image.ref,
+        "size_mb": round(image.size_bytes / 1e6),
+        "build_s": image.build_s,
+    }
+    print(f"\nvllm-cpu image: {json.dumps(figures)}")
+    return image
+
+
+@pytest.fixture(scope="session")
 def figures() -> Iterator[dict[str, object]]:
     """Timings the container tests measured, written to benchmarks/results/containers.json."""
     measured: dict[str, object] = {}
