@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from services.engines.base import EngineEvent, EngineSettings, FinishOutput, TokenOutput
 from services.engines.vllm import VllmEngine
-from tests.helpers.engine_runs import generate
+from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.vllm_parts import embeds_request, request
 from tests.vllm.conftest import FRANCE, MAX_TOKENS, PROMPTS
 
@@ -45,17 +45,6 @@ def engine(
     engine.close()
 
 
-async def collect(stream: AsyncIterator[EngineEvent]) -> list[EngineEvent]:
-    async def drain() -> list[EngineEvent]:
-        return [event async for event in stream]
-
-    return await asyncio.wait_for(drain(), timeout=120)
-
-
-def ids_of(events: list[EngineEvent]) -> list[int]:
-    return [t for e in events if isinstance(e, TokenOutput) for t in e.token_ids]
-
-
 def text_of(events: list[EngineEvent]) -> str:
     return "".join(e.text for e in events if isinstance(e, TokenOutput))
 
@@ -76,7 +65,7 @@ async def test_greedy_ids_equal_plain_vllms(
     engine: VllmEngine, plain: dict[str, Any], prompt_ids: list[list[int]]
 ) -> None:
     ours = [
-        ids_of(
+        tokens_of(
             await collect(
                 generate(
                     engine,
@@ -144,7 +133,7 @@ async def test_prompt_embeddings_give_the_token_prompts_answer(
     by_ids = await collect(
         generate(engine, request(text=None, token_ids=tuple(ids), max_tokens=8, temperature=0.0))
     )
-    assert ids_of(by_embeds) == ids_of(by_ids) and len(ids_of(by_ids)) == 8
+    assert tokens_of(by_embeds) == tokens_of(by_ids) and len(tokens_of(by_ids)) == 8
 
 
 async def test_concurrent_requests_run_together(engine: VllmEngine) -> None:
@@ -165,9 +154,9 @@ async def test_concurrent_requests_run_together(engine: VllmEngine) -> None:
     results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 300)
     # Each ran to its length or its end of text (the haiku ends early).
     assert {finish(r).reason for r in results} <= {"length", "eos"}
-    assert all(finish(r).completion_tokens == len(ids_of(r)) > 0 for r in results)
+    assert all(finish(r).completion_tokens == len(tokens_of(r)) > 0 for r in results)
     # Batched, not queued: every request had its first token before any finished.
     assert max(first.values()) < min(done.values())
     # The same prompt, the same greedy answer, whichever batch it ran in.
     for i in range(len(PROMPTS), n):
-        assert ids_of(results[i]) == ids_of(results[i - len(PROMPTS)])
+        assert tokens_of(results[i]) == tokens_of(results[i - len(PROMPTS)])
