@@ -4,11 +4,11 @@ and the transformers stage, side by side on the same token prompts.
     .venv-vllm/bin/python benchmarks/engines.py [--runs 3] [--max-tokens 32] [--out FILE]
 
 Needs vLLM (bash .ci/vllm-env.sh). All three are started once and measured in
-turn within each run, so drift hits them alike: tokens/s with 1 request at a time
-(4 prompts in a row) and 8 concurrent, and time to first token (p50/p99) as the
-client sees it; the stages through their Stage.Generate stream. Targets: the vllm
-stage >= 0.95x plain vLLM's tokens/s at 1 and at 8; its greedy ids equal plain
-vLLM's.
+turn within each run (each run led by another), so drift hits them alike:
+tokens/s with 1 request at a time (4 prompts in a row) and 8 concurrent, and time
+to first token (p50/p99) as the client sees it; the stages through their
+Stage.Generate stream. Targets: the vllm stage >= 0.95x plain vLLM's tokens/s at 1
+and at 8; its greedy ids equal plain vLLM's.
 """
 
 from __future__ import annotations
@@ -160,9 +160,12 @@ async def main() -> int:
         samples: dict[tuple[str, int], list[tuple[float, list[Run]]]] = {}
         for r in range(args.runs):
             for n in LEVELS:
-                for name in names:
+                # Each run starts with another engine, so drift favours none.
+                for name in names[r % len(names) :] + names[: r % len(names)]:
                     got = await level(asker(name), prompts, n, f"r{r}n{n}{name[:3]}")
                     samples.setdefault((name, n), []).append(got)
+                    tokens = sum(len(run[2]) for run in got[1])
+                    print(f"run {r + 1}, {n} at once, {name}: {tokens / got[0]:.1f} tokens/s")
     finally:
         for client in clients.values():
             await client.close()
