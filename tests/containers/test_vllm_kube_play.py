@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -52,10 +53,24 @@ def _manifests(cpu: str, vllm: str, tmp_path: Path) -> tuple[Path, dict[str, int
             },
         },
     )
-    docs = podman.podman_compatible(render(values, name=RELEASE))
+    docs = [_podman_dev_shm(doc) for doc in podman.podman_compatible(render(values, name=RELEASE))]
     path = tmp_path / "rendered.yaml"
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return path, {"orchestrator": orchestrator, "thinker": thinker}
+
+
+def _podman_dev_shm(doc: dict[str, Any]) -> dict[str, Any]:
+    """Without the chart's Memory emptyDir at /dev/shm: podman 4.3 mounts it owned by
+    root, mode 0755 (Kubernetes makes emptyDirs world-writable), so vLLM, as uid
+    10001, could not create its shared-memory queues there. podman's own /dev/shm
+    (mode 1777, the pod's IPC namespace, as the emptyDir is in Kubernetes) stands in."""
+    if doc["kind"] == "Deployment":
+        pod = doc["spec"]["template"]["spec"]
+        pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
+        for container in pod["containers"]:
+            mounts = container.get("volumeMounts", [])
+            container["volumeMounts"] = [m for m in mounts if m["name"] != "dshm"]
+    return doc
 
 
 async def test_a_vllm_stage_answers_from_its_image_under_podman(

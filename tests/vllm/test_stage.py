@@ -56,7 +56,6 @@ async def test_a_dead_vllm_engine_fails_the_stage_process(
             engine_core(stage.pid).kill()
             await held.done_writing()
             victim = (await collect(held))["held"]
-            after = [e async for e in client.init_events()]
         code = await asyncio.wait_for(stage.wait(), 60)
     finally:
         await stage.stop(5)
@@ -67,8 +66,8 @@ async def test_a_dead_vllm_engine_fails_the_stage_process(
     assert planned.cache_budget_bytes == planned.cache_pages * planned.bytes_per_page
     assert 0.9 * (1 << 30) < planned.cache_budget_bytes <= 1.1 * (1 << 30)
     assert victim.error is not None and victim.error.code_name == "UNAVAILABLE"
-    assert stage_pb2.InitPhase.Name(after[-1].phase) == "FAILED"
-    assert "the engine died" in after[-1].reason
+    # The stage may be gone before a client could ask it: its log has the event.
+    assert "FAILED the engine died" in (tmp_path / "stage.log").read_text()
     assert code == EXIT_ENGINE_DEAD
 
 
