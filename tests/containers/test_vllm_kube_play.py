@@ -60,16 +60,16 @@ def _manifests(cpu: str, vllm: str, tmp_path: Path) -> tuple[Path, dict[str, int
 
 
 def _podman_dev_shm(doc: dict[str, Any]) -> dict[str, Any]:
-    """Without the chart's Memory emptyDir at /dev/shm: podman 4.3 mounts it owned by
-    root, mode 0755 (Kubernetes makes emptyDirs world-writable), so vLLM, as uid
-    10001, could not create its shared-memory queues there. podman's own /dev/shm
-    (mode 1777, the pod's IPC namespace, as the emptyDir is in Kubernetes) stands in."""
+    """The chart's Memory emptyDir at /dev/shm made the host's /dev/shm: podman 4.3
+    mounts that emptyDir owned by root, mode 0755 (Kubernetes makes emptyDirs
+    world-writable), so vLLM, as uid 10001, could not create its shared-memory queues
+    there, and podman's own /dev/shm is 64 MiB where vLLM wants 160. The host's is
+    mode 1777 and large; vLLM's names are random, so runs do not collide."""
     if doc["kind"] == "Deployment":
-        pod = doc["spec"]["template"]["spec"]
-        pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "dshm"]
-        for container in pod["containers"]:
-            mounts = container.get("volumeMounts", [])
-            container["volumeMounts"] = [m for m in mounts if m["name"] != "dshm"]
+        for volume in doc["spec"]["template"]["spec"]["volumes"]:
+            if volume["name"] == "dshm":
+                volume.pop("emptyDir")
+                volume["hostPath"] = {"path": "/dev/shm", "type": "Directory"}
     return doc
 
 
