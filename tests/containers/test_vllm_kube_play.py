@@ -99,7 +99,8 @@ async def test_a_vllm_stage_answers_from_its_image_under_podman(
     assert "Paris" in result.stages["thinker"].text
     planned = next(e for e in events if e["phase"] == "MEMORY_PLANNED")
     assert "vLLM" in next(e for e in events if e["phase"] == "LOAD_DONE")["message"]
-    assert int(planned["memory"]["pageSize"]) == 128  # vLLM's CPU blocks, its own cache
+    # vLLM's CPU blocks (128 tokens), its own cache (grpcurl keeps the proto's names).
+    assert int(planned["memory"]["page_size"]) == 128, planned
     figures.update(
         vllm_image=vllm_cpu_image.ref,
         vllm_image_size_mb=round(vllm_cpu_image.size_bytes / 1e6),
