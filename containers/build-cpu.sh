@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Build the CPU image with podman on our machines:  containers/build-cpu.sh [TAG] [podman build args...]
+# (OMNI_CONTAINERFILE=containers/Containerfile.vllm-cpu builds that one, the same way.)
 #
 # Elsewhere `podman build -f containers/Containerfile.cpu .` is enough. Here no
 # registry can be reached, so the base is the local Debian image that
@@ -20,4 +21,4 @@ if [[ -n ${PIP_FIND_LINKS:-} ]]; then
     args+=(-v "$PIP_FIND_LINKS:$PIP_FIND_LINKS:ro" --build-arg "PIP_FIND_LINKS=$PIP_FIND_LINKS")
     args+=(--build-arg "TORCH_INDEX_URL=${TORCH_INDEX_URL:-}")
 fi
-exec podman build "${args[@]}" "${@:2}" -f containers/Containerfile.cpu -t "$tag" .
+exec podman build "${args[@]}" "${@:2}" -f "${OMNI_CONTAINERFILE:-containers/Containerfile.cpu}" -t "$tag" .

@@ -11,6 +11,7 @@ offers an edge's transform is learnt from its Describe once it is up.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,9 @@ class Stage(Frozen):
     # (PipelineConfig.with_addresses) once the process says where it listens.
     address: str | None = None
     launch: Path | None = None
+    # The Python that runs a launched stage (a venv with that stage's engine, e.g.
+    # .venv-vllm/bin/python); default: the one running `omni up`.
+    python: Path | None = None
     init_timeout_s: float = Field(600.0, gt=0)
     download_stall_timeout_s: float = Field(60.0, gt=0)
 
@@ -302,6 +306,15 @@ def parse_pipeline(
                     f"(got {str(stage.launch)!r})"
                 )
             stage = stage.model_copy(update={"launch": path})
+        if stage.python is not None:
+            # Not resolved: a venv's bin/python is a link whose own path selects the venv.
+            python = base / stage.python.expanduser()
+            if not os.access(python, os.X_OK):
+                problems.append(
+                    f"stages.{i}.python: expected an executable Python, found none at {python} "
+                    f"(got {str(stage.python)!r})"
+                )
+            stage = stage.model_copy(update={"python": python})
         stages.append(stage)
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))

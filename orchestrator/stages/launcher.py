@@ -81,7 +81,13 @@ class Launcher:
             if stage.launch is None:
                 continue
             log = self._open_log(stage.name)
-            process = StageProcess(stage.launch, host=self.host, log=log, env=self._env(stage.name))
+            process = StageProcess(
+                stage.launch,
+                python=stage.python,
+                host=self.host,
+                log=log,
+                env=self._env(stage.name),
+            )
             self._stages[stage.name] = _Launched(stage.name, process, log)
         # Concurrently: each process spends seconds importing torch before it binds.
         bound = await asyncio.gather(*(s.process.start() for s in self._stages.values()))
@@ -129,6 +135,7 @@ class Launcher:
             old = launched.process
             launched.process = StageProcess(
                 old.config,
+                python=old.python,
                 host=self.host,
                 port=old.port,
                 log=launched.log,

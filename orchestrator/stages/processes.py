@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from services.mesh import environment
 
@@ -120,10 +120,16 @@ class ServiceProcess(abc.ABC):
 
 
 class StageProcess(ServiceProcess):
-    """``python -m services.stage serve --config FILE``: one stage service."""
+    """``python -m services.stage serve --config FILE``: one stage service, run by
+    ``python`` (another venv's, for an engine this one lacks) or by this Python."""
+
+    def __init__(self, config: Path, *, python: Path | None = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.python = python
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "services.stage", "serve", "--config", str(self.config)]
+        python = str(self.python) if self.python is not None else sys.executable
+        return [python, "-m", "services.stage", "serve", "--config", str(self.config)]
 
 
 class OrchestratorProcess(ServiceProcess):

@@ -238,6 +238,19 @@ class PlansKvCache(Protocol):
 
 
 @runtime_checkable
+class SizesKvCache(Protocol):
+    """An engine that sizes its own KV cache (vLLM: it profiles the GPU, or takes
+    the size it is given on a CPU). The stage reports that cache as its memory plan
+    instead of computing one from free memory, and measures no free memory before
+    ``load``: on a GPU that would open a CUDA context in the stage process, beside
+    (and before) the engine's own."""
+
+    def kv_cache(self) -> tuple[int, int]:
+        """``(pages, page_size)``: the cache the engine allocated, after ``load``."""
+        ...
+
+
+@runtime_checkable
 class KeepsRequestState(Protocol):
     """An engine that keeps state per request from one ``generate`` call to the
     next (the input windows of a streaming request: KV caches, a decoder's

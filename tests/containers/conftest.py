@@ -17,13 +17,25 @@ RESULTS = podman.REPO / "benchmarks" / "results"
 def cpu_image(tmp_path_factory: pytest.TempPathFactory) -> podman.Image:
     """The CPU image of this tree (built when its inputs changed, else reused)."""
     podman.require()
-    image = podman.cpu_image(tmp_path_factory.mktemp("image"))
+    return _announced("container image", podman.cpu_image(tmp_path_factory.mktemp("image")))
+
+
+@pytest.fixture(scope="session")
+def vllm_cpu_image(
+    cpu_image: podman.Image, tmp_path_factory: pytest.TempPathFactory
+) -> podman.Image:
+    """The vLLM-on-CPU image over this tree's CPU image (built when either changed)."""
+    image = podman.vllm_cpu_image(cpu_image, tmp_path_factory.mktemp("vllm-image"))
+    return _announced("vllm-cpu image", image)
+
+
+def _announced(what: str, image: podman.Image) -> podman.Image:
     figures = {
         "image": image.ref,
         "size_mb": round(image.size_bytes / 1e6),
         "build_s": image.build_s,
     }
-    print(f"\ncontainer image: {json.dumps(figures)}")
+    print(f"\n{what}: {json.dumps(figures)}")
     return image
 
 

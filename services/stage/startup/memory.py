@@ -48,6 +48,15 @@ def plan_memory(
     return MemoryPlan(free_before, memory_ratio, model_bytes, page_size, per_page, pages)
 
 
+def engine_sized(
+    memory_ratio: float, model_bytes: int, kv: KvGeometry | None, pages: int, page_size: int
+) -> MemoryPlan:
+    """The plan of an engine that sized its KV cache itself (services.engines.base.
+    SizesKvCache): its ``pages`` as they are, free memory not measured (0)."""
+    per_page = bytes_per_page(kv, page_size) if kv else 0
+    return MemoryPlan(0, memory_ratio, model_bytes, page_size, per_page, pages)
+
+
 def free_device_memory(device: str) -> int:
     """Free bytes on ``device`` now: CUDA's free memory, or the host's available RAM."""
     if device.startswith("cuda"):

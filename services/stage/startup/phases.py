@@ -16,14 +16,14 @@ import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine, PlansKvCache, PreparesModel
+from services.engines.base import Engine, PlansKvCache, PreparesModel, SizesKvCache
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
 from services.stage.startup.device_lock import DeviceLock
 from services.stage.startup.fetch import FetchCancel, FetchResult, fetch_model
 from services.stage.startup.init_bus import InitBus
-from services.stage.startup.memory import free_device_memory, plan_memory
+from services.stage.startup.memory import engine_sized, free_device_memory, plan_memory
 
 logger = logging.getLogger(__name__)
 
@@ -136,15 +136,22 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
                 await asyncio.to_thread(engine.prepare, model_path)
         what = model_path.name if model_path else f"a dummy {config.engine} model"
         bus.publish(stage_pb2.LOAD_START, message=f"loading {what}")
-        free_before = free_device_memory(runtime.device)
+        free_before: int | None = None  # an engine sizing its own KV cache: not measured
+        if not isinstance(engine, SizesKvCache):
+            free_before = free_device_memory(runtime.device)
         t0 = time.monotonic()
         info = await asyncio.to_thread(engine.load, model_path)
         bus.publish(
             stage_pb2.LOAD_DONE, duration_ms=(time.monotonic() - t0) * 1e3, message=info.description
         )
-        plan = plan_memory(
-            free_before, runtime.memory_ratio, info.model_bytes, info.kv, runtime.page_size
-        )
+        if isinstance(engine, SizesKvCache):
+            pages, page_size = engine.kv_cache()
+            plan = engine_sized(runtime.memory_ratio, info.model_bytes, info.kv, pages, page_size)
+        else:
+            assert free_before is not None
+            plan = plan_memory(
+                free_before, runtime.memory_ratio, info.model_bytes, info.kv, runtime.page_size
+            )
         bus.publish(
             stage_pb2.MEMORY_PLANNED,
             memory=stage_pb2.MemoryPlan(

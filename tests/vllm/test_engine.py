@@ -1,0 +1,162 @@
+"""The vllm engine on vLLM's CPU build, serving SmolLM2-135M: the same greedy
+tokens as plain vLLM, token by token, with stop strings, cancellation, prompt
+embeddings and concurrent requests. One engine for the module (it starts in
+15-50 s on a small machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from services.engines.base import EngineEvent, EngineSettings, FinishOutput, TokenOutput
+from services.engines.vllm import VllmEngine
+from tests.helpers.engine_runs import collect, generate, tokens_of
+from tests.helpers.vllm_parts import embeds_request, request
+from tests.vllm.conftest import FRANCE, MAX_TOKENS, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def engine(
+    cpu_vllm: None, plain: Any, smollm2_gguf: Path, omni_cache_dir: Path
+) -> Iterator[VllmEngine]:
+    # `plain` first: its vLLM process has exited before this one starts.
+    settings = EngineSettings(
+        device="cpu",
+        dtype="bfloat16",
+        cache_dir=omni_cache_dir,
+        max_prompt_tokens=1024,
+        engine_args={"max_model_len": 2048, "enforce_eager": True, "enable_prompt_embeds": True},
+    )
+    engine = VllmEngine(settings)
+    info = engine.load(smollm2_gguf)  # the GGUF itself: the engine converts it
+    pages, page_size = engine.kv_cache()
+    # The 1 GiB default KV cache, as vLLM allocated it (not host RAM).
+    assert info.kv is not None
+    per_token = 2 * info.kv.layers * info.kv.kv_heads * info.kv.head_dim * info.kv.dtype_bytes
+    assert pages * page_size * per_token == pytest.approx(1 << 30, rel=0.1)
+    yield engine
+    engine.close()
+
+
+def text_of(events: list[EngineEvent]) -> str:
+    return "".join(e.text for e in events if isinstance(e, TokenOutput))
+
+
+def finish(events: list[EngineEvent]) -> FinishOutput:
+    last = events[-1]
+    assert isinstance(last, FinishOutput), events
+    return last
+
+
+def test_converted_smollm2_answers_in_plain_vllm(plain: dict[str, Any]) -> None:
+    ids, text = plain["token_ids"][PROMPTS.index(FRANCE)], plain["texts"][PROMPTS.index(FRANCE)]
+    assert len(ids) == MAX_TOKENS and set(ids) != {0}
+    assert "Paris" in text
+
+
+async def test_greedy_ids_equal_plain_vllms(
+    engine: VllmEngine, plain: dict[str, Any], prompt_ids: list[list[int]]
+) -> None:
+    ours = [
+        tokens_of(
+            await collect(
+                generate(
+                    engine,
+                    request(
+                        text=None, token_ids=tuple(ids), max_tokens=MAX_TOKENS, temperature=0.0
+                    ),
+                )
+            )
+        )
+        for ids in prompt_ids
+    ]
+    assert ours == plain["token_ids"]
+
+
+async def test_tokens_stream_one_by_one(engine: VllmEngine) -> None:
+    events = await collect(generate(engine, request(text=FRANCE, max_tokens=8, temperature=0.0)))
+    tokens = [e for e in events if isinstance(e, TokenOutput)]
+    assert [len(t.token_ids) for t in tokens] == [1] * 8
+    assert "Paris" in text_of(events)
+    assert finish(events).reason == "length" and finish(events).completion_tokens == 8
+
+
+async def test_a_stop_string_ends_the_text_before_it(engine: VllmEngine) -> None:
+    full = text_of(
+        await collect(
+            generate(engine, request(text=FRANCE, max_tokens=MAX_TOKENS, temperature=0.0))
+        )
+    )
+    assert "Paris" in full
+    events = await collect(
+        generate(
+            engine, request(text=FRANCE, max_tokens=MAX_TOKENS, temperature=0.0, stop=("Paris",))
+        )
+    )
+    assert finish(events).reason == "stop"
+    assert "Paris" not in text_of(events)
+    assert full.startswith(text_of(events))
+
+
+async def test_closing_the_stream_cancels_the_request(engine: VllmEngine) -> None:
+    stream = generate(engine, request(text=FRANCE, max_tokens=1000, temperature=0.0))
+    got = [await anext(stream), await anext(stream)]
+    assert all(isinstance(e, TokenOutput) for e in got)
+    await stream.aclose()
+    llm = engine._llm
+    for _ in range(100):  # vLLM aborts it on its next step
+        if llm.get_num_unfinished_requests() == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert llm.get_num_unfinished_requests() == 0
+    after = await collect(generate(engine, request(text=FRANCE, max_tokens=4, temperature=0.0)))
+    assert finish(after).completion_tokens == 4
+
+
+async def test_prompt_embeddings_give_the_token_prompts_answer(
+    engine: VllmEngine, smollm2_folder: Path, prompt_ids: list[list[int]]
+) -> None:
+    with safe_open(smollm2_folder / "model.safetensors", "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    ids = prompt_ids[0]
+    embeds = table[torch.tensor(ids)].to(torch.bfloat16)
+    by_embeds = await collect(
+        generate(engine, embeds_request(embeds, max_tokens=8, temperature=0.0))
+    )
+    by_ids = await collect(
+        generate(engine, request(text=None, token_ids=tuple(ids), max_tokens=8, temperature=0.0))
+    )
+    assert tokens_of(by_embeds) == tokens_of(by_ids) and len(tokens_of(by_ids)) == 8
+
+
+async def test_concurrent_requests_run_together(engine: VllmEngine) -> None:
+    n = 8
+    first: dict[int, float] = {}
+    done: dict[int, float] = {}
+
+    async def one(i: int) -> list[EngineEvent]:
+        events = []
+        async for event in generate(
+            engine, request(text=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS, temperature=0.0)
+        ):
+            first.setdefault(i, time.monotonic())
+            events.append(event)
+        done[i] = time.monotonic()
+        return events
+
+    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 300)
+    # Each ran to its length or its end of text (the haiku ends early).
+    assert {finish(r).reason for r in results} <= {"length", "eos"}
+    assert all(finish(r).completion_tokens == len(tokens_of(r)) > 0 for r in results)
+    # Batched, not queued: every request had its first token before any finished.
+    assert max(first.values()) < min(done.values())
+    # The same prompt, the same greedy answer, whichever batch it ran in.
+    for i in range(len(PROMPTS), n):
+        assert tokens_of(results[i]) == tokens_of(results[i - len(PROMPTS)])
