@@ -6,6 +6,11 @@ async with AsyncClient("127.0.0.1:50050") as client:
 with Client("127.0.0.1:50050") as client:
     for event in client.generate("Hello"):
         ...
+
+A failed request ends its Generate RPC with the failure's status, after its
+Done; both clients hand the Done over and end the stream quietly, as for an OK
+request, so the Done is where a caller reads the outcome. Only a status without
+a Done (authentication, the server going away) is raised.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.mesh.data.chunks import ChunkAssembler
+from services.mesh.errors import status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
-from services.mesh.security import PLAINTEXT, Dialing
+from services.mesh.security import PLAINTEXT, Dialing, token_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
 ORCHESTRATOR_SERVICE = "omni.v1.Orchestrator"  # its readiness in grpc health
@@ -107,18 +113,35 @@ def _params(values: Params) -> stage_pb2.GenerationParams:
     return json_format.ParseDict(dict(values or {}), stage_pb2.GenerationParams())
 
 
-class Events:
-    """An async stream of one request's events; ``collect()`` gathers them."""
+def _repeats(error: grpc.RpcError, done: orchestrator_pb2.Done | None) -> bool:
+    """The RPC's status is the one its Done already reported."""
+    return done is not None and error.code() == status_code(done.code)
 
-    def __init__(self, call: AsyncIterator[orchestrator_pb2.GenerateEvent]) -> None:
+
+class Events:
+    """An async stream of one request's events, ending with its Done; ``collect()``
+    gathers them, ``cancel()`` ends the call (the orchestrator cancels the request)."""
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
         self._call = call
 
-    def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        return self._call.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+        done = None
+        try:
+            async for event in self._call:
+                if event.WhichOneof("kind") == "done":
+                    done = event.done
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            if not _repeats(exc, done):
+                raise
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
     async def collect(self) -> Result:
         result = Result()
-        async for event in self._call:
+        async for event in self:
             result.add(event)
         return result
 
@@ -144,10 +167,18 @@ class AsyncClient:
         await self.channel.close()
 
     def generate(
-        self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
+        self,
+        prompt: str | None = None,
+        *,
+        timeout_s: float | None = None,
+        token: str | None = None,
+        **kwargs: Any,
     ) -> Events:
+        """``token``: this call's bearer token instead of the dialing's (a gateway
+        passing its caller's on)."""
         request = make_request(prompt, **kwargs)
-        return Events(self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata))
+        metadata = self.metadata if token is None else token_metadata(token)
+        return Events(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
         request = stage_pb2.AbortRequest(request_ids=request_ids)
@@ -219,7 +250,16 @@ class Client:
     def generate(
         self, prompt: str | None = None, **kwargs: Any
     ) -> Iterator[orchestrator_pb2.GenerateEvent]:
-        return iter(self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata))
+        call = self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata)
+        done = None
+        try:
+            for event in call:
+                if event.WhichOneof("kind") == "done":
+                    done = event.done
+                yield event
+        except grpc.RpcError as exc:
+            if not _repeats(exc, done):
+                raise
 
     def collect(self, prompt: str | None = None, **kwargs: Any) -> Result:
         result = Result()
