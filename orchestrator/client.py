@@ -167,16 +167,19 @@ class AsyncClient:
         await self.channel.close()
 
     def generate(
+        self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
+    ) -> Events:
+        return self.send(make_request(prompt, **kwargs), timeout_s=timeout_s)
+
+    def send(
         self,
-        prompt: str | None = None,
+        request: orchestrator_pb2.GenerateRequest,
         *,
         timeout_s: float | None = None,
         token: str | None = None,
-        **kwargs: Any,
     ) -> Events:
-        """``token``: this call's bearer token instead of the dialing's (a gateway
-        passing its caller's on)."""
-        request = make_request(prompt, **kwargs)
+        """``request`` as it is; ``token``: this call's bearer token instead of the
+        dialing's (a gateway passing its caller's on)."""
         metadata = self.metadata if token is None else token_metadata(token)
         return Events(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
 
@@ -185,9 +188,13 @@ class AsyncClient:
         return await self.stub.Abort(request, metadata=self.metadata)
 
     async def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
+        return list((await self.pipeline()).stages)
+
+    async def pipeline(self, *, token: str | None = None) -> orchestrator_pb2.ListStagesResponse:
+        """The pipeline's name and its stages (``token``: as for ``generate``)."""
         request = orchestrator_pb2.ListStagesRequest()
-        reply = await self.stub.ListStages(request, metadata=self.metadata)
-        return list(reply.stages)
+        metadata = self.metadata if token is None else token_metadata(token)
+        return await self.stub.ListStages(request, metadata=metadata)
 
     def watch_stages(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
         request = orchestrator_pb2.WatchStagesRequest()

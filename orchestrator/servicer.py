@@ -112,8 +112,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.ListStagesRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.ListStagesResponse:
         return orchestrator_pb2.ListStagesResponse(
-            stages=[m.status for m in self._server.monitors.values()]
+            stages=[self._described(m.status) for m in self._server.monitors.values()],
+            pipeline=self._server.pipeline.name,
         )
+
+    def _described(self, status: orchestrator_pb2.StageStatus) -> orchestrator_pb2.StageStatus:
+        """``status`` with what the stage's Describe said of it, once it has answered."""
+        description = self._server.descriptions.get(status.name)
+        if description is None:
+            return status
+        described = orchestrator_pb2.StageStatus()
+        described.CopyFrom(status)
+        described.engine = description.engine
+        described.output_tensors.extend(description.output_tensors)
+        return described
 
     async def WatchStages(
         self, request: orchestrator_pb2.WatchStagesRequest, context: grpc.aio.ServicerContext
@@ -122,7 +134,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         async def follow(monitor: StageMonitor) -> None:
             async for status in monitor.changes():
-                await merged.put(status)
+                await merged.put(self._described(status))
 
         tasks = [asyncio.create_task(follow(m)) for m in self._server.monitors.values()]
         try:
