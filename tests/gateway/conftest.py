@@ -46,6 +46,7 @@ async def mesh_over(
     folder: Path,
     *,
     edges: list[dict[str, Any]] | None = None,
+    outputs: list[str] | None = None,
     security: SecuritySettings | None = None,
     token: str | None = None,
     gateway_args: dict[str, Any] | None = None,
@@ -56,6 +57,7 @@ async def mesh_over(
             "name": MODEL,
             "stages": [{"name": n, "address": a} for n, a in stages.addresses.items()],
             "edges": edges or [],
+            **({"outputs": outputs} if outputs else {}),
         },
         "gateway-test.yaml",
     )
