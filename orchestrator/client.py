@@ -122,8 +122,9 @@ class Events:
     """An async stream of one request's events, ending with its Done; ``collect()``
     gathers them, ``cancel()`` ends the call (the orchestrator cancels the request)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
         self._call = call
+        self.request_id = request_id  # as sent ("": the orchestrator assigns one)
 
     async def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
         done = None
@@ -181,7 +182,8 @@ class AsyncClient:
         """``request`` as it is; ``token``: this call's bearer token instead of the
         dialing's (a gateway passing its caller's on)."""
         metadata = self.metadata if token is None else token_metadata(token)
-        return Events(self.stub.Generate(request, timeout=timeout_s, metadata=metadata))
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata)
+        return Events(call, request.request_id)
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
         request = stage_pb2.AbortRequest(request_ids=request_ids)

@@ -8,12 +8,14 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Protocol, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 
-from orchestrator.client import AsyncClient, Events
+from orchestrator.client import AsyncClient, Events, Result
 from services.gateway import chat, images
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
@@ -25,6 +27,7 @@ from services.mesh.pb.omni.v1 import orchestrator_pb2
 logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # what nginx logs for a client gone before its answer
+B = TypeVar("B", bound=BaseModel)
 
 
 class Gateway:
@@ -52,6 +55,12 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, exc: ApiError) -> JSONResponse:
         return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request: Request, exc: ClientGone) -> Response:
+        # Nobody reads it; logs show 499, as nginx's do for a client gone first.
+        logger.info("request %s: the client went away; cancelled in the mesh", exc.request_id)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(grpc.aio.AioRpcError)
     async def rpc_error(_request: Request, exc: grpc.aio.AioRpcError) -> JSONResponse:
@@ -87,11 +96,8 @@ def create_app(config: GatewayConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Response:
-        gateway = _gateway(request)
-        body = parse(ChatRequest, await read_body(request, gateway.config.max_body_bytes))
-        token = bearer_token(request)
-        pipeline = await gateway.catalog.pipeline(token)
-        pipeline.check_model(body.model)
+        gateway, body, token = await _intake(request, ChatRequest)
+        pipeline = await gateway.catalog.model(body.model, token)
         generate, fields = chat.generate_request(body)
         events = gateway.client.send(generate, token=token)
         if body.stream:
@@ -101,35 +107,16 @@ def create_app(config: GatewayConfig) -> FastAPI:
             )
             return await _streamed(request, events, stream, fields)
         answer = chat.Answer()
-        async with cancelled_on_disconnect(request, events.cancel) as disconnected:
-            try:
-                async for event in events:
-                    answer.add(event)
-            except grpc.aio.AioRpcError:
-                if disconnected():
-                    return Response(status_code=CLIENT_CLOSED)
-                raise
-        _raise_failed(answer.done, fields)
+        await _gather(request, events, answer, fields)
         return JSONResponse(chat.completion(generate.request_id, pipeline.name, answer))
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
-        gateway = _gateway(request)
-        body = parse(ImageRequest, await read_body(request, gateway.config.max_body_bytes))
-        token = bearer_token(request)
-        pipeline = await gateway.catalog.pipeline(token)
-        pipeline.check_model(body.model)
-        stage = images.image_stage(pipeline)
+        gateway, body, token = await _intake(request, ImageRequest)
+        stage = images.image_stage(await gateway.catalog.model(body.model, token))
         generate, fields = images.generate_request(body, stage)
-        events = gateway.client.send(generate, token=token)
-        async with cancelled_on_disconnect(request, events.cancel) as disconnected:
-            try:
-                result = await events.collect()
-            except grpc.aio.AioRpcError:
-                if disconnected():
-                    return Response(status_code=CLIENT_CLOSED)
-                raise
-        _raise_failed(result.done, fields)
+        result = Result()
+        await _gather(request, gateway.client.send(generate, token=token), result, fields)
         return JSONResponse(images.images_response(result, stage))
 
     return app
@@ -140,10 +127,46 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
+async def _intake(request: Request, schema: type[B]) -> tuple[Gateway, B, str | None]:
+    """What every POST starts with: the body (within the limit) as ``schema``, and
+    the caller's token."""
+    gateway = _gateway(request)
+    body = parse(schema, await read_body(request, gateway.config.max_body_bytes))
+    return gateway, body, bearer_token(request)
+
+
+class _Gathers(Protocol):
+    done: orchestrator_pb2.Done | None
+
+    def add(self, event: orchestrator_pb2.GenerateEvent) -> object: ...
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer: its request was cancelled."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(request_id)
+        self.request_id = request_id
+
+
+async def _gather(request: Request, events: Events, into: _Gathers, fields: dict[str, str]) -> None:
+    """Every event of the request into ``into``; its failure raised as an ApiError."""
+    async with cancelled_on_disconnect(request, events.cancel) as disconnected:
+        try:
+            async for event in events:
+                into.add(event)
+        except grpc.aio.AioRpcError:
+            if disconnected():
+                raise ClientGone(events.request_id) from None
+            raise
+    _raise_failed(into.done, fields)
+
+
 def _raise_failed(done: orchestrator_pb2.Done | None, fields: dict[str, str]) -> None:
     if done is None:
         raise ApiError(502, "the orchestrator ended the request without a status")
     if done.code != 0:
+        logger.info("request %s: %s %s", done.request_id, done.code_name, done.message)
         raise ApiError.from_done(done, fields)
 
 
@@ -159,7 +182,7 @@ async def _streamed(
             first = await anext(iterator)
         except grpc.aio.AioRpcError:
             if disconnected():
-                return Response(status_code=CLIENT_CLOSED)
+                raise ClientGone(events.request_id) from None
             raise
     if first.WhichOneof("kind") == "done":
         _raise_failed(first.done, fields)

@@ -70,6 +70,9 @@ class Catalog:
             self._known = pipeline
         return pipeline
 
-    async def pipeline(self, token: str | None) -> Pipeline:
-        """The kept answer, else asked now."""
-        return self._known if self._known is not None else await self.fresh(token)
+    async def model(self, name: str | None, token: str | None) -> Pipeline:
+        """The pipeline (the kept answer, else asked now), if ``name`` names it:
+        404 otherwise (None: the pipeline, whatever its name)."""
+        pipeline = self._known if self._known is not None else await self.fresh(token)
+        pipeline.check_model(name)
+        return pipeline

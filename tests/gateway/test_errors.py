@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -138,24 +139,26 @@ async def guarded(smollm2: Stages, tmp_path_factory: pytest.TempPathFactory) -> 
 
 async def test_the_bearer_token_goes_through_to_the_orchestrator(guarded) -> None:
     mesh, token = guarded
-    for api_key in ("not-a-known-token", token[:-1]):
-        with pytest.raises(openai.AuthenticationError):
-            await asyncio.to_thread(
-                lambda key=api_key: _sdk(mesh, key).chat.completions.create(
-                    model=MODEL, messages=HI, max_tokens=2
-                )
-            )
-        with pytest.raises(openai.AuthenticationError):
-            await asyncio.to_thread(lambda key=api_key: _sdk(mesh, key).models.list())
-    response = await _post(mesh, {"model": MODEL, "messages": HI})  # no Authorization at all
-    assert response.status_code == 401 and _error(response)["code"] == "unauthenticated"
     reply = await asyncio.to_thread(
         lambda: _sdk(mesh, token).chat.completions.create(model=MODEL, messages=HI, max_tokens=2)
     )
     assert reply.usage is not None and reply.usage.completion_tokens == 2
-    assert [m.id for m in (await asyncio.to_thread(lambda: _sdk(mesh, token).models.list()))] == [
-        MODEL
-    ]
+    listed = await asyncio.to_thread(lambda: _sdk(mesh, token).models.list())
+    assert [m.id for m in listed] == [MODEL]
+    # The gateway knows the model now; every call still takes the caller's token.
+    for api_key in ("not-a-known-token", token[:-1]):
+        sdk = _sdk(mesh, api_key)
+        for call in (
+            partial(sdk.chat.completions.create, model=MODEL, messages=HI, max_tokens=2),
+            partial(sdk.chat.completions.create, model=MODEL, messages=HI, stream=True),
+            sdk.models.list,
+        ):
+            with pytest.raises(openai.AuthenticationError):
+                await asyncio.to_thread(call)
+    response = await _post(mesh, {"model": MODEL, "messages": HI})  # no Authorization at all
+    assert response.status_code == 401 and _error(response)["code"] == "unauthenticated"
+    response = await _post(mesh, {"model": MODEL, "messages": HI}, headers={"authorization": "x"})
+    assert response.status_code == 401 and _error(response)["code"] == "invalid_api_key"
 
 
 async def test_probes_and_an_orchestrator_that_is_not_there(mesh: Mesh, tmp_path: Path) -> None:

@@ -7,35 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.gateway.conftest import MODEL, Mesh
-
-CLIENT = Path(__file__).resolve().parents[2] / "examples" / "clients" / "node"
+from tests.helpers.node import node_client
 
 
 @pytest.fixture(scope="module")
 def chat_script() -> Path:
     """The example with its npm dependencies installed (once per checkout)."""
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if missing:
-        reason = f"{' and '.join(missing)} not installed: the Node.js client is not tried"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    if not (CLIENT / "node_modules" / "openai").is_dir():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel", "error"],
-            cwd=CLIENT,
-            check=True,
-            timeout=300,
-        )
-    return CLIENT / "chat.mjs"
+    return node_client("openai") / "chat.mjs"
 
 
 async def _node(script: Path, mesh: Mesh, *args: str) -> tuple[int, dict, str]:
