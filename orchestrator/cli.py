@@ -4,6 +4,8 @@ omni stage serve --config STAGE.yaml [--port N]        run one stage service
 omni stage run --config STAGE.yaml "PROMPT"            start a stage, ask it, stop it
 omni orchestrator serve --pipeline PIPE.yaml [--port]  run the orchestrator
 omni generate "PROMPT" [--address A] [--out DIR]       ask a running mesh
+omni gateway [--orchestrator A] [--port 8000]          an OpenAI-compatible HTTP API
+omni up [PIPE.yaml] [--http PORT]                      everything on this machine
 
 TLS and tokens (off unless given): `omni orchestrator serve --tls-cert ...`,
 `omni up --tls` (a throwaway mesh CA), `omni generate --cacert CA --token T`.
@@ -76,9 +78,24 @@ def _parser() -> argparse.ArgumentParser:
         "stages, TLS and an admin bearer token at the front door (files in RUN_DIR/pki)",
     )
     up.add_argument("--run-dir", type=Path, help="where stage logs go (default: a temp dir)")
-    up.add_argument("--prompt", help="answer this prompt once ready, then stop everything")
+    once_or_served = up.add_mutually_exclusive_group()
+    once_or_served.add_argument(
+        "--prompt", help="answer this prompt once ready, then stop everything"
+    )
+    once_or_served.add_argument(
+        "--http",
+        type=port_number,
+        metavar="PORT",
+        help="also serve the OpenAI-compatible HTTP API (omni gateway) on this port, "
+        "until Ctrl-C; 0 picks one",
+    )
     up.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     up.add_argument("--max-tokens", type=int, help="for the entry stage")
+    commands.add_parser(
+        "gateway",
+        help="an OpenAI-compatible HTTP API in front of an orchestrator (omni gateway --help)",
+        add_help=False,
+    )
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
     gen.add_argument("prompt")
     address = environment.ADDRESS.get()
@@ -108,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:2] == ["stage", "serve"]:
         # The stage service's own entry point: the orchestrator never imports it.
         os.execv(sys.executable, [sys.executable, "-m", "services.stage", *argv[1:]])
+    if argv[:1] == ["gateway"]:
+        # Its own process, its own flags: the omni command never imports the web stack.
+        os.execv(sys.executable, [sys.executable, "-m", "services.gateway", *argv[1:]])
     args = _parser().parse_args(argv)
     if args.command in ("orchestrator", "up"):
         keep_freed_memory()  # relayed tensor chunks reuse warm buffers
@@ -145,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                 out=args.out,
                 max_tokens=args.max_tokens,
                 tls=args.tls,
+                http=args.http,
             )
         )
     from orchestrator.commands import generate

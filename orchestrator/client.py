@@ -6,6 +6,11 @@ async with AsyncClient("127.0.0.1:50050") as client:
 with Client("127.0.0.1:50050") as client:
     for event in client.generate("Hello"):
         ...
+
+A failed request ends its Generate RPC with the failure's status, after its
+Done; both clients hand the Done over and end the stream quietly, as for an OK
+request, so the Done is where a caller reads the outcome. Only a status without
+a Done (authentication, the server going away) is raised.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.audio import AudioFiles
 from services.mesh.data.chunks import ChunkAssembler
+from services.mesh.errors import status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
-from services.mesh.security import PLAINTEXT, Dialing
+from services.mesh.security import PLAINTEXT, Dialing, token_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
 ORCHESTRATOR_SERVICE = "omni.v1.Orchestrator"  # its readiness in grpc health
@@ -118,18 +124,36 @@ def _params(values: Params) -> stage_pb2.GenerationParams:
     return json_format.ParseDict(dict(values or {}), stage_pb2.GenerationParams())
 
 
+def _repeats(error: grpc.RpcError, done: orchestrator_pb2.Done | None) -> bool:
+    """The RPC's status is the one its Done already reported."""
+    return done is not None and error.code() == status_code(done.code)
+
+
 class Events:
-    """An async stream of one request's events; ``collect()`` gathers them."""
+    """An async stream of one request's events, ending with its Done; ``collect()``
+    gathers them, ``cancel()`` ends the call (the orchestrator cancels the request)."""
 
-    def __init__(self, call: AsyncIterator[orchestrator_pb2.GenerateEvent]) -> None:
+    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
         self._call = call
+        self.request_id = request_id  # as sent ("": the orchestrator assigns one)
 
-    def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
-        return self._call.__aiter__()
+    async def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
+        done = None
+        try:
+            async for event in self._call:
+                if event.WhichOneof("kind") == "done":
+                    done = event.done
+                yield event
+        except grpc.aio.AioRpcError as exc:
+            if not _repeats(exc, done):
+                raise
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
     async def collect(self) -> Result:
         result = Result()
-        async for event in self._call:
+        async for event in self:
             result.add(event)
         return result
 
@@ -157,17 +181,33 @@ class AsyncClient:
     def generate(
         self, prompt: str | None = None, *, timeout_s: float | None = None, **kwargs: Any
     ) -> Events:
-        request = make_request(prompt, **kwargs)
-        return Events(self.stub.Generate(request, timeout=timeout_s, metadata=self.metadata))
+        return self.send(make_request(prompt, **kwargs), timeout_s=timeout_s)
+
+    def send(
+        self,
+        request: orchestrator_pb2.GenerateRequest,
+        *,
+        timeout_s: float | None = None,
+        token: str | None = None,
+    ) -> Events:
+        """``request`` as it is; ``token``: this call's bearer token instead of the
+        dialing's (a gateway passing its caller's on)."""
+        metadata = self.metadata if token is None else token_metadata(token)
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata)
+        return Events(call, request.request_id)
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
         request = stage_pb2.AbortRequest(request_ids=request_ids)
         return await self.stub.Abort(request, metadata=self.metadata)
 
     async def list_stages(self) -> list[orchestrator_pb2.StageStatus]:
+        return list((await self.pipeline()).stages)
+
+    async def pipeline(self, *, token: str | None = None) -> orchestrator_pb2.ListStagesResponse:
+        """The pipeline's name and its stages (``token``: as for ``generate``)."""
         request = orchestrator_pb2.ListStagesRequest()
-        reply = await self.stub.ListStages(request, metadata=self.metadata)
-        return list(reply.stages)
+        metadata = self.metadata if token is None else token_metadata(token)
+        return await self.stub.ListStages(request, metadata=metadata)
 
     def watch_stages(self) -> AsyncIterator[orchestrator_pb2.StageStatus]:
         request = orchestrator_pb2.WatchStagesRequest()
@@ -230,7 +270,16 @@ class Client:
     def generate(
         self, prompt: str | None = None, **kwargs: Any
     ) -> Iterator[orchestrator_pb2.GenerateEvent]:
-        return iter(self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata))
+        call = self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata)
+        done = None
+        try:
+            for event in call:
+                if event.WhichOneof("kind") == "done":
+                    done = event.done
+                yield event
+        except grpc.RpcError as exc:
+            if not _repeats(exc, done):
+                raise
 
     def collect(self, prompt: str | None = None, **kwargs: Any) -> Result:
         result = Result()

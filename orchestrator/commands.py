@@ -18,7 +18,7 @@ import grpc
 
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
-from orchestrator.stages.processes import StageProcess
+from orchestrator.stages.processes import GatewayProcess, StageProcess
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import announce, configure_logging, stop_on_signals
@@ -190,6 +190,22 @@ async def _stream(
                     line = ""
 
 
+async def _start_gateway(
+    orchestrator: str, host: str, port: int, ca: Path | None, run_dir: Path
+) -> GatewayProcess | None:
+    """`omni gateway` in front of the orchestrator; prints its base URL once bound."""
+    # The child keeps its own descriptor of the log: ours is closed once it started.
+    with (run_dir / "gateway.log").open("ab") as log:
+        gateway = GatewayProcess(orchestrator, cacert=ca, host=host, port=port, log=log)
+        try:
+            address = await gateway.start()
+        except RuntimeError as exc:
+            print(f"omni up: gateway: {exc}", file=sys.stderr)
+            return None
+    print(f"gateway at http://{address}/v1 (OpenAI-compatible)", flush=True)
+    return gateway
+
+
 def default_pipeline() -> Path:
     """examples/pipelines/default.yaml of the working directory, else the one shipped
     inside the package (a checkout and an installed wheel alike)."""
@@ -215,10 +231,12 @@ async def up(
     out: Path,
     max_tokens: int | None,
     tls: bool = False,
+    http: int | None = None,
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
     then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. ``tls``: a
-    throwaway mesh CA, mTLS and a mesh token inside, TLS and an admin token outside."""
+    throwaway mesh CA, mTLS and a mesh token inside, TLS and an admin token outside.
+    ``http``: also an `omni gateway` process on that port, in front of the orchestrator."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.stages.launcher import Launcher, default_mesh_id
     from orchestrator.stages.progress import ProgressView
@@ -232,6 +250,7 @@ async def up(
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
     dialing = PLAINTEXT
     secured: dict[str, Any] = {}
+    ca: Path | None = None
     if tls:
         from orchestrator.stages.mesh_pki import make_mesh_pki
 
@@ -240,6 +259,7 @@ async def up(
         secured = {"security": pki.orchestrator, "stage_env": pki.stage_env}
         token = pki.admin_token_file.read_text().strip()
         dialing = client_dialing(token=token, ca=pki.ca)
+        ca = pki.ca
         print(
             f"omni up: TLS on: CA {pki.ca}, admin token in {pki.admin_token_file}",
             file=sys.stderr,
@@ -248,6 +268,7 @@ async def up(
     launcher = Launcher(
         pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port, **secured
     )
+    gateway: GatewayProcess | None = None
     stop = stop_on_signals()
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
@@ -288,9 +309,15 @@ async def up(
             return await generate(
                 launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing
             )
+        if http is not None:
+            gateway = await _start_gateway(launcher.address, host, http, ca, run_dir)
+            if gateway is None:
+                return 1
         await stop.wait()
         return 0
     finally:
         print("omni up: stopping", file=sys.stderr, flush=True)
+        if gateway is not None:
+            await gateway.stop()
         await launcher.stop()
         tracing.shutdown()

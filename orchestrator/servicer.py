@@ -1,7 +1,9 @@
 """The Orchestrator gRPC service's methods: thin adapters from the wire to the
 router (requests) and the stage monitors (stages), both owned by
 ``OrchestratorServer`` (orchestrator/server.py). A request refused before it
-reaches the router gets its one Done here (``client_input.refusal``).
+reaches the router gets its one Done here (``client_input.refusal``). Generate
+ends its RPC with the request's status after the Done (``errors.end_with``);
+GenerateStream carries several requests, so it ends OK.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from orchestrator.requests.client_input import (
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.submits import from_client
 from orchestrator.stages.monitor import StageMonitor
-from services.mesh.errors import OmniError
+from services.mesh.errors import OmniError, end_with
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.security import Principal
@@ -65,7 +67,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             )
         except OmniError as exc:
             logger.info("request %s refused: %s", rid, exc.message)
-            yield refusal(rid, exc)
+            refused = refusal(rid, exc)
+            yield refused
+            end_with(context, refused.done)
             return
         finished = False
         try:
@@ -73,6 +77,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 yield event
                 if event.WhichOneof("kind") == "done":
                     finished = True
+                    end_with(context, event.done)
                     return
         finally:
             if not finished:
@@ -107,8 +112,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self, request: orchestrator_pb2.ListStagesRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.ListStagesResponse:
         return orchestrator_pb2.ListStagesResponse(
-            stages=[m.status for m in self._server.monitors.values()]
+            stages=[self._described(m.status) for m in self._server.monitors.values()],
+            pipeline=self._server.pipeline.name,
         )
+
+    def _described(self, status: orchestrator_pb2.StageStatus) -> orchestrator_pb2.StageStatus:
+        """``status`` with what the stage's Describe said of it, once it has answered."""
+        description = self._server.descriptions.get(status.name)
+        if description is None:
+            return status
+        described = orchestrator_pb2.StageStatus()
+        described.CopyFrom(status)
+        described.engine = description.engine
+        described.output_tensors.extend(description.output_tensors)
+        return described
 
     async def WatchStages(
         self, request: orchestrator_pb2.WatchStagesRequest, context: grpc.aio.ServicerContext
@@ -117,7 +134,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         async def follow(monitor: StageMonitor) -> None:
             async for status in monitor.changes():
-                await merged.put(status)
+                await merged.put(self._described(status))
 
         tasks = [asyncio.create_task(follow(m)) for m in self._server.monitors.values()]
         try:

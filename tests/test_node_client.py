@@ -7,39 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
 from orchestrator.client import AsyncClient
+from tests.helpers.node import node_client as node_example
 from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
-
-REPO = Path(__file__).resolve().parents[1]
-CLIENT = REPO / "examples" / "clients" / "node"
 
 
 @pytest.fixture(scope="module")
 def node_client() -> Path:
     """The example with its npm dependencies installed (once per checkout)."""
-    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
-    if missing:
-        reason = f"{' and '.join(missing)} not installed: the Node.js client is not tried"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
-    if not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir():
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel", "error"],
-            cwd=CLIENT,
-            check=True,
-            timeout=300,
-        )
-    return CLIENT / "generate.mjs"
+    return node_example("@grpc/grpc-js") / "generate.mjs"
 
 
 @pytest.fixture(scope="module")

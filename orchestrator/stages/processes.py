@@ -138,3 +138,17 @@ class OrchestratorProcess(ServiceProcess):
     def command(self) -> list[str]:
         cli = [sys.executable, "-m", "orchestrator.cli", "orchestrator", "serve"]
         return [*cli, "--pipeline", str(self.config)]
+
+
+class GatewayProcess(ServiceProcess):
+    """``python -m services.gateway`` (``omni gateway``): the HTTP front door to
+    the orchestrator at ``orchestrator`` (TLS verified with ``cacert`` when given)."""
+
+    def __init__(self, orchestrator: str, *, cacert: Path | None = None, **kwargs: Any) -> None:
+        super().__init__(Path("omni gateway"), **kwargs)
+        self.orchestrator = orchestrator
+        self.cacert = cacert
+
+    def command(self) -> list[str]:
+        cli = [sys.executable, "-m", "services.gateway", "--orchestrator", self.orchestrator]
+        return [*cli, "--cacert", str(self.cacert)] if self.cacert else cli

@@ -220,14 +220,14 @@ LOCK_DIR = Variable(
     shown="`/tmp/omni-locks-<uid>`",
 )
 
-# --- `omni generate` ---------------------------------------------------------------
+# --- clients of the orchestrator: `omni generate`, `omni gateway` --------------------
 
 ADDRESS = Variable[str | None](
     "OMNI_ADDRESS",
     _text,
     None,
-    "omni generate",
-    "the orchestrator to ask (`--address`)",
+    "omni generate, omni gateway",
+    "the orchestrator to ask (`--address`; the gateway's `--orchestrator`)",
     shown="`127.0.0.1:50050`",
 )
 TOKEN = Variable[str | None](
@@ -240,7 +240,7 @@ TOKEN_FILE = _file(
 )
 CACERT = _file(
     "OMNI_CACERT",
-    "omni generate",
+    "omni generate, omni gateway",
     "speak TLS, verifying the orchestrator with this CA (`--cacert`)",
 )
 

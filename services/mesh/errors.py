@@ -1,7 +1,8 @@
 """Domain errors carry their gRPC status; one mapping turns any exception into
 what a client sees, whichever way it travels: the status of an RPC
-(``abort_rpc``), a stage's in-band ``Error`` (``wire_error``) or the
-orchestrator's final ``Done`` (``done``). Both servicers use only these.
+(``abort_rpc``), a stage's in-band ``Error`` (``wire_error``), the
+orchestrator's final ``Done`` (``done``) and, after that Done, the status of a
+one-request RPC (``end_with``). Both servicers use only these.
 
 Only messages of ``OmniError`` reach clients: anything else is a bug and is
 reported as INTERNAL without its text (no paths or stack traces leak out).
@@ -10,6 +11,7 @@ reported as INTERNAL without its text (no paths or stack traces leak out).
 from __future__ import annotations
 
 from typing import NoReturn
+from urllib.parse import quote
 
 import grpc
 
@@ -118,6 +120,28 @@ def status_code(value: int) -> grpc.StatusCode:
 
 
 _BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
+
+
+# Trailing metadata values are printable ASCII: anything else (a client's stage
+# name in a field path, say) is percent-encoded, and so is "%" itself.
+_METADATA_SAFE = "".join(c for c in map(chr, range(0x20, 0x7F)) if not c.isalnum() and c != "%")
+
+
+def end_with(context: grpc.aio.ServicerContext, final: orchestrator_pb2.Done) -> None:
+    """End a one-request RPC (Orchestrator.Generate) with its request's status,
+    after its Done event: the Done's code and message, and its ``stage`` and
+    ``field`` as trailing metadata, so a proxy or grpcurl sees the failure too."""
+    if final.code == 0:
+        return
+    context.set_code(status_code(final.code))
+    context.set_details(final.message)
+    context.set_trailing_metadata(
+        tuple(
+            (key, quote(value, safe=_METADATA_SAFE))
+            for key, value in (("stage", final.stage), ("field", final.field))
+            if value
+        )
+    )
 
 
 async def abort_rpc(context: grpc.aio.ServicerContext, exc: BaseException) -> NoReturn:

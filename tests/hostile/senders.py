@@ -141,10 +141,15 @@ async def at_orchestrator(
     """One Orchestrator.Generate: its events end in exactly one Done."""
     async with mesh.client(who) as client:
         call = client.stub.Generate(request, metadata=client.metadata, timeout=60)
+        events: list[orchestrator_pb2.GenerateEvent] = []
         try:
-            events = [event async for event in call]
+            async for event in call:
+                events.append(event)
         except grpc.aio.AioRpcError as exc:
-            return Outcome(exc.code().name, exc.details() or "")
+            if not events:
+                return Outcome(exc.code().name, exc.details() or "")
+            # A failed request's RPC ends with the status its Done reported.
+            assert exc.code().name == events[-1].done.code_name, (exc, events[-1])
     assert events and events[-1].WhichOneof("kind") == "done"
     return _done(events, events[-1].done.request_id)
 

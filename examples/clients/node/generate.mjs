@@ -121,7 +121,9 @@ call.on("data", (event) => {
 });
 await new Promise((resolve, reject) => {
   call.on("end", resolve);
-  call.on("error", reject);
+  // A failed request ends its RPC with the status its Done reported (after the
+  // Done): the Done says it all. A status without a Done is the call's own error.
+  call.on("error", (err) => (done !== null && err.code === done.code ? resolve() : reject(err)));
 });
 if (!values.json) process.stdout.write("\n");
 if (done === null) throw new Error("the stream ended without a Done");

@@ -96,7 +96,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source")
+    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class StageStatus(_message.Message):
     BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TENSORS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: StageState
@@ -123,17 +125,21 @@ class StageStatus(_message.Message):
     bytes_total: int
     message: str
     source: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    engine: str
+    output_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ListStagesResponse(_message.Message):
-    __slots__ = ("stages",)
+    __slots__ = ("stages", "pipeline")
     STAGES_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_FIELD_NUMBER: _ClassVar[int]
     stages: _containers.RepeatedCompositeFieldContainer[StageStatus]
-    def __init__(self, stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ...) -> None: ...
+    pipeline: str
+    def __init__(self, stages: _Optional[_Iterable[_Union[StageStatus, _Mapping]]] = ..., pipeline: _Optional[str] = ...) -> None: ...
 
 class WatchStagesRequest(_message.Message):
     __slots__ = ()

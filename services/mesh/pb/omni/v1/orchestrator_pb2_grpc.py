@@ -33,9 +33,13 @@ class OrchestratorStub:
 
     Every request ends in exactly one Done, whatever happens: OK, a refusal by
     the orchestrator's own checks (code, message and the offending field), or the
-    error of the stage that ended it (code, message, stage and field). gRPC
-    statuses on the RPC itself are kept for what is not a request's: an
-    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+    error of the stage that ended it (code, message, stage and field). Generate
+    (one request) then ends its RPC with that same status: the Done's code and
+    message, and its `stage` and `field` in trailing metadata (percent-encoded
+    where not printable ASCII), so proxies and grpcurl see a failure as one.
+    GenerateStream carries several requests: each ends in its Done, the RPC OK.
+    Other RPC statuses are what is not a request's: an undecodable message
+    (INVALID_ARGUMENT), authentication, the server going away.
 
     The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
     health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
@@ -91,9 +95,13 @@ class OrchestratorServicer:
 
     Every request ends in exactly one Done, whatever happens: OK, a refusal by
     the orchestrator's own checks (code, message and the offending field), or the
-    error of the stage that ended it (code, message, stage and field). gRPC
-    statuses on the RPC itself are kept for what is not a request's: an
-    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+    error of the stage that ended it (code, message, stage and field). Generate
+    (one request) then ends its RPC with that same status: the Done's code and
+    message, and its `stage` and `field` in trailing metadata (percent-encoded
+    where not printable ASCII), so proxies and grpcurl see a failure as one.
+    GenerateStream carries several requests: each ends in its Done, the RPC OK.
+    Other RPC statuses are what is not a request's: an undecodable message
+    (INVALID_ARGUMENT), authentication, the server going away.
 
     The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
     health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,
@@ -102,7 +110,8 @@ class OrchestratorServicer:
 
     def Generate(self, request, context):
         """One request: its inputs go to the entry stage; events of the pipeline's
-        output stages come back in order, then exactly one Done.
+        output stages come back in order, then exactly one Done, then the RPC's
+        status: the Done's (OK, or the failure's code, message, stage and field).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -204,9 +213,13 @@ class Orchestrator:
 
     Every request ends in exactly one Done, whatever happens: OK, a refusal by
     the orchestrator's own checks (code, message and the offending field), or the
-    error of the stage that ended it (code, message, stage and field). gRPC
-    statuses on the RPC itself are kept for what is not a request's: an
-    undecodable message (INVALID_ARGUMENT), authentication, the server going away.
+    error of the stage that ended it (code, message, stage and field). Generate
+    (one request) then ends its RPC with that same status: the Done's code and
+    message, and its `stage` and `field` in trailing metadata (percent-encoded
+    where not printable ASCII), so proxies and grpcurl see a failure as one.
+    GenerateStream carries several requests: each ends in its Done, the RPC OK.
+    Other RPC statuses are what is not a request's: an undecodable message
+    (INVALID_ARGUMENT), authentication, the server going away.
 
     The server also serves grpc.health.v1.Health (see protos/grpc/health/v1/
     health.proto): "omni.v1.Orchestrator" is SERVING while every stage is READY,

@@ -1,0 +1,78 @@
+"""The pipeline as the API's one model: named by the pipeline, its stages listed
+with it, learnt from the orchestrator's ListStages (asked with the caller's
+token). Its name and stages do not change while the orchestrator runs, so once
+every stage has described itself the answer is kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.client import AsyncClient
+from services.gateway.errors import ApiError
+from services.mesh.pb.omni.v1 import orchestrator_pb2
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    stages: tuple[orchestrator_pb2.StageStatus, ...]
+
+    @property
+    def described(self) -> bool:
+        """Every stage has answered Describe (its engine is known)."""
+        return all(stage.engine for stage in self.stages)
+
+    @property
+    def image_stage(self) -> str | None:
+        """The first stage that outputs images (a diffusion stage), if any."""
+        return next((s.name for s in self.stages if "image" in s.output_tensors), None)
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model this mesh does not serve (None: the pipeline itself)."""
+        if model is not None and model != self.name:
+            raise ApiError(
+                404,
+                f"model {model!r} does not exist: this mesh serves {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def card(self, created: int) -> dict[str, Any]:
+        """The model object of /v1/models, with the pipeline's stages."""
+        return {
+            "id": self.name,
+            "object": "model",
+            "created": created,
+            "owned_by": "omni-mesh",
+            "stages": [
+                {
+                    "name": stage.name,
+                    "engine": stage.engine,
+                    "state": orchestrator_pb2.StageState.Name(stage.state),
+                    "output_tensors": list(stage.output_tensors),
+                }
+                for stage in self.stages
+            ],
+        }
+
+
+class Catalog:
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self._known: Pipeline | None = None
+
+    async def fresh(self, token: str | None) -> Pipeline:
+        """Asked now (the stages' states as they are)."""
+        reply = await self._client.pipeline(token=token)
+        pipeline = Pipeline(reply.pipeline, tuple(reply.stages))
+        if pipeline.described:
+            self._known = pipeline
+        return pipeline
+
+    async def model(self, name: str | None, token: str | None) -> Pipeline:
+        """The pipeline (the kept answer, else asked now), if ``name`` names it:
+        404 otherwise (None: the pipeline, whatever its name)."""
+        pipeline = self._known if self._known is not None else await self.fresh(token)
+        pipeline.check_model(name)
+        return pipeline
