@@ -57,7 +57,7 @@ def test_image_runs_omni_as_a_non_root_user_with_examples_and_smollm2_inside(
     assert not {"PIP_CERT", "PIP_FIND_LINKS", "TORCH_INDEX_URL"} & set(facts["env"])
     shipped = sorted(p.name for p in (EXAMPLES / "pipelines").glob("*.yaml"))
     assert facts["cwd_examples"] == shipped and "default.yaml" in shipped
-    assert facts["default_stages"] == ["thinker", "renderer"]
+    assert facts["default_stages"] == ["thinker", "renderer", "speaker"]
     assert facts["gguf"] > 50_000_000
     assert facts["dev_tools"] == []
     # No pip cache or build leftovers, whoever built it (looked at as root).
@@ -72,7 +72,7 @@ def test_image_runs_omni_as_a_non_root_user_with_examples_and_smollm2_inside(
 def test_one_entry_point_dispatches_every_role(cpu_image: podman.Image) -> None:
     help_text = _run(cpu_image.ref)  # the default command: omni --help
     assert help_text.returncode == 0, help_text.stderr
-    assert "{stage,orchestrator,up,generate}" in help_text.stdout
+    assert "{stage,orchestrator,up,gateway,generate}" in help_text.stdout
     # Each role's own argument parser answers: the dispatch reaches it.
     stage = _run(cpu_image.ref, "stage", "serve", "--help")
     assert stage.returncode == 0 and "--config" in stage.stdout, stage.stderr
@@ -96,3 +96,5 @@ def test_omni_up_runs_the_packaged_default_pipeline_inside_the_image(
     assert done.returncode == 0, done.stderr[-3000:]
     assert "ready in" in done.stdout and "Paris" in done.stdout, done.stdout
     assert "renderer-image.png" in done.stderr, done.stderr[-3000:]
+    # The packaged voice is inside: the speaker answered with no download.
+    assert "speaker.wav" in done.stderr, done.stderr[-3000:]
