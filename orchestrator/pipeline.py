@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from orchestrator.front_door import OrchestratorRuntime
 from services.mesh import config_files
 from services.mesh.config_files import ConfigError
 from services.mesh.security import SecuritySettings
@@ -151,6 +152,8 @@ class PipelineConfig(_Frozen):
     # TLS, tokens and the pause limit (services.mesh.security); OMNI_* env and
     # flags of `omni orchestrator serve` override it.
     security: SecuritySettings = SecuritySettings()
+    # What clients may hold: message sizes, input budgets, connections (front_door.py).
+    runtime: OrchestratorRuntime = OrchestratorRuntime()
 
     @model_validator(mode="after")
     def _graph(self) -> PipelineConfig:
