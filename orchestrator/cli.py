@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "services.stage", *argv[1:]])
     args = _parser().parse_args(argv)
     if args.command in ("orchestrator", "up"):
-        keep_freed_memory()  # relayed tensor chunks reuse warm buffers
+        # Relayed tensor chunks (1 MiB) reuse warm buffers; at most 16 MiB freed is
+        # kept atop each heap, so a burst of large client messages does not stay
+        # resident in gRPC's thread arenas (malloc_trim cannot reach their tops).
+        keep_freed_memory(trim_threshold=16 << 20)
     if args.command == "stage":
         from orchestrator.commands import run_stage
 

@@ -30,30 +30,37 @@ def _literal(name: str, value: str) -> bytes:
     return bytes([0x10, len(raw_name)]) + raw_name + bytes([len(raw_value)]) + raw_value
 
 
-def call_headers(path: str, authority: str, stream: int = 1) -> bytes:
-    block = b"".join(
-        _literal(name, value)
-        for name, value in (
-            (":method", "POST"),
-            (":scheme", "http"),
-            (":path", path),
-            (":authority", authority),
-            ("content-type", "application/grpc"),
-            ("te", "trailers"),
-        )
-    )
+def call_headers(path: str, authority: str, token: str = "", stream: int = 1) -> bytes:
+    fields = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+    ]
+    if token:
+        fields.append(("authorization", f"Bearer {token}"))
+    block = b"".join(_literal(name, value) for name, value in fields)
     return frame(HEADERS, END_HEADERS, stream, block)
 
 
 class IdleFlood:
     """``count`` idle connections to ``host:port``, each with one call open on
-    ``path``; a thread answers the server until ``stop``. Counts what the server
-    did to them: calls it ended (RST_STREAM, or trailers) and connections it closed."""
+    ``path`` (with ``token``: a caller the server knows; with ``declared_bytes``:
+    the call starts a message of that size and sends only its first kilobyte, a
+    slow sender); a thread answers the server until ``stop``. Counts what the
+    server did to them: calls it ended (RST_STREAM, or trailers) and connections
+    it closed."""
 
-    def __init__(self, host: str, port: int, count: int, path: str) -> None:
+    def __init__(
+        self, host: str, port: int, count: int, path: str, token: str = "", declared_bytes: int = 0
+    ) -> None:
         self.address = (host, port)
         self.count = count
         self.path = path
+        self.token = token
+        self.declared_bytes = declared_bytes
         self.sockets: list[socket.socket] = []
         self.calls_ended = 0
         self.closed = 0
@@ -67,8 +74,11 @@ class IdleFlood:
         hello = (
             PREFACE
             + frame(SETTINGS, 0, 0)
-            + call_headers(self.path, f"{self.address[0]}:{self.address[1]}")
+            + call_headers(self.path, f"{self.address[0]}:{self.address[1]}", self.token)
         )
+        if self.declared_bytes:  # a gRPC message's prefix (uncompressed, its length), then 1 KiB
+            prefix = b"\x00" + self.declared_bytes.to_bytes(4, "big")
+            hello += frame(DATA, 0, 1, prefix + bytes(1024))
         for _ in range(self.count):
             sock = socket.create_connection(self.address, timeout=5)
             try:
