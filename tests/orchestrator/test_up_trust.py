@@ -171,7 +171,7 @@ async def test_up_with_a_broken_launch_file_reports_the_stage_error(
         stderr=asyncio.subprocess.PIPE,
     )
     _out, err = await asyncio.wait_for(up.communicate(), 120)
-    assert up.returncode == 1
+    assert up.returncode == 2  # a bad stage file, as `omni stage` itself says
     text = err.decode()
     assert "exited with 2 before binding" in text
     assert f"omni stage: {stage}: engine_args: unknown keys ['no_such_key']" in text
