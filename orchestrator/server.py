@@ -8,6 +8,7 @@ thin adapters over these (``orchestrator.servicer``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -25,6 +26,7 @@ from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.malloc import FreedMemory
 from services.mesh.data.node import mesh_id
 from services.mesh.data.ref_reader import RefReader
+from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
 from services.mesh.rpc.stage_client import StageClient
@@ -231,11 +233,16 @@ class OrchestratorServer:
         return self.port
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Every stage READY and described (a stage's init failure raises)."""
+        """Every stage READY and described; InitFailed if a stage's init failed or a
+        stage cannot take its incoming edge (``misconfigured``)."""
 
         async def ready() -> None:
             await asyncio.gather(*(m.wait_ready() for m in self.monitors.values()))
-            await self._serving.wait()
+            while not self._serving.is_set():
+                if self.misconfigured:
+                    raise InitFailed("; ".join(self.misconfigured.values()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._serving.wait(), 0.1)
 
         await asyncio.wait_for(ready(), timeout_s)
 

@@ -275,6 +275,11 @@ class Router:
         running.task.cancel()
         return True
 
+    def stage_id(self, request_id: str, owner: Principal = ANONYMOUS) -> str | None:
+        """What the stages know ``owner``'s request by, while it is in flight."""
+        running = self._running.get((owner.name, request_id))
+        return None if running is None else running.flow.stage_id
+
     def __contains__(self, request_id: str) -> bool:
         """Whether any caller has a request of this id in flight."""
         return any(rid == request_id for _owner, rid in self._running)
