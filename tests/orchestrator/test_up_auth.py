@@ -16,7 +16,7 @@ import yaml
 from orchestrator.client import AsyncClient
 from services.mesh.security import client_dialing
 from tests.helpers.stage import tiny_config, write_config
-from tests.orchestrator.test_up_trust import OMNI, omni_up, tiny_pipeline
+from tests.orchestrator.test_up_trust import omni_up, tiny_pipeline, up_to_the_end
 
 
 def tokens_file(folder: Path, **tokens: str) -> Path:
@@ -31,18 +31,15 @@ async def test_up_with_tls_honours_the_tokens_file_and_removes_its_secrets(
 ) -> None:
     pipeline = tiny_pipeline(tmp_path, omni_cache_dir)
     alice = secrets.token_hex(20)
-    os.environ["OMNI_TOKENS_FILE"] = str(tokens_file(tmp_path, alice=alice))
+    env = {**os.environ, "OMNI_TOKENS_FILE": str(tokens_file(tmp_path, alice=alice))}
     run = tmp_path / "run"
-    try:
-        async with omni_up(str(pipeline), "--run-dir", str(run), "--tls") as (up, address):
-            ca = run / "pki" / "ca.pem"
-            async with AsyncClient(address, client_dialing(token=alice, ca=ca)) as client:
-                result = await client.generate("Hi", params={"max_tokens": 2}).collect()
-            assert result.ok, result.done  # a listed token, not an admin's
-            up.send_signal(signal.SIGTERM)
-            assert await asyncio.wait_for(up.wait(), 60) == 0
-    finally:
-        del os.environ["OMNI_TOKENS_FILE"]
+    async with omni_up(str(pipeline), "--run-dir", str(run), "--tls", env=env) as (up, address):
+        ca = run / "pki" / "ca.pem"
+        async with AsyncClient(address, client_dialing(token=alice, ca=ca)) as client:
+            result = await client.generate("Hi", params={"max_tokens": 2}).collect()
+        assert result.ok, result.done  # a listed token, not an admin's
+        up.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(up.wait(), 60) == 0
     assert not (run / "pki").exists()  # tokens and keys went with the run
     assert (run / "thinker.log").is_file()  # the folder given is the operator's
 
@@ -53,24 +50,9 @@ async def test_up_removes_the_run_folder_it_made_after_a_clean_run(
     pipeline = tiny_pipeline(tmp_path, omni_cache_dir)
     temp = tmp_path / "tmp"
     temp.mkdir()
-    up = await asyncio.create_subprocess_exec(
-        OMNI,
-        "up",
-        str(pipeline),
-        "--port",
-        "0",
-        "--prompt",
-        "Hi",
-        "--max-tokens",
-        "2",
-        "--out",
-        str(tmp_path / "out"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "TMPDIR": str(temp)},
-    )
-    _out, err = await asyncio.wait_for(up.communicate(), 240)
-    assert up.returncode == 0, err.decode()
+    args = ("--prompt", "Hi", "--max-tokens", "2", "--out", str(tmp_path / "out"))
+    code, err = await up_to_the_end(str(pipeline), *args, env={**os.environ, "TMPDIR": str(temp)})
+    assert code == 0, err
     assert not [p for p in temp.iterdir() if p.name.startswith("omni-up-")]
 
 
@@ -94,25 +76,9 @@ async def test_up_refuses_an_edge_transform_its_stage_does_not_offer(
             }
         )
     )
-    up = await asyncio.create_subprocess_exec(
-        OMNI,
-        "up",
-        str(pipeline),
-        "--port",
-        "0",
-        "--run-dir",
-        str(tmp_path / "run"),
-        stdout=asyncio.subprocess.DEVNULL,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        _out, err = await asyncio.wait_for(up.communicate(), 240)
-    finally:
-        if up.returncode is None:
-            up.kill()
-            await up.wait()
-    assert up.returncode == 2, err.decode()
+    code, err = await up_to_the_end(str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert code == 2, err
     assert (
         "stage talker failed: edge thinker -> talker: stage talker does not offer "
-        "transform 'rot13'" in err.decode()
+        "transform 'rot13'" in err
     )

@@ -6,9 +6,10 @@ turns them into gRPC server arguments once.
 Why each one: a connection costs a file descriptor, and a process out of
 descriptors can neither accept clients nor dial its stages; an open stream
 costs a call and its task even when it never sends a byte. So connections are
-capped below the descriptor limit (``connection_cap``), a stream that sends no
-message within ``first_message_timeout_s`` is ended (``rpc/reads.py``), and a
-connection with no call left is closed after ``max_connection_idle_s``.
+capped below the descriptor limit (``connection_cap``), a call that sends no
+message within ``first_message_timeout_s`` is ended (a unary call, or a
+stranger's stream: ``rpc/reads.py``), and a connection with no call left is
+closed after ``max_connection_idle_s``.
 
 What gRPC (1.85) cannot do: cap connections or streams per peer. The cap is per
 server, so one address holding it keeps others out until its connections are
@@ -37,12 +38,12 @@ class ConnectionLimits(BaseModel):
     max_streams_per_connection: int = Field(256, ge=1)
     # Calls the server runs at once, all connections together; beyond: RESOURCE_EXHAUSTED.
     max_calls: int = Field(10_000, ge=1)
-    # A call whose first message has not arrived by then ends DEADLINE_EXCEEDED.
+    # A unary call (or a stranger's stream) with no message by then: DEADLINE_EXCEEDED.
     first_message_timeout_s: float = Field(30.0, gt=0)
     # A connection that has not finished its TLS and HTTP/2 handshake by then is closed.
     handshake_timeout_s: float = Field(10.0, gt=0)
     # A connection without a call for this long is closed (GOAWAY).
-    max_connection_idle_s: float = Field(300.0, gt=0)
+    max_connection_idle_s: float = Field(60.0, gt=0)
     # Every connection gets a GOAWAY at this age (None: never); its calls then have
     # the grace to finish (None: as long as they take) before it is closed.
     max_connection_age_s: float | None = Field(None, gt=0)

@@ -6,9 +6,11 @@
   reads its requests itself: the auth interceptor, which runs first, refuses a
   stranger on its metadata alone and nothing of its message is read (HTTP/2 flow
   control holds the rest at the sender).
-- **The first message in time.** A call whose first message has not arrived
-  within ``first_message_timeout_s`` ends DEADLINE_EXCEEDED: a stream that opens
-  and says nothing would otherwise hold its call and task for ever.
+- **The first message in time.** A unary call whose message has not arrived
+  within ``first_message_timeout_s`` ends DEADLINE_EXCEEDED, and so does a
+  stranger's stream (reflection, say): a call that opens and says nothing would
+  otherwise hold its call and task for ever. A known caller's stream may wait:
+  the orchestrator opens a consuming stage's stream while the producer works.
 - **A unary request paid for before it is read.** gRPC buffers up to the receive
   limit whatever the method, so that much is reserved from an ``InputBudget``
   first (RESOURCE_EXHAUSTED, nothing read, when the budget is spent), then only
@@ -77,8 +79,15 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         if handler.request_streaming:
-            return _streaming(handler, self.first)
+            return _streaming(handler, self.stream_head)
         return _unary(handler, self.read_one)
+
+    async def stream_head(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        """A stream's first message (``END`` if none), within the first-message
+        timeout for a stranger; ``None`` for a known caller (nothing is awaited)."""
+        if self._auth.principal(context) is not None:
+            return None
+        return await self.first(requests)
 
     async def first(self, requests: AsyncIterator[Any]) -> Any:
         """The first message (``END`` if none), within the first-message timeout."""
@@ -124,14 +133,14 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _streaming(
-    handler: grpc.RpcMethodHandler, first: Callable[[AsyncIterator[Any]], Awaitable[Any]]
+    handler: grpc.RpcMethodHandler, head_of: Callable[[AsyncIterator[Any], Any], Awaitable[Any]]
 ) -> grpc.RpcMethodHandler:
     async def requests_from(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
         try:
-            head = await first(requests)
+            head = await head_of(requests, context)
         except OmniError as exc:
             await abort_rpc(context, exc)
-        return _then(head, requests)
+        return requests if head is None else _then(head, requests)
 
     if handler.response_streaming:
         inner_ss = handler.stream_stream
