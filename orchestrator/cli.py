@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tls",
         action="store_true",
         help="make a throwaway mesh CA: mTLS and a mesh token between orchestrator and "
-        "stages, TLS and an admin bearer token at the front door (files in RUN_DIR/pki)",
+        "stages, TLS at the front door with the tokens of OMNI_TOKENS_FILE and an admin "
+        "token (files in RUN_DIR/pki, removed at stop). A tokens file alone turns on the "
+        "mesh token and client tokens without TLS",
     )
     up.add_argument("--run-dir", type=Path, help="where stage logs go (default: a temp dir)")
     up.add_argument("--prompt", help="answer this prompt once ready, then stop everything")
