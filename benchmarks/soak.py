@@ -36,6 +36,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,7 @@ class Minute:
     requests: int = 0
     first_try: int = 0
     hostile: list[str] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)  # of the ordinary that failed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -136,15 +138,18 @@ class Soak:
                     "Count to ten.", request_id=rid, params={"max_tokens": 8}, timeout_s=30
                 ).collect()
                 ok = result.ok
-                code = result.done.code_name if result.done is not None else ""
-                retry = code == "UNAVAILABLE"
+                done = result.done
+                code = f"{done.code_name}: {done.message[:80]}" if done is not None else "no Done"
             except grpc.aio.AioRpcError as exc:
-                retry = exc.code() == grpc.StatusCode.UNAVAILABLE
+                code = f"{exc.code().name}: {(exc.details() or '')[:80]}"
+            retry = code.startswith("UNAVAILABLE")
             if not ok and not retry:
                 break
             if not ok:
                 await asyncio.sleep(0.5)
         self.minute.requests += 1
+        if not ok:
+            self.minute.errors[code] += 1
         if ok:
             self.minute.latencies.append((time.monotonic() - began) * 1e3)
             self.minute.first_try += tries == 1
@@ -228,10 +233,12 @@ class Soak:
                 "stage MB": stage_mb,
                 "stage fds": stage_fds,
                 "hostile": ", ".join(m.hostile),
+                "errors": dict(m.errors),
             }
         )
         row = self.rows[-1]
-        print(f"minute {minute}: " + ", ".join(f"{c} {row[c]}" for c in COLUMNS[1:]), flush=True)
+        shown = ", ".join(f"{c} {row[c]}" for c in COLUMNS[1:])
+        print(f"minute {minute}: {shown}; errors {row['errors']}", flush=True)
         self.minute = Minute()
 
     async def run(self) -> dict[str, Any]:

@@ -44,16 +44,19 @@ class InputBudget:
         self._lock = threading.Lock()
         self._on_release = on_release
 
-    def account(self, limit: int, key: str = "runtime.max_input_bytes") -> StreamAccount:
-        """A new stream's account, capped at ``limit`` bytes."""
-        return StreamAccount(self, limit, key)
+    def account(
+        self, limit: int, key: str = "runtime.max_input_bytes", holder: str = "stream"
+    ) -> StreamAccount:
+        """A new stream's account (or a ``holder``'s: a caller's, say), capped at
+        ``limit`` bytes."""
+        return StreamAccount(self, limit, key, holder)
 
     def _take(self, account: StreamAccount, nbytes: int, field: str) -> None:
         with self._lock:
             if account.held + nbytes > account.limit:
                 raise ResourceExhausted(
-                    f"{field}: {nbytes} more input bytes would pass this stream's cap; it "
-                    f"holds {account.held} of at most {account.limit} ({account.key})",
+                    f"{field}: {nbytes} more input bytes would pass this {account.holder}'s "
+                    f"cap; it holds {account.held} of at most {account.limit} ({account.key})",
                     field=field,
                 )
             if self.held + nbytes > self.limit:
@@ -77,9 +80,10 @@ class InputBudget:
 class StreamAccount:
     """What one Generate stream holds; ``close`` gives all of it back."""
 
-    def __init__(self, budget: InputBudget, limit: int, key: str) -> None:
+    def __init__(self, budget: InputBudget, limit: int, key: str, holder: str = "stream") -> None:
         self.limit = limit
         self.key = key
+        self.holder = holder
         self.held = 0
         self._budget = budget
 

@@ -13,11 +13,14 @@
   the orchestrator opens a consuming stage's stream while the producer works.
 - **A unary request paid for before it is read.** gRPC buffers up to the receive
   limit whatever the method, so that much is reserved from an ``InputBudget``
-  first (RESOURCE_EXHAUSTED, nothing read, when the budget is spent), then only
-  the message's own size until the call ends. A known caller (its token or mesh
-  certificate; everyone, with auth off) draws on the budget the server is given
-  (the orchestrator's: its unary Generate counts with its clients' chunks; none
-  for a stage). A stranger, who reaches only the open methods (health,
+  first, then only the message's own size until the call ends. A call finding
+  the budget spent waits for it (a burst of small calls only queues) until its
+  first-message deadline, then ends RESOURCE_EXHAUSTED with nothing read. A
+  known caller (its token or mesh certificate) draws on the budget the server is
+  given (the orchestrator's: its unary Generate counts with its clients' chunks;
+  none for a stage), at most a quarter of it (``CALLER_SHARE``) at once, so one
+  caller's slow sends cannot starve the others; with auth off, each client host
+  is a caller. A stranger, who reaches only the open methods (health,
   reflection), draws on a budget of its own, ``OPEN_READS`` messages of the
   largest size: strangers together never hold more, and never spend the budget
   of the callers who have credentials.
@@ -29,18 +32,29 @@ flight per stream); whoever holds them once read charges them (chunks, windows).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from services.mesh.data.byte_budget import InputBudget, StreamAccount
-from services.mesh.errors import DeadlineExceeded, InvalidArgument, OmniError, abort_rpc
+from services.mesh.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    OmniError,
+    ResourceExhausted,
+    abort_rpc,
+)
 from services.mesh.rpc.decoding import replies
 from services.mesh.security import Authenticator
 
 # Open-method messages of the largest size read at once (health, reflection).
 OPEN_READS = 8
+# A known caller reserves at most this fraction of the server's budget at once.
+CALLER_SHARE = 4
+BUDGET_POLL_S = 0.05  # a read waiting for budget looks again (other holders free it too)
+Release = Callable[[], None]  # gives back what a call holds
 
 
 class _End:
@@ -69,6 +83,11 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
         self._timeout_s = first_message_timeout_s
         self._budget = budget
         self.open_budget = InputBudget(OPEN_READS * receive_bytes, "the open methods' reads")
+        self._strangers = self.open_budget.account(
+            self.open_budget.limit, self.open_budget.key, "stranger"
+        )
+        self._callers: dict[str, StreamAccount] = {}  # known callers holding reads now
+        self._freed = asyncio.Event()  # a read gave budget back
 
     async def intercept_service(
         self,
@@ -89,10 +108,13 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
             return None
         return await self.first(requests)
 
-    async def first(self, requests: AsyncIterator[Any]) -> Any:
-        """The first message (``END`` if none), within the first-message timeout."""
+    async def first(self, requests: AsyncIterator[Any], deadline: float | None = None) -> Any:
+        """The first message (``END`` if none), by ``deadline`` (loop time; default:
+        the first-message timeout from now)."""
+        loop = asyncio.get_running_loop()
+        left = self._timeout_s if deadline is None else max(deadline - loop.time(), 0.0)
         try:
-            return await asyncio.wait_for(anext(aiter(requests)), self._timeout_s)
+            return await asyncio.wait_for(anext(aiter(requests)), left)
         except StopAsyncIteration:
             return END
         except TimeoutError:
@@ -102,20 +124,55 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
                 field="request",
             ) from None
 
+    def _account(self, context: grpc.aio.ServicerContext) -> tuple[str, StreamAccount | None]:
+        """Who pays for this call's reads ("" for strangers) and from what (None: nothing)."""
+        principal = self._auth.principal(context)
+        if principal is None:
+            return "", self._strangers
+        if self._budget is None:
+            return "", None
+        caller = principal.name if self._auth.enabled else _host(context.peer())
+        account = self._callers.get(caller)
+        if account is None:
+            share = max(self._receive_bytes, self._budget.limit // CALLER_SHARE)
+            key = f"a quarter of {self._budget.key}"
+            account = self._callers[caller] = self._budget.account(share, key, "caller")
+        return caller, account
+
+    def _release(self, caller: str, account: StreamAccount, nbytes: int) -> None:
+        account.release(nbytes)
+        if nbytes:
+            self._freed.set()
+        if caller and not account.held:  # a caller holding nothing is forgotten
+            self._callers.pop(caller, None)
+
+    async def _reserve(self, account: StreamAccount, nbytes: int, deadline: float) -> None:
+        """Charge ``nbytes``, waiting for them until ``deadline`` (then the refusal)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                account.reserve(nbytes, "request")
+                return
+            except ResourceExhausted:
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise
+            self._freed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), min(left, BUDGET_POLL_S))
+
     async def read_one(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
-    ) -> tuple[Any, StreamAccount | None]:
-        """A unary call's one message, paid for (the account: close it when the
-        call ends); raises an OmniError (RESOURCE_EXHAUSTED: nothing was read)."""
-        known = self._auth.principal(context) is not None
-        budget = self._budget if known else self.open_budget
+    ) -> tuple[Any, Release | None]:
+        """A unary call's one message, paid for (call the release when the call
+        ends); raises an OmniError (RESOURCE_EXHAUSTED: nothing was read)."""
+        caller, account = self._account(context)
         reserve = self._receive_bytes
-        account = None
-        if budget is not None:
-            account = budget.account(reserve, budget.key)
-            account.reserve(reserve, "request")
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        if account is not None:
+            await self._reserve(account, reserve, deadline)
         try:
-            request = await self.first(requests)
+            request = await self.first(requests, deadline)
             if request is END:
                 raise InvalidArgument("request: expected a message, got none", field="request")
             # Read to the end of the requests: a reader left waiting keeps the
@@ -125,11 +182,18 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
                 raise InvalidArgument("request: expected one message", field="request")
         except BaseException:
             if account is not None:
-                account.close()
+                self._release(caller, account, reserve)
             raise
-        if account is not None:
-            account.release(max(reserve - request.ByteSize(), 0))
-        return request, account
+        if account is None:
+            return request, None
+        size = min(request.ByteSize(), reserve)
+        self._release(caller, account, reserve - size)
+        return request, lambda: self._release(caller, account, size)
+
+
+def _host(peer: str) -> str:
+    """The host of a gRPC peer ("ipv4:10.0.0.7:5123", "ipv6:[::1]:5123", "unix:...")."""
+    return peer.rpartition(":")[0] or peer
 
 
 def _streaming(
@@ -171,11 +235,11 @@ async def _then(head: Any, requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-Read = Callable[[AsyncIterator[Any], Any], Awaitable[tuple[Any, StreamAccount | None]]]
+Read = Callable[[AsyncIterator[Any], Any], Awaitable[tuple[Any, Release | None]]]
 
 
 def _unary(handler: grpc.RpcMethodHandler, read: Read) -> grpc.RpcMethodHandler:
-    async def one(requests: AsyncIterator[Any], context: Any) -> tuple[Any, StreamAccount | None]:
+    async def one(requests: AsyncIterator[Any], context: Any) -> tuple[Any, Release | None]:
         try:
             return await read(requests, context)
         except OmniError as exc:
@@ -185,13 +249,13 @@ def _unary(handler: grpc.RpcMethodHandler, read: Read) -> grpc.RpcMethodHandler:
         inner_us = handler.unary_stream
 
         async def unary_stream(requests: AsyncIterator[Any], context: Any) -> Any:
-            request, account = await one(requests, context)
+            request, release = await one(requests, context)
             try:
                 async for reply in replies(inner_us(request, context)):
                     yield reply
             finally:
-                if account is not None:
-                    account.close()
+                if release is not None:
+                    release()
 
         return grpc.stream_stream_rpc_method_handler(
             unary_stream, handler.request_deserializer, handler.response_serializer
@@ -199,12 +263,12 @@ def _unary(handler: grpc.RpcMethodHandler, read: Read) -> grpc.RpcMethodHandler:
     inner_uu = handler.unary_unary
 
     async def unary_unary(requests: AsyncIterator[Any], context: Any) -> Any:
-        request, account = await one(requests, context)
+        request, release = await one(requests, context)
         try:
             return await inner_uu(request, context)
         finally:
-            if account is not None:
-                account.close()
+            if release is not None:
+                release()
 
     return grpc.stream_unary_rpc_method_handler(
         unary_unary, handler.request_deserializer, handler.response_serializer
