@@ -251,5 +251,8 @@ capabilities:
 {{- with .Values.pipeline.watchdog -}}
 {{- $_ := set $pipeline "watchdog" . -}}
 {{- end -}}
+{{- with .Values.pipeline.runtime -}}
+{{- $_ := set $pipeline "runtime" . -}}
+{{- end -}}
 {{- toYaml $pipeline -}}
 {{- end -}}

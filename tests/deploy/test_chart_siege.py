@@ -1,13 +1,15 @@
-"""The chart's generated mesh token: on by default, so stages serve the mesh alone
-even where a NetworkPolicy is not enforced; a named auth secret replaces it, and
-`auth.meshToken: false` turns it off."""
+"""What issue 19 added to the chart: a generated mesh token, on by default, so
+stages serve the mesh alone even where a NetworkPolicy is not enforced (a named
+auth secret replaces it, `auth.meshToken: false` turns it off); and the
+pipeline's `runtime` limits passed to the orchestrator."""
 
 from __future__ import annotations
 
 import base64
 
+from orchestrator.pipeline import parse_pipeline
 from tests.deploy.chart import render
-from tests.deploy.test_chart import TLS, by_kind, containers
+from tests.deploy.test_chart import TLS, by_kind, config_file, containers
 
 
 def test_the_mesh_token_is_on_by_default_from_a_generated_secret() -> None:
@@ -30,3 +32,11 @@ def test_the_mesh_token_is_on_by_default_from_a_generated_secret() -> None:
     for container, _ in containers(off).values():
         assert not any(e["name"] == "OMNI_MESH_TOKEN_FILE" for e in container["env"])
     assert not by_kind(render(TLS), "Secret")  # the named secret holds it
+
+
+def test_the_pipeline_runtime_reaches_the_orchestrator() -> None:
+    runtime = {"max_message_bytes": 16 << 20, "connections": {"max_connections": 1024}}
+    docs = render({"pipeline": {"runtime": runtime}})
+    pipeline = parse_pipeline(config_file(docs, "omni-pipeline", "pipeline.yaml"), "rendered")
+    assert pipeline.runtime.max_message_bytes == 16 << 20
+    assert pipeline.runtime.connections.max_connections == 1024
