@@ -75,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         "--tls",
         action="store_true",
         help="make a throwaway mesh CA: mTLS and a mesh token between orchestrator and "
-        "stages, TLS and an admin bearer token at the front door (files in RUN_DIR/pki)",
+        "stages, TLS at the front door with the tokens of OMNI_TOKENS_FILE and an admin "
+        "token (files in RUN_DIR/pki, removed at stop). A tokens file alone turns on the "
+        "mesh token and client tokens without TLS",
     )
     up.add_argument("--run-dir", type=Path, help="where stage logs go (default: a temp dir)")
     once_or_served = up.add_mutually_exclusive_group()
@@ -130,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         os.execv(sys.executable, [sys.executable, "-m", "services.gateway", *argv[1:]])
     args = _parser().parse_args(argv)
     if args.command in ("orchestrator", "up"):
-        keep_freed_memory()  # relayed tensor chunks reuse warm buffers
+        # Relayed tensor chunks (1 MiB) reuse warm buffers; at most 16 MiB freed is
+        # kept atop each heap, so a burst of large client messages does not stay
+        # resident in gRPC's thread arenas (malloc_trim cannot reach their tops).
+        keep_freed_memory(trim_threshold=16 << 20)
     if args.command == "stage":
         from orchestrator.commands import run_stage
 

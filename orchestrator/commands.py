@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
 import uuid
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -31,6 +32,9 @@ from services.mesh.security import (
     mesh_dialing,
 )
 from services.mesh.telemetry import tracing
+
+if TYPE_CHECKING:
+    from orchestrator.stages.launcher import Launcher
 
 logger = logging.getLogger("orchestrator")
 
@@ -234,49 +238,97 @@ async def up(
     http: int | None = None,
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
-    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. ``tls``: a
-    throwaway mesh CA, mTLS and a mesh token inside, TLS and an admin token outside.
-    ``http``: also an `omni gateway` process on that port, in front of the orchestrator."""
+    then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. A tokens file
+    (the pipeline's, or OMNI_TOKENS_FILE) or ``tls`` turns on auth end to end
+    (``stages/mesh_pki.py``). Exit codes: 2 a bad pipeline or stage file (an
+    edge's transform its stage does not offer included), 1 any other failure.
+    A run folder made here is removed after a clean run, kept (with its logs)
+    after a failure; the tokens and keys in it are removed either way. ``http``:
+    also an `omni gateway` process on that port, in front of the orchestrator."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.stages.launcher import Launcher, default_mesh_id
-    from orchestrator.stages.progress import ProgressView
+    from orchestrator.stages.mesh_pki import mesh_trust
 
     try:
         pipeline = load_pipeline(pipeline_path)
+        settings = pipeline.security.with_env()
         tracing.setup(f"omni-orchestrator-{pipeline.name}")  # the stages set up their own
     except (ConfigError, ValueError) as exc:
         print(f"omni up: {exc}", file=sys.stderr)
         return 2
+    made = run_dir is None
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="omni-up-"))
+    launched = [s.name for s in pipeline.stages if s.launch is not None]
+    try:
+        trust = mesh_trust(run_dir, launched, host, settings, tls=tls)
+    except (ConfigError, ValueError) as exc:
+        print(f"omni up: {exc}", file=sys.stderr)
+        return 2
     dialing = PLAINTEXT
     secured: dict[str, Any] = {}
-    ca: Path | None = None
-    if tls:
-        from orchestrator.stages.mesh_pki import make_mesh_pki
-
-        launched = [s.name for s in pipeline.stages if s.launch is not None]
-        pki = make_mesh_pki(run_dir, launched, host)
-        secured = {"security": pki.orchestrator, "stage_env": pki.stage_env}
-        token = pki.admin_token_file.read_text().strip()
-        dialing = client_dialing(token=token, ca=pki.ca)
-        ca = pki.ca
+    if trust is not None:
+        secured = {"security": trust.orchestrator, "stage_env": trust.stage_env}
+        dialing = client_dialing(token=trust.admin_token, ca=trust.ca)
+        front = f"TLS (CA {trust.ca})" if trust.ca else "plaintext"
         print(
-            f"omni up: TLS on: CA {pki.ca}, admin token in {pki.admin_token_file}",
+            f"omni up: auth on: mesh token between orchestrator and stages; front door "
+            f"{front}, admin token in {trust.admin_token_file}",
             file=sys.stderr,
             flush=True,
         )
-    launcher = Launcher(
-        pipeline, run_dir=run_dir, mesh_id=default_mesh_id(), host=host, port=port, **secured
-    )
-    gateway: GatewayProcess | None = None
+    code = 1
+    try:
+        code = await _run_up(
+            Launcher(
+                pipeline,
+                run_dir=run_dir,
+                mesh_id=default_mesh_id(),
+                host=host,
+                port=port,
+                **secured,
+            ),
+            prompt,
+            out,
+            max_tokens,
+            dialing,
+            http=http,
+            ca=trust.ca if trust is not None else None,
+        )
+        return code
+    finally:
+        if trust is not None:
+            trust.remove()
+        if made and code == 0:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        tracing.shutdown()
+
+
+async def _run_up(
+    launcher: Launcher,
+    prompt: str | None,
+    out: Path,
+    max_tokens: int | None,
+    dialing: Dialing,
+    *,
+    http: int | None = None,
+    ca: Path | None = None,
+) -> int:
+    from orchestrator.stages.processes import ServiceExited
+    from orchestrator.stages.progress import ProgressView
+
+    pipeline, run_dir = launcher.pipeline, launcher.run_dir
     stop = stop_on_signals()
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
     began = time.monotonic()
+    gateway: GatewayProcess | None = None
     try:
         try:
             server = await launcher.start()
-        except (OSError, RuntimeError) as exc:  # a port in use, a stage that did not start
+        except ServiceExited as exc:  # a stage that did not start: 2 for a bad stage file
+            print(f"omni up: {exc}", file=sys.stderr)
+            return 2 if exc.code == 2 else 1
+        except (OSError, RuntimeError, ConfigError) as exc:  # a port in use, a bad token file
             print(f"omni up: {exc}", file=sys.stderr)
             return 1
         while True:
@@ -288,7 +340,7 @@ async def up(
                 for status in failed:
                     print(f"stage {status.name} failed: {status.message}", file=sys.stderr)
                 print(f"stage logs: {run_dir}", file=sys.stderr)
-                return 1
+                return 2 if server.misconfigured else 1
             if all(s.state == orchestrator_pb2.STAGE_READY for s in statuses):
                 await server.wait_ready()  # and described: the orchestrator serves now
                 break
@@ -310,7 +362,7 @@ async def up(
                 launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing
             )
         if http is not None:
-            gateway = await _start_gateway(launcher.address, host, http, ca, run_dir)
+            gateway = await _start_gateway(launcher.address, launcher.host, http, ca, run_dir)
             if gateway is None:
                 return 1
         await stop.wait()
@@ -320,4 +372,3 @@ async def up(
         if gateway is not None:
             await gateway.stop()
         await launcher.stop()
-        tracing.shutdown()

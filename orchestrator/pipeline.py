@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError, ValidationError
 
+from orchestrator.front_door import OrchestratorRuntime
 from services.mesh import config_files
 from services.mesh.config_files import ConfigError, Frozen
 from services.mesh.security import SecuritySettings
@@ -152,6 +153,8 @@ class PipelineConfig(Frozen):
     # TLS, tokens and the pause limit (services.mesh.security); OMNI_* env and
     # flags of `omni orchestrator serve` override it.
     security: SecuritySettings = SecuritySettings()
+    # What clients may hold: message sizes, input budgets, connections (front_door.py).
+    runtime: OrchestratorRuntime = OrchestratorRuntime()
 
     @model_validator(mode="after")
     def _graph(self) -> PipelineConfig:

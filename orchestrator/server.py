@@ -8,6 +8,7 @@ thin adapters over these (``orchestrator.servicer``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -15,14 +16,17 @@ from typing import Any
 import grpc
 
 from orchestrator.pipeline import PipelineConfig
+from orchestrator.requests.flow import unoffered
 from orchestrator.requests.router import Router
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.chunks import CHUNK_BYTES
+from services.mesh.data.malloc import FreedMemory
 from services.mesh.data.node import mesh_id
 from services.mesh.data.ref_reader import RefReader
+from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
 from services.mesh.rpc.stage_client import StageClient
@@ -60,9 +64,6 @@ class OrchestratorServer:
         mesh: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         security: SecuritySettings | None = None,
-        max_message_bytes: int = 64 << 20,
-        max_input_bytes: int = 256 << 20,
-        max_process_input_bytes: int = 1 << 30,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -73,15 +74,29 @@ class OrchestratorServer:
         # Events buffered per client stream before the stages are held back.
         self.client_watermarks = (client_high_watermark, client_low_watermark)
         # The front door: no client message beyond this (gRPC answers RESOURCE_EXHAUSTED
-        # before it is read), nor more chunked input held at once on one stream.
-        self.max_message_bytes = max_message_bytes
-        self.max_input_bytes = max_input_bytes
-        # ... and no more chunked input held by all client streams together.
-        self.input_budget = InputBudget(max_process_input_bytes, "max_process_input_bytes")
+        # before it is read), nor more chunked input held at once on one stream...
+        runtime = pipeline.runtime
+        self.max_message_bytes = runtime.max_message_bytes
+        self.max_input_bytes = runtime.max_input_bytes
+        # ... and no more client input (unary messages, chunks, windows) held at once
+        # by the whole process; a burst of large inputs, once given back, is given
+        # back to the system too (malloc keeps freed buffers otherwise).
+        self.freed = FreedMemory()
+        self.input_budget = InputBudget(
+            runtime.max_process_input_bytes,
+            "runtime.max_process_input_bytes",
+            on_release=self.freed.released,
+        )
         # The pipeline file's security section, then OMNI_* env (a mounted secret).
         self.security = security or pipeline.security.with_env()
         self.authenticator = orchestrator_authenticator(self.security)
         dialing = mesh_dialing(self.security)
+        if self.authenticator.enabled and dialing.token is None and dialing.credentials is None:
+            logger.warning(
+                "client tokens are on but there is no mesh token nor TLS toward the stages: "
+                "a stage without its own auth serves anyone who reaches its port "
+                "(set security.mesh_token_file here and in every stage, or use omni up)"
+            )
         addresses = {s.name: s.address or "" for s in pipeline.stages}
         self.clients = {
             name: StageClient(address, dialing, route_by_health=True)
@@ -106,6 +121,9 @@ class OrchestratorServer:
         # What each stage says of itself once READY (Describe): where it runs (who
         # can open whose refs) and the transforms it offers.
         self.descriptions: dict[str, stage_pb2.StageDescription] = {}
+        # Stages the pipeline cannot use as they are (an edge's transform they do
+        # not offer), with why: a configuration error, not the stage's failure.
+        self.misconfigured: dict[str, str] = {}
         refs = RefReader(mesh or mesh_id())
         self.router = Router(
             pipeline,
@@ -133,11 +151,12 @@ class OrchestratorServer:
         return self._not_ready_reason(stage) is None
 
     async def _describe(self, name: str) -> None:
-        """Learn what a READY stage says of itself; retried while it stays READY."""
+        """Learn what a READY stage says of itself; retried while it stays READY.
+        A stage that does not offer its incoming edge's transform is failed."""
         delay = 0.2
         while self.monitors[name].ready and name not in self.descriptions:
             try:
-                self.descriptions[name] = await self.clients[name].describe()
+                description = await self.clients[name].describe()
             except grpc.aio.AioRpcError as exc:
                 code = exc.code().name
                 logger.warning(
@@ -145,6 +164,16 @@ class OrchestratorServer:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                continue
+            edge = self.pipeline.incoming(name)
+            problem = None if edge is None else unoffered(edge, description)
+            if problem is not None:
+                logger.error("pipeline %s: %s", self.pipeline.name, problem)
+                self.misconfigured[name] = problem
+                self.monitors[name].refuse(problem)
+                break
+            self.misconfigured.pop(name, None)
+            self.descriptions[name] = description
         await self._update_health()
 
     def _on_change(self, status: orchestrator_pb2.StageStatus) -> None:
@@ -186,6 +215,8 @@ class OrchestratorServer:
             ORCHESTRATOR,
             AuthInterceptor(self.authenticator, RULES),
             max_receive_bytes=self.max_message_bytes,
+            limits=self.pipeline.runtime.connections,
+            budget=self.input_budget,
         )
         servicer = OrchestratorServicer(self)
         rpc.add(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer)
@@ -202,11 +233,16 @@ class OrchestratorServer:
         return self.port
 
     async def wait_ready(self, timeout_s: float | None = None) -> None:
-        """Every stage READY and described (a stage's init failure raises)."""
+        """Every stage READY and described; InitFailed if a stage's init failed or a
+        stage cannot take its incoming edge (``misconfigured``)."""
 
         async def ready() -> None:
             await asyncio.gather(*(m.wait_ready() for m in self.monitors.values()))
-            await self._serving.wait()
+            while not self._serving.is_set():
+                if self.misconfigured:
+                    raise InitFailed("; ".join(self.misconfigured.values()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._serving.wait(), 0.1)
 
         await asyncio.wait_for(ready(), timeout_s)
 
@@ -225,3 +261,4 @@ class OrchestratorServer:
             await self._rpc.stop(grace_s)
         for client in self.clients.values():
             await client.close()
+        self.freed.cancel()

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from orchestrator.requests.client_input import (
+    check_abort_ids,
     check_stage_params,
     refusal,
     refuse_refs,
@@ -26,7 +27,7 @@ from orchestrator.requests.client_input import (
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.submits import from_client
 from orchestrator.stages.monitor import StageMonitor
-from services.mesh.errors import OmniError, end_with
+from services.mesh.errors import OmniError, abort_rpc, end_with
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.security import Principal
@@ -53,6 +54,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> AsyncIterator[orchestrator_pb2.GenerateEvent]:
         rid = request.request_id or uuid.uuid4().hex
         sink = EventSink(*self._server.client_watermarks)
+        caller = self._caller(context)
         try:
             check_request_id(rid, "request_id")
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
@@ -62,7 +64,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 single(from_client(rid, request)),
                 dict(request.stage_params),
                 sink,
-                owner=self._caller(context),
+                owner=caller,
                 timeout_s=context.time_remaining(),
             )
         except OmniError as exc:
@@ -81,7 +83,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     return
         finally:
             if not finished:
-                self._router.cancel_silently(rid)
+                self._router.cancel_silently(rid, caller)
 
     async def GenerateStream(
         self,
@@ -104,6 +106,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def Abort(
         self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.AbortResponse:
+        # Checked before anything is echoed back: the reply is as small as the ids may be.
+        try:
+            check_abort_ids(request.request_ids)
+        except OmniError as exc:
+            await abort_rpc(context, exc)
         # Another client's request is reported not found, as if it did not exist.
         aborted, not_found = self._router.abort(list(request.request_ids), self._caller(context))
         return stage_pb2.AbortResponse(aborted=aborted, not_found=not_found)

@@ -90,6 +90,16 @@ dns:///{{ include "omni.fullname" $root }}-{{ .name }}.{{ $root.Release.Namespac
 {{- toYaml $file -}}
 {{- end -}}
 
+{{/* The Secret holding the mesh token (key mesh-token): auth.secretName, else the
+one the chart generates (auth.meshToken), else none ("": stages take any caller). */}}
+{{- define "omni.meshTokenSecret" -}}
+{{- if .Values.auth.secretName -}}
+{{- .Values.auth.secretName -}}
+{{- else if .Values.auth.meshToken -}}
+{{- printf "%s-mesh-token" (include "omni.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* Env every container gets. */}}
 {{- define "omni.commonEnv" -}}
 - name: OMNI_MESH_ID
@@ -114,7 +124,7 @@ dns:///{{ include "omni.fullname" $root }}-{{ .name }}.{{ $root.Release.Namespac
 - name: OMNI_TLS_CA
   value: /etc/omni/tls/ca.crt
 {{- end }}
-{{- if .Values.auth.secretName }}
+{{- if include "omni.meshTokenSecret" . }}
 - name: OMNI_MESH_TOKEN_FILE
   value: /etc/omni/auth/mesh-token
 {{- end }}
@@ -240,6 +250,9 @@ capabilities:
 {{- end -}}
 {{- with .Values.pipeline.watchdog -}}
 {{- $_ := set $pipeline "watchdog" . -}}
+{{- end -}}
+{{- with .Values.pipeline.runtime -}}
+{{- $_ := set $pipeline "runtime" . -}}
 {{- end -}}
 {{- toYaml $pipeline -}}
 {{- end -}}

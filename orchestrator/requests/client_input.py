@@ -5,7 +5,7 @@ here (it never reaches the router); every other request gets it from the router.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
@@ -30,6 +30,19 @@ def refuse_refs(inputs: stage_pb2.StageInputs, field: str = "inputs") -> None:
                 f"{name}: tensor refs are only accepted from inside the mesh; send bytes",
                 field=name,
             )
+
+
+MAX_ABORT_IDS = 256  # ids one Abort may name (its reply names each once)
+
+
+def check_abort_ids(request_ids: Sequence[str]) -> None:
+    if len(request_ids) > MAX_ABORT_IDS:
+        raise InvalidArgument(
+            f"request_ids: expected at most {MAX_ABORT_IDS} ids, got {len(request_ids)}",
+            field="request_ids",
+        )
+    for index, rid in enumerate(request_ids):
+        check_request_id(rid, f"request_ids[{index}]")
 
 
 def check_stage_params(params: Params, stages: Collection[str], field: str) -> None:
@@ -86,7 +99,8 @@ class _StreamReader:
         self._stages = stages
         # Unfinished chunks count against the stream's cap and, with every other
         # client stream's, against the server's (``budget``).
-        self._account = None if budget is None else budget.account(max_bytes, "max_input_bytes")
+        key = "runtime.max_input_bytes"
+        self._account = None if budget is None else budget.account(max_bytes, key)
         self._chunks = ChunkAssembler(max_bytes, self._account)
         self.feeds: dict[str, Feed] = {}  # input still open
         self.open: set[str] = set()  # started here, Done not yet seen
@@ -141,7 +155,7 @@ class _StreamReader:
         except OmniError as exc:
             if started:  # the request is running: it ends with this error, once
                 self._close_feed(rid)
-                self._router.fail(rid, exc)
+                self._router.fail(rid, exc, self._owner)
             else:
                 await self._sink.put(refusal(rid, exc))
             return
@@ -153,7 +167,7 @@ class _StreamReader:
                 self._account.reserve(charged, "submit.inputs")
         except ResourceExhausted as exc:
             self._close_feed(rid)
-            self._router.fail(rid, exc)
+            self._router.fail(rid, exc, self._owner)
             return
         self.feeds[rid].put_nowait((submit, charged))
         if submit.is_last:
@@ -226,4 +240,4 @@ async def stream_requests(
         await asyncio.gather(task, return_exceptions=True)
         reader.discard()
         for rid in list(reader.open):
-            router.cancel_silently(rid)
+            router.cancel_silently(rid, owner)

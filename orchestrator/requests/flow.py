@@ -60,6 +60,18 @@ def transform_needs(
     return None
 
 
+def unoffered(edge: Edge, description: stage_pb2.StageDescription | None) -> str | None:
+    """Why ``edge`` cannot carry requests into its stage (``description``: what that
+    stage says of itself): a transform it does not offer; None when it can."""
+    if transform_needs(description, edge.transform) is not None:
+        return None
+    offered = sorted(t.name for t in description.transforms) if description else []
+    return (
+        f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer transform "
+        f"{edge.transform!r} (it offers: {', '.join(offered) or 'none'})"
+    )
+
+
 class RequestFlow:
     def __init__(
         self,
@@ -72,12 +84,15 @@ class RequestFlow:
         stage_params: Mapping[str, stage_pb2.GenerationParams],
         clock: Callable[[], float] = time.monotonic,
         *,
+        stage_id: str = "",
         describe: Describe = lambda _stage: None,
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
         deadline: float | None = None,
     ) -> None:
-        self.request_id = request_id
+        self.request_id = request_id  # the client's: in every event it gets
+        # What the stages know the request by: unique in the mesh (the router's making).
+        self.stage_id = stage_id or request_id
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
         self._topology = topology
         self._clients = clients
@@ -108,7 +123,7 @@ class RequestFlow:
             async with asyncio.timeout(left):
                 async with asyncio.TaskGroup() as tasks:
                     for stage in self._topology.order:
-                        tasks.create_task(self._stage(stage), name=f"{self.request_id}@{stage}")
+                        tasks.create_task(self._stage(stage), name=f"{self.stage_id}@{stage}")
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
@@ -154,7 +169,7 @@ class RequestFlow:
         # One consumer on this node that can open shared blocks: tensors go by ref.
         described = self._describe(children[0].to) if len(children) == 1 else None
         consumer = described.node if described is not None else None
-        return StageSubmits(self.request_id, frozenset(asks), consumer, self.deadline)
+        return StageSubmits(self.stage_id, frozenset(asks), consumer, self.deadline)
 
     def _outgoing(
         self, stage: str, submits: StageSubmits, submit: stage_pb2.Submit
@@ -175,19 +190,19 @@ class RequestFlow:
         params = self._params.get(stage)
         name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
-            submit = from_window(self.request_id, window, edge.transform or "", params)
+            submit = from_window(self.stage_id, window, edge.transform or "", params)
             submit = self._outgoing(stage, submits, submit)
             with observe.window_span(name, submit):
                 yield submit
             lane.taken(window)
 
     async def _stage(self, stage: str) -> None:
-        with observe.stage_span(self.request_id, stage):
+        with observe.stage_span(self.stage_id, stage):
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: str) -> None:
         client = self._clients[stage]
-        channel = await self._streams.join(stage, self.request_id)
+        channel = await self._streams.join(stage, self.stage_id)
         self.active_stages.add(stage)
         writer = asyncio.create_task(self._write(stage, channel))
         try:
@@ -251,7 +266,7 @@ class RequestFlow:
             channel.taken(output)  # handed on: the stage may send another
 
     async def _to_client(self, stage: str, output: stage_pb2.StageOutput) -> None:
-        event = _event(stage, output)
+        event = _event(stage, output, self.request_id)
         if event.WhichOneof("kind") == "segment":
             tensors = event.segment.tensors
             if not self._client_hidden.get(stage, False):
@@ -274,7 +289,7 @@ class RequestFlow:
 
     async def release_shared(self) -> None:
         """Tell the stages that handed over shared blocks that the request is over."""
-        request = stage_pb2.ReleaseTensorsRequest(request_id=self.request_id)
+        request = stage_pb2.ReleaseTensorsRequest(request_id=self.stage_id)
 
         async def release(stage: str) -> None:
             try:
@@ -282,7 +297,7 @@ class RequestFlow:
             except grpc.aio.AioRpcError as exc:  # its TTL frees them
                 logger.info(
                     "request %s: release on stage %s failed: %s",
-                    self.request_id,
+                    self.stage_id,
                     stage,
                     exc.code().name,
                 )
@@ -290,8 +305,14 @@ class RequestFlow:
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
 
 
-def _event(stage: str, output: stage_pb2.StageOutput) -> orchestrator_pb2.GenerateEvent:
+def _event(
+    stage: str, output: stage_pb2.StageOutput, request_id: str
+) -> orchestrator_pb2.GenerateEvent:
+    """A stage's output as the client's event, under the client's own request id."""
     event = orchestrator_pb2.GenerateEvent(stage=stage)
     kind = output.WhichOneof("kind")
-    getattr(event, kind).CopyFrom(getattr(output, kind))
+    message = getattr(event, kind)
+    message.CopyFrom(getattr(output, kind))
+    if kind in ("segment", "progress", "completed"):
+        message.request_id = request_id
     return event

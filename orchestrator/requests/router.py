@@ -2,12 +2,20 @@
 holds new ones while generation is paused, and fails the ones a lost stage held.
 
 Every request ends in exactly one Done on its sink, whatever happens.
+
+A request id is its caller's: requests are kept by (caller, id), so one caller's
+ids never collide with, wait on or reveal another's, and the stages see a
+mesh-unique id of the orchestrator's making (``stage_id``: a prefix unique to
+this router, then the client's id, cut to the length a stage takes), which
+never leaves the mesh: every event a client gets carries its own id.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -16,7 +24,7 @@ from dataclasses import dataclass
 from orchestrator.pipeline import PipelineConfig, Topology
 from orchestrator.requests import observe
 from orchestrator.requests.errors import NotStarted
-from orchestrator.requests.flow import Describe, RequestFlow, transform_needs
+from orchestrator.requests.flow import Describe, RequestFlow, unoffered
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
 from services.mesh import errors
@@ -27,10 +35,10 @@ from services.mesh.errors import (
     FailedPrecondition,
     InvalidArgument,
     OmniError,
-    PermissionDenied,
     Unavailable,
 )
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.rpc.request_ids import MAX_REQUEST_ID
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import ANONYMOUS, Principal
 
@@ -38,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 # The reason a stage cannot take requests now, or None when it is ready.
 Readiness = Callable[[str], str | None]
+Key = tuple[str, str]  # (the caller's name, its request id)
 
 
 @dataclass
@@ -78,7 +87,10 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         # What recent requests moved: wire bytes read from each stage, by request id.
         self.recent_bytes: OrderedDict[str, dict[str, int]] = OrderedDict()
-        self._running: dict[str, RouterEntry] = {}
+        self._running: dict[Key, RouterEntry] = {}
+        # Stage ids: unique to this router (several orchestrators may share a stage).
+        self._tag = secrets.token_hex(4)
+        self._serial = itertools.count(1)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.completed = 0
@@ -133,10 +145,13 @@ class Router:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
         ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
         ``id_field``: where the client's message holds the id (named if refused)."""
-        if request_id in self._running:
+        key = (owner.name, request_id)
+        if key in self._running:
+            # Only the caller's own ids can collide: this tells it nothing of others'.
             raise InvalidArgument(
                 f"{id_field}: {request_id!r} is already in flight", field=id_field
             )
+        prefix = f"{self._tag}{next(self._serial):x}-"
         flow = RequestFlow(
             request_id,
             self._topology,
@@ -146,19 +161,20 @@ class Router:
             entry_inputs,
             stage_params,
             self._clock,
+            stage_id=(prefix + request_id)[:MAX_REQUEST_ID],
             describe=self._describe,
             refs=self._refs,
             chunk_bytes=self._chunk_bytes,
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
         )
-        task = asyncio.create_task(self._run(flow, sink), name=f"request-{request_id}")
-        self._running[request_id] = RouterEntry(flow, task, owner)
+        task = asyncio.create_task(self._run(key, flow, sink), name=f"request-{flow.stage_id}")
+        self._running[key] = RouterEntry(flow, task, owner)
 
-    async def _run(self, flow: RequestFlow, sink: EventSink) -> None:
+    async def _run(self, key: Key, flow: RequestFlow, sink: EventSink) -> None:
         with observe.request_span(flow.request_id):
-            await self._drive(flow, sink)
+            await self._drive(key, flow, sink)
 
-    async def _drive(self, flow: RequestFlow, sink: EventSink) -> None:
+    async def _drive(self, key: Key, flow: RequestFlow, sink: EventSink) -> None:
         rid = flow.request_id
         began = self._clock()
         client_blocked = sink.blocked_s
@@ -178,12 +194,12 @@ class Router:
         except NotStarted as refused:
             done = errors.done(rid, refused, refused.stage)
         except asyncio.CancelledError:
-            running = self._running.get(rid)
+            running = self._running.get(key)
             if running is None or running.stopped_by is None:
                 raise  # the client went away: nobody to tell
             done = errors.done(rid, running.stopped_by, running.stopped_at)
         finally:
-            self._running.pop(rid, None)
+            self._running.pop(key, None)
             self._after(flow)
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
@@ -192,7 +208,7 @@ class Router:
         logger.log(
             level,
             "request %s: %s in %.0f ms %s",
-            rid,
+            flow.stage_id,
             done.code_name or "OK",
             done.total_ms,
             done.message,
@@ -200,20 +216,13 @@ class Router:
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
 
     def _check_transforms(self) -> None:
-        """Every edge's transform must be one its consuming stage offers."""
+        """Every edge's transform must be one its consuming stage offers (the server
+        fails such a stage at start-up; this covers a request that raced it)."""
         for stage in self._topology.order:
             for edge in self._topology.children[stage]:
-                description = self._describe(edge.to)
-                if transform_needs(description, edge.transform) is not None:
-                    continue
-                offered = sorted(t.name for t in description.transforms) if description else []
-                raise NotStarted(
-                    edge.to,
-                    FailedPrecondition(
-                        f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer "
-                        f"transform {edge.transform!r} (it offers: {', '.join(offered) or 'none'})"
-                    ),
-                )
+                problem = unoffered(edge, self._describe(edge.to))
+                if problem is not None:
+                    raise NotStarted(edge.to, FailedPrecondition(problem))
 
     def _after(self, flow: RequestFlow) -> None:
         self.recent_bytes[flow.request_id] = dict(flow.bytes_in)
@@ -227,45 +236,38 @@ class Router:
     def abort(
         self, request_ids: list[str], caller: Principal = ANONYMOUS
     ) -> tuple[list[str], list[str]]:
-        """Abort the requests ``caller`` may abort (its own; any, for an admin).
-        Another caller's request is reported not found: its id tells nothing."""
-        aborted, not_found = [], []
+        """Abort the requests ``caller`` may abort: its own (an admin: everyone's of
+        that id). Another caller's request is reported not found: its id tells nothing."""
+        aborted: list[str] = []
+        not_found: list[str] = []
         for rid in request_ids:
-            if self.may_abort(rid, caller) and self.fail(
-                rid, Cancelled(f"request {rid} was aborted")
-            ):
-                aborted.append(rid)
-            else:
-                not_found.append(rid)
+            keys = [(caller.name, rid)]
+            if caller.admin:
+                keys = [key for key in self._running if key[1] == rid]
+            stopped = [k for k in keys if self._fail(k, Cancelled(f"request {rid} was aborted"))]
+            (aborted if stopped else not_found).append(rid)
         return aborted, not_found
 
-    def may_abort(self, request_id: str, caller: Principal) -> bool:
-        running = self._running.get(request_id)
-        return running is not None and (caller.admin or running.owner.name == caller.name)
-
-    def check_owner(self, request_id: str, caller: Principal) -> None:
-        """Raise PermissionDenied unless ``caller`` may abort ``request_id``."""
-        if request_id in self._running and not self.may_abort(request_id, caller):
-            raise PermissionDenied(
-                f"request_id: {request_id!r} belongs to another client", field="request_id"
-            )
-
-    def cancel_silently(self, request_id: str) -> None:
+    def cancel_silently(self, request_id: str, owner: Principal = ANONYMOUS) -> None:
         """The client is gone: stop everything the request holds, report nothing."""
-        running = self._running.get(request_id)
+        running = self._running.get((owner.name, request_id))
         if running is not None:
             running.task.cancel()
 
     def stage_lost(self, stage: str, message: str) -> int:
         """Fail at once every request a lost stage holds; returns how many."""
-        lost = [rid for rid, r in self._running.items() if stage in r.flow.active_stages]
-        for rid in lost:
-            self.fail(rid, Unavailable(message), stage)
+        lost = [key for key, r in self._running.items() if stage in r.flow.active_stages]
+        for key in lost:
+            self._fail(key, Unavailable(message), stage)
         return len(lost)
 
-    def fail(self, rid: str, error: OmniError, stage: str = "") -> bool:
-        """End a running request with ``error`` (its one Done says so); False if unknown."""
-        running = self._running.get(rid)
+    def fail(self, request_id: str, error: OmniError, owner: Principal = ANONYMOUS) -> bool:
+        """End ``owner``'s running request with ``error`` (its one Done says so);
+        False if it has none of that id."""
+        return self._fail((owner.name, request_id), error)
+
+    def _fail(self, key: Key, error: OmniError, stage: str = "") -> bool:
+        running = self._running.get(key)
         if running is None:
             return False
         if running.stopped_by is None:  # the first reason is the one reported
@@ -273,8 +275,14 @@ class Router:
         running.task.cancel()
         return True
 
+    def stage_id(self, request_id: str, owner: Principal = ANONYMOUS) -> str | None:
+        """What the stages know ``owner``'s request by, while it is in flight."""
+        running = self._running.get((owner.name, request_id))
+        return None if running is None else running.flow.stage_id
+
     def __contains__(self, request_id: str) -> bool:
-        return request_id in self._running
+        """Whether any caller has a request of this id in flight."""
+        return any(rid == request_id for _owner, rid in self._running)
 
     async def stop(self) -> None:
         tasks = [r.task for r in self._running.values()]

@@ -54,7 +54,7 @@ def from_window(
 class StageSubmits:
     """What the orchestrator adds to every Submit of one request to one stage."""
 
-    request_id: str
+    request_id: str  # the stage id (RequestFlow.stage_id)
     asks: frozenset[str] = frozenset()  # GenerationParams flags the consumers need set
     consumer: tensor_pb2.NodeIdentity | None = None  # one consumer that may open refs
     deadline: float | None = None  # the client's, in time.monotonic()
@@ -63,7 +63,9 @@ class StageSubmits:
     def outgoing(self, submit: stage_pb2.Submit) -> stage_pb2.Submit:
         """``submit`` completed for the wire (in place): call it once per Submit, in
         order, before the window's own span opens, so that the stage's spans hang
-        under the orchestrator's span of that stage and not under a window's."""
+        under the orchestrator's span of that stage and not under a window's. It
+        goes under the request's stage id, whatever id the client gave it."""
+        submit.request_id = self.request_id
         for param in sorted(self.asks):
             setattr(submit.params, param, True)
         if self.consumer is not None:

@@ -20,12 +20,21 @@ CONFIRM_POLL_S = 0.1  # how often ``not_serving`` asks again while it may wait
 
 class HealthProbe:
     """One stage's health, asked on ``channel`` every ``poll_s`` when watching,
-    each Check given ``timeout_s``."""
+    each Check given ``timeout_s`` and ``metadata`` (the mesh token: the stage
+    then counts it as the mesh's, not a stranger's, whatever strangers do)."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, poll_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        poll_s: float,
+        timeout_s: float,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         self._health = health_pb2_grpc.HealthStub(channel)
         self._poll_s = poll_s
         self._timeout_s = timeout_s
+        self._metadata = metadata
 
     async def not_serving(self, within_s: float = 0.0) -> str:
         """Why the stage is not SERVING ("" when it is), asked until ``within_s`` passed."""
@@ -34,7 +43,9 @@ class HealthProbe:
         request = health_pb2.HealthCheckRequest(service=STAGE_SERVICE)
         while True:
             try:
-                reply = await self._health.Check(request, timeout=self._timeout_s)
+                reply = await self._health.Check(
+                    request, timeout=self._timeout_s, metadata=self._metadata
+                )
             except grpc.aio.AioRpcError as exc:
                 return f"unreachable ({exc.code().name})"
             if reply.status == SERVING:

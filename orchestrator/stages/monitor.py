@@ -12,6 +12,9 @@ the watchdog could next fail and publishes the countdown. States (StageState):
 - DOWN: was READY, now NOT_SERVING or unreachable; reconnects with backoff. The same
   process answering SERVING again is READY again (a network blip); a new process
   (a STARTING with a new wall time) starts a fresh watchdog attempt: STARTING → READY.
+
+A READY stage the pipeline cannot use as it is (an edge's transform it does not
+offer: ``refuse``) shows FAILED with the reason until a new process appears.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class StageMonitor:
         self._health_timeout_s = health_timeout_s
         self._watchdog = Watchdog(target.name, target.settings, clock)
         self._down: str | None = None  # why a READY stage is DOWN now
+        self._refused: str | None = None  # why the pipeline cannot use this process
         self._client: StageClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._feed = StatusFeed(target.name)
@@ -109,9 +113,17 @@ class StageMonitor:
     @property
     def status(self) -> orchestrator_pb2.StageStatus:
         status = self._watchdog.status(self.target.address)
-        if self._down is not None and status.state == READY:
+        if self._refused is not None and status.state == READY:
+            status.state, status.message = FAILED, self._refused
+        elif self._down is not None and status.state == READY:
             status.state, status.message = DOWN, self._down
         return status
+
+    def refuse(self, reason: str) -> None:
+        """FAILED with ``reason`` (the pipeline's, not the stage's fault) until a new
+        process of the stage appears."""
+        self._refused = reason
+        self._publish()
 
     @property
     def ready(self) -> bool:
@@ -215,6 +227,7 @@ class StageMonitor:
             client.serving_channel,
             poll_s=self._health_poll_s,
             timeout_s=self._health_timeout_s,
+            metadata=client.metadata,
         )
         try:
             await self._follow_init_or_a_serving_replica(client, health)
@@ -269,7 +282,7 @@ class StageMonitor:
                     self.target.name,
                     self.target.address,
                 )
-                self._down = None
+                self._down = self._refused = None
                 self._watchdog.restart()
                 self._recorded_mono = -1.0
             self._record_phase(event)

@@ -17,6 +17,15 @@ from services.mesh import environment
 logger = logging.getLogger(__name__)
 
 
+class ServiceExited(RuntimeError):
+    """The server exited before binding; ``code`` is its exit status (a stage: 1 a
+    taken port, 2 a bad stage file)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class ServiceProcess(abc.ABC):
     """A server child process (port 0 picks a free one; a restart reuses the port)."""
 
@@ -77,9 +86,10 @@ class ServiceProcess(abc.ABC):
         if not text.startswith("listening "):
             code = await self._proc.wait()
             said = self._said_since(log_from)
-            raise RuntimeError(
+            raise ServiceExited(
                 f"{self.config}: the server exited with {code} before binding"
-                + (f": {said}" if said else "")
+                + (f": {said}" if said else ""),
+                code,
             )
         self.address = text.removeprefix("listening ")
         self.port = int(self.address.rsplit(":", 1)[1])

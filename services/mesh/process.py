@@ -1,5 +1,6 @@
-"""What every Omni Mesh server process does the same way: log to stderr, and
-run until SIGTERM or SIGINT asks it to stop (the up command uses these too)."""
+"""What every Omni Mesh server process does the same way: log to stderr, use
+every file descriptor it is allowed, and run until SIGTERM or SIGINT asks it to
+stop (the up command uses these too)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import signal
 import sys
 
 from services.mesh import environment
+
+logger = logging.getLogger(__name__)
 
 
 def configure_logging() -> None:
@@ -21,6 +25,27 @@ def configure_logging() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+
+
+# Where the hard limit is "unlimited", the soft one is raised this far (Linux
+# refuses more than fs.nr_open, 1,048,576 by default).
+_UNLIMITED_DESCRIPTORS = 1 << 20
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the soft limit on open file descriptors to the hard one; returns the
+    soft limit now. Each client connection holds a descriptor, and the usual soft
+    limit (1,024) is what a few idle connections per client exhaust; the hard
+    limit is what an operator meant to allow. Idempotent; children inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = _UNLIMITED_DESCRIPTORS if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logger.warning("cannot raise the descriptor limit from %d to %d: %s", soft, target, exc)
+    return _UNLIMITED_DESCRIPTORS if soft == resource.RLIM_INFINITY else soft
 
 
 _PR_SET_PDEATHSIG = 1

@@ -15,6 +15,7 @@ from services.engines.registry import ENGINES, engine_class, is_plugin, settings
 from services.mesh import config_files, environment
 from services.mesh.config_files import Frozen
 from services.mesh.data.chunks import CHUNK_BYTES
+from services.mesh.rpc.limits import ConnectionLimits
 from services.mesh.security import SecuritySettings
 
 
@@ -54,6 +55,9 @@ class Runtime(Frozen):
     # Windows one request may have buffered before its last (each costs objects too).
     max_input_windows: int = Field(4096, ge=1)
     chunk_bytes: int = Field(CHUNK_BYTES, ge=1024)  # inline tensors above this go as chunks
+    # Connections, streams, idle and first-message limits of the stage's server
+    # (services/mesh/rpc/limits.py), as the pipeline file's runtime.connections.
+    connections: ConnectionLimits = ConnectionLimits()
 
     @property
     def uses_device_lock(self) -> bool:

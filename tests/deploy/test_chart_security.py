@@ -35,8 +35,7 @@ def test_tls_secret_and_otlp_endpoint_reach_every_container() -> None:
             assert auth["secret"]["items"] == [{"key": "mesh-token", "path": "mesh-token"}]
     for container, _ in containers(render()).values():
         assert not any(
-            e["name"].startswith(("OMNI_TLS", "OTEL", "OMNI_MESH_TOKEN", "OMNI_TOKENS"))
-            for e in container["env"]
+            e["name"].startswith(("OMNI_TLS", "OTEL", "OMNI_TOKENS")) for e in container["env"]
         )
 
 

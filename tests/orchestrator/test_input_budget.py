@@ -1,5 +1,6 @@
-"""The orchestrator's front door holds a bounded amount of clients' chunked input:
-per stream and for all streams together, given back when a stream ends."""
+"""The orchestrator's front door holds a bounded amount of clients' input (chunks,
+waiting windows, unary messages): per stream and for all streams together, given
+back when a stream ends."""
 
 from __future__ import annotations
 
@@ -30,9 +31,13 @@ async def barrier(call, rid: str) -> list[orchestrator_pb2.GenerateEvent]:
 
 
 async def test_unfinished_client_chunks_are_capped_across_streams(stages) -> None:
-    config = pipeline(stages, ["thinker"], [])
-    options = {"max_input_bytes": 8 * MIB, "max_process_input_bytes": 12 * MIB}
-    async with orchestrator(config, **options) as (server, client):
+    runtime = {
+        "max_message_bytes": 4 * MIB,
+        "max_input_bytes": 8 * MIB,
+        "max_process_input_bytes": 12 * MIB,
+    }
+    config = pipeline(stages, ["thinker"], [], runtime=runtime)
+    async with orchestrator(config) as (server, client):
         first = client.stub.GenerateStream()
         await first.write(first_chunk("a", 7 * MIB))
         await barrier(first, "sync-a")
@@ -62,8 +67,8 @@ def window(rid: str, sequence: int, nbytes: int) -> orchestrator_pb2.StreamInput
 
 
 async def test_windows_waiting_for_a_paused_mesh_are_capped_per_stream(stages) -> None:
-    config = pipeline(stages, ["thinker"], [])
-    async with orchestrator(config, max_input_bytes=8 * MIB) as (server, client):
+    config = pipeline(stages, ["thinker"], [], runtime={"max_input_bytes": 8 * MIB})
+    async with orchestrator(config) as (server, client):
         server.router.pause()  # nothing reaches the stages: windows wait in the orchestrator
         call = client.stub.GenerateStream()
         for sequence in range(3):

@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 import torch
 
-from orchestrator.client import Result
+from orchestrator.client import AsyncClient, Result
+from orchestrator.server import OrchestratorServer
+from services.mesh.errors import InitFailed
+from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.tensors import codec
 from tests.helpers.shm_blocks import blocks_of
 from tests.orchestrator.conftest import RENDER_DIM, THINK_TO_RENDER, orchestrator, pipeline
@@ -127,12 +131,24 @@ async def test_the_stages_say_which_transforms_exist_and_what_they_need(stages) 
         }
         assert offered["hidden_states_to_prompt_embeds"] == ["hidden_states"]
         assert offered["tokens"] == [] and offered["text"] == []
+    # An edge naming a transform its stage does not offer fails start-up: that stage
+    # shows FAILED naming the edge, health is NOT_SERVING, requests are refused.
     edges = [{"from": "thinker", "to": "talker", "transform": "no_such_transform"}]
-    config = pipeline(stages, ["thinker", "talker"], edges)
-    async with orchestrator(config) as (_server, client):
-        result = await client.generate("Hi", params={"max_tokens": 2}).collect()
-    assert result.done.code_name == "FAILED_PRECONDITION" and result.done.stage == "talker"
-    assert "thinker -> talker: stage talker does not offer transform 'no_such_transform'" in (
-        result.done.message
-    )
-    assert "hidden_states_to_prompt_embeds" in result.done.message  # what it does offer
+    server = OrchestratorServer(pipeline(stages, ["thinker", "talker"], edges))
+    port = await server.start("127.0.0.1", 0)
+    try:
+        with pytest.raises(InitFailed, match="does not offer"):
+            await server.wait_ready(60)
+        assert server.misconfigured.keys() == {"talker"}
+        async with AsyncClient(f"127.0.0.1:{port}") as client:
+            talker = {s.name: s for s in await client.list_stages()}["talker"]
+            assert talker.state == orchestrator_pb2.STAGE_FAILED
+            assert "thinker -> talker: stage talker does not offer transform " in talker.message
+            assert "'no_such_transform'" in talker.message
+            assert "hidden_states_to_prompt_embeds" in talker.message  # what it does offer
+            assert not await client.serving()
+            result = await client.generate("Hi", params={"max_tokens": 2}).collect()
+        assert result.done.code_name == "UNAVAILABLE" and result.done.stage == "talker"
+        assert "does not offer transform 'no_such_transform'" in result.done.message
+    finally:
+        await server.stop(1.0)

@@ -124,9 +124,10 @@ async def test_a_slow_request_pauses_alone_on_the_shared_stream(stages) -> None:
         first = await slow.get()
         assert first is not None and first.WhichOneof("kind") == "segment"
         thinker = servers["thinker"].runtime.requests
+        a_id = router.stage_id("A")  # what the stages know A by
 
         async def paused() -> bool:
-            record = thinker.live("A")
+            record = thinker.live(a_id)
             return record is not None and record.credit is not None and record.credit.left == 0
 
         await wait_for(paused, 60)
@@ -137,7 +138,7 @@ async def test_a_slow_request_pauses_alone_on_the_shared_stream(stages) -> None:
         assert b.ok, b.done
         assert len(in_order(b, "thinker")) == 24 and in_order(b, "talker")
         # A is still paused: nothing of it piled up in the orchestrator meanwhile.
-        record = thinker.live("A")
+        record = thinker.live(a_id)
         assert record is not None and record.credit is not None and record.credit.left == 0
         assert len(slow) <= 2 + 1  # the sink's high watermark, and a progress/chunk at most
         assert "A" in router
@@ -168,11 +169,12 @@ async def test_a_paused_streaming_input_request_does_not_stop_its_stream(stages)
         slow = EventSink(2, 1)
         router.start("A", single(chat_submit("A", "Write at length.", max_tokens=200)), {}, slow)
         thinker, decoder = servers["thinker"].runtime.requests, servers["decoder"].runtime.requests
+        a_id = router.stage_id("A")
 
         async def paused() -> bool:
-            record = decoder.live("A")
+            record = decoder.live(a_id)
             # Every window of A has been sent on (the thinker is done with it).
-            sent = thinker.live("A") is None
+            sent = thinker.live(a_id) is None
             return (
                 sent
                 and record is not None
@@ -198,6 +200,7 @@ async def test_cancel_of_one_request_leaves_the_others_running(stages) -> None:
         for rid, sink in sinks.items():
             submit = chat_submit(rid, "Write at length.", max_tokens=40 if rid != "B" else 3000)
             server.router.start(rid, single(submit), {}, sink)
+        b_id = server.router.stage_id("B")  # what the stages know B by
         first = await sinks["B"].get()
         assert first is not None and first.WhichOneof("kind") == "segment"
         aborted = await client.abort("B")
@@ -210,7 +213,7 @@ async def test_cancel_of_one_request_leaves_the_others_running(stages) -> None:
             assert len(in_order(result, "thinker")) == 40
         # The stages dropped B (the Cancel went on the shared stream) and the
         # stream itself goes on: the next request needs no new one.
-        assert servers["thinker"].runtime.requests.live("B") is None
+        assert b_id is not None and servers["thinker"].runtime.requests.live(b_id) is None
         again = await client.generate("Hi", params={"max_tokens": 4}).collect()
         assert again.ok and server.router.streams.opened == {"thinker": 1, "talker": 1}
 

@@ -43,7 +43,9 @@ def tiny_pipeline(folder: Path, cache_dir: Path, **runtime: object) -> Path:
 
 
 @asynccontextmanager
-async def omni_up(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+async def omni_up(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     up = await asyncio.create_subprocess_exec(
         OMNI,
         "up",
@@ -52,6 +54,7 @@ async def omni_up(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process,
         "0",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.DEVNULL,
+        env=env,
     )
     try:
         assert up.stdout is not None
@@ -61,6 +64,30 @@ async def omni_up(*args: str) -> AsyncIterator[tuple[asyncio.subprocess.Process,
         if up.returncode is None:
             up.send_signal(signal.SIGTERM)
         await asyncio.wait_for(up.wait(), 60)
+
+
+async def up_to_the_end(
+    *args: str, env: dict[str, str] | None = None, timeout_s: float = 240
+) -> tuple[int, str]:
+    """`omni up ARGS --port 0` run to its end: its exit code and what it said on stderr."""
+    up = await asyncio.create_subprocess_exec(
+        OMNI,
+        "up",
+        *args,
+        "--port",
+        "0",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        _out, err = await asyncio.wait_for(up.communicate(), timeout_s)
+    finally:
+        if up.returncode is None:
+            up.kill()
+            await up.wait()
+    assert up.returncode is not None
+    return up.returncode, err.decode()
 
 
 def listening(address: str) -> bool:
@@ -159,20 +186,8 @@ async def test_up_with_a_broken_launch_file_reports_the_stage_error(
     pipeline.write_text(
         yaml.safe_dump({"name": "broken", "stages": [{"name": "thinker", "launch": str(stage)}]})
     )
-    up = await asyncio.create_subprocess_exec(
-        OMNI,
-        "up",
-        str(pipeline),
-        "--port",
-        "0",
-        "--run-dir",
-        str(tmp_path / "run"),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _out, err = await asyncio.wait_for(up.communicate(), 120)
-    assert up.returncode == 1
-    text = err.decode()
+    code, text = await up_to_the_end(str(pipeline), "--run-dir", str(tmp_path / "run"))
+    assert code == 2  # a bad stage file, as `omni stage` itself says
     assert "exited with 2 before binding" in text
     assert f"omni stage: {stage}: engine_args.no_such_key: unknown key; expected one of" in text
 

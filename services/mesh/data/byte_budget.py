@@ -11,14 +11,18 @@ before anything is kept; every charge is given back when what it paid for is
 gone (a chunk resolved, a request ended on any path, a stream closed).
 
 The stage charges chunks, windows and running requests' inputs
-(services/stage/serving/generate_rpc.py); the orchestrator charges its clients' chunks.
-Charges come from the event loop and from threads that decode inputs, so the
-counters are guarded by one lock.
+(services/stage/serving/generate_rpc.py); the orchestrator charges its clients'
+chunks, and both servers every unary request message while it is read and held
+(services/mesh/rpc/reads.py). Charges come from the event loop and from threads
+that decode inputs, so the counters are guarded by one lock. ``on_release`` hears
+of every byte given back (the orchestrator then returns freed memory to the
+system after a burst: services/mesh/data/malloc.py).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from services.mesh.errors import ResourceExhausted
 
@@ -27,22 +31,32 @@ class InputBudget:
     """The process's cap; ``held`` is what every stream holds together. ``key`` and
     each account's ``key`` name the settings in refusals."""
 
-    def __init__(self, limit: int, key: str = "runtime.max_process_input_bytes") -> None:
+    def __init__(
+        self,
+        limit: int,
+        key: str = "runtime.max_process_input_bytes",
+        *,
+        on_release: Callable[[int], None] | None = None,
+    ) -> None:
         self.limit = limit
         self.key = key
         self.held = 0
         self._lock = threading.Lock()
+        self._on_release = on_release
 
-    def account(self, limit: int, key: str = "runtime.max_input_bytes") -> StreamAccount:
-        """A new stream's account, capped at ``limit`` bytes."""
-        return StreamAccount(self, limit, key)
+    def account(
+        self, limit: int, key: str = "runtime.max_input_bytes", holder: str = "stream"
+    ) -> StreamAccount:
+        """A new stream's account (or a ``holder``'s: a caller's, say), capped at
+        ``limit`` bytes."""
+        return StreamAccount(self, limit, key, holder)
 
     def _take(self, account: StreamAccount, nbytes: int, field: str) -> None:
         with self._lock:
             if account.held + nbytes > account.limit:
                 raise ResourceExhausted(
-                    f"{field}: {nbytes} more input bytes would pass this stream's cap; it "
-                    f"holds {account.held} of at most {account.limit} ({account.key})",
+                    f"{field}: {nbytes} more input bytes would pass this {account.holder}'s "
+                    f"cap; it holds {account.held} of at most {account.limit} ({account.key})",
                     field=field,
                 )
             if self.held + nbytes > self.limit:
@@ -59,14 +73,17 @@ class InputBudget:
             nbytes = min(nbytes, account.held)
             account.held -= nbytes
             self.held -= nbytes
+        if self._on_release is not None and nbytes > 0:
+            self._on_release(nbytes)
 
 
 class StreamAccount:
     """What one Generate stream holds; ``close`` gives all of it back."""
 
-    def __init__(self, budget: InputBudget, limit: int, key: str) -> None:
+    def __init__(self, budget: InputBudget, limit: int, key: str, holder: str = "stream") -> None:
         self.limit = limit
         self.key = key
+        self.holder = holder
         self.held = 0
         self._budget = budget
 

@@ -10,12 +10,18 @@ malloc kept (benchmarks/transport.py). ``keep_freed_memory`` serves allocations
 up to ``mmap_threshold`` from malloc's heap and keeps up to ``trim_threshold``
 freed bytes mapped for reuse: the price is that a process keeps that much more
 memory resident after a peak. Not glibc: nothing changes.
+
+``FreedMemory`` bounds that price: once a burst of large inputs has been given
+back (a client's 60 MB messages, say), it asks malloc to return every free page
+to the system (``malloc_trim``), so the peak does not stay resident.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -40,3 +46,64 @@ def keep_freed_memory(
     if not done:
         logger.info("malloc: thresholds not taken; large buffers stay fresh mmaps")
     return done
+
+
+def trim() -> bool:
+    """Return free heap memory of every arena to the system; True if any was."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes = [ctypes.c_size_t]
+    return bool(malloc_trim(0))
+
+
+class FreedMemory:
+    """Trims the heap once a burst of large buffers is over: when ``after_bytes``
+    were freed (``released``, from any thread), ``quiet_s`` after the last of them,
+    or ``most_s`` after the first under a steady stream; off the event loop."""
+
+    def __init__(
+        self, after_bytes: int = 64 << 20, quiet_s: float = 2.0, most_s: float = 10.0
+    ) -> None:
+        self._after = after_bytes
+        self._quiet_s = quiet_s
+        self._most_s = most_s
+        self._freed = 0
+        self._first = self._last = 0.0
+        self._timer: threading.Timer | None = None
+        self._lock = threading.Lock()
+        self.trims = 0
+
+    def released(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not self._freed:
+                self._first = now
+            self._freed += nbytes
+            self._last = now
+            if self._freed >= self._after and self._timer is None:
+                self._start(self._quiet_s)
+
+    def _start(self, delay_s: float) -> None:
+        self._timer = threading.Timer(delay_s, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _fire(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            wait = min(self._last + self._quiet_s, self._first + self._most_s) - now
+            if wait > 0:  # still freeing: the burst is not over
+                self._start(wait)
+                return
+            freed, self._freed, self._timer = self._freed, 0, None
+        trim()
+        self.trims += 1
+        logger.debug("malloc: trimmed the heap after %d freed bytes", freed)
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None

@@ -86,7 +86,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
 
         async def stream_stream(requests: AsyncIterator[Any], context: Any) -> Any:
             try:
-                async for reply in _replies(inner_ss(frames(requests), context)):
+                async for reply in replies(inner_ss(frames(requests), context)):
                     yield reply
             except UndecodableFrame as exc:
                 await abort_rpc(context, exc)
@@ -108,7 +108,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         async def unary_stream(request: Any, context: Any) -> Any:
             if isinstance(request, Undecodable):
                 await abort_rpc(context, UndecodableFrame(message, request))
-            async for reply in _replies(inner_us(request, context)):
+            async for reply in replies(inner_us(request, context)):
                 yield reply
 
         return grpc.unary_stream_rpc_method_handler(unary_stream, decode, serialize)
@@ -122,7 +122,7 @@ def _strict(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
     return grpc.unary_unary_rpc_method_handler(unary_unary, decode, serialize)
 
 
-async def _replies(result: Any) -> AsyncIterator[Any]:
+async def replies(result: Any) -> AsyncIterator[Any]:
     """A streaming behaviour's replies: it is an async generator, or a coroutine that
     writes its replies itself with ``context.write`` (grpc's aio health Watch)."""
     if inspect.isawaitable(result):

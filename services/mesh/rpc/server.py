@@ -2,10 +2,15 @@
 
 Every server gets the same things, set here once: keepalive (idle clients are
 pinged, so a vanished client's streams end; clients may ping every second), a
-receive limit, the decoding interceptor (an undecodable frame is INVALID_ARGUMENT
-naming the message) then the auth interceptor, gRPC health (one servicer, also
-behind an optional plaintext probe port) and reflection. The caller adds its
-own servicer and decides what health says.
+receive limit, the connection limits (``rpc/limits.py``: connections capped below
+the descriptor limit, which is first raised to the hard one; streams per
+connection; idle connections closed), the decoding interceptor (an undecodable
+frame is INVALID_ARGUMENT naming the message), then the auth interceptor, then
+the reads interceptor (``rpc/reads.py``: no message read before the caller is
+checked, the first one within a deadline, a unary one paid for from an input
+budget before it is read), gRPC health (one servicer, also behind an optional
+plaintext probe port) and reflection. The caller adds its own servicer and
+decides what health says.
 
 The probe port (``--health-port``): with TLS on, a stage requires a client
 certificate and the orchestrator a TLS handshake on their main port, but
@@ -26,7 +31,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.mesh.data.byte_budget import InputBudget
+from services.mesh.process import raise_descriptor_limit
 from services.mesh.rpc.decoding import DecodingInterceptor, request_names
+from services.mesh.rpc.limits import ConnectionLimits
+from services.mesh.rpc.reads import ReadsInterceptor
+from services.mesh.security import AuthInterceptor
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +56,10 @@ SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+# The plaintext probe port: a probe dials, asks, hangs up.
+PROBE_LIMITS = ConnectionLimits(
+    max_connections=64, max_streams_per_connection=4, max_calls=64, max_connection_idle_s=60.0
+)
 
 
 def bind(
@@ -72,28 +86,42 @@ class MeshServer:
     """A gRPC server with the mesh's options, interceptors, health and reflection.
 
     ``service``: the full name of the one service it serves (its descriptor);
-    ``auth``: the interceptor that checks each caller; ``options``: gRPC server
-    arguments of this server beyond the common ones."""
+    ``auth``: the interceptor that checks each caller; ``limits``: what callers
+    may hold; ``budget``: what the service's unary requests are charged to while
+    read and held (None: nothing); ``options``: gRPC server arguments of this
+    server beyond the common ones (they win over ``limits``)."""
 
     def __init__(
         self,
         service: Any,
-        auth: grpc.aio.ServerInterceptor,
+        auth: AuthInterceptor,
         *,
         max_receive_bytes: int,
+        limits: ConnectionLimits | None = None,
+        budget: InputBudget | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.service_name: str = service.full_name
+        self.limits = limits = limits or ConnectionLimits()
+        self.descriptors = raise_descriptor_limit()
         self.health = health.aio.HealthServicer()
+        self.reads = ReadsInterceptor(
+            auth.authenticator,
+            receive_bytes=max_receive_bytes,
+            first_message_timeout_s=limits.first_message_timeout_s,
+            budget=budget,
+        )
         self.server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", max_receive_bytes),
                 ("grpc.max_send_message_length", -1),
                 ("grpc.so_reuseport", 0),
                 *SERVER_KEEPALIVE_OPTIONS,
+                *limits.options(self.descriptors),
                 *options,
             ],
-            interceptors=[DecodingInterceptor(request_names(service)), auth],
+            interceptors=[DecodingInterceptor(request_names(service)), auth, self.reads],
+            maximum_concurrent_rpcs=limits.max_calls,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -126,7 +154,9 @@ class MeshServer:
                     ("grpc.so_reuseport", 0),
                     # A health request is a few bytes: nothing larger is worth reading.
                     ("grpc.max_receive_message_length", 4096),
-                ]
+                    *PROBE_LIMITS.options(self.descriptors),
+                ],
+                maximum_concurrent_rpcs=PROBE_LIMITS.max_calls,
             )
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._probe)
             self.health_port = bind(self._probe, host, health_port)

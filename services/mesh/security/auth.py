@@ -63,6 +63,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._auth = authenticator
         self._rules = dict(rules)
 
+    @property
+    def authenticator(self) -> Authenticator:
+        return self._auth
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],

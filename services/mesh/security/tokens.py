@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import Field, model_validator
 
 from services.mesh import config_files
@@ -66,6 +67,16 @@ class _TokensFile(Frozen):
         if len({t.token for t in self.tokens}) != len(self.tokens):
             raise ValueError("tokens: expected each token once")
         return self
+
+
+def tokens_file_with(base: Path | None, name: str, token: str, *, admin: bool) -> str:
+    """The text of a tokens file: ``base``'s tokens (none if None) and one more;
+    ConfigError naming ``base`` if it does not parse or already has ``name``."""
+    entries = list(config_files.load(_TokensFile, base).tokens) if base is not None else []
+    if any(entry.name == name for entry in entries):
+        raise ConfigError(f"{base}: tokens: the name {name!r} is reserved for omni up's own token")
+    entries.append(_TokenEntry(name=name, token=token, admin=admin))
+    return yaml.safe_dump({"tokens": [entry.model_dump() for entry in entries]})
 
 
 def _digest(token: str) -> bytes:
