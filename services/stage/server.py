@@ -205,7 +205,6 @@ class StageServer:
             AuthInterceptor(stage_authenticator(security), MESH_ONLY),
             max_receive_bytes=transport_limit,
             limits=self.config.runtime.connections,
-            budget=self.runtime.budget,
             options=[("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS)],
         )
         servicer = self.servicer = StageServicer(self.runtime, self._bus, self.tensors)

@@ -42,14 +42,23 @@ def _free_ports(count: int) -> list[int]:
 
 def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
     repository, tag = image.rsplit(":", 1)
-    orchestrator, thinker, renderer = _free_ports(3)
-    ports = {"orchestrator": orchestrator, "thinker": thinker, "renderer": renderer}
+    orchestrator, thinker, renderer, speaker = _free_ports(4)
+    ports = {
+        "orchestrator": orchestrator,
+        "thinker": thinker,
+        "renderer": renderer,
+        "speaker": speaker,
+    }
     values = merge(
         load_values(PODMAN_VALUES),
         {
             "image": {"repository": repository, "tag": tag},
             "orchestrator": {"port": orchestrator},
-            "stages": {"thinker": {"port": thinker}, "renderer": {"port": renderer}},
+            "stages": {
+                "thinker": {"port": thinker},
+                "renderer": {"port": renderer},
+                "speaker": {"port": speaker},
+            },
         },
     )
     docs = podman.podman_compatible(render(values, name=RELEASE))
@@ -66,7 +75,7 @@ async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podm
         began = time.monotonic()
         with podman.kube_played(manifests) as pods:
             units = sorted(pod.removeprefix(f"{RELEASE}-").split("-pod")[0] for pod in pods)
-            assert units == ["orchestrator", "renderer", "thinker"], pods
+            assert units == ["orchestrator", "renderer", "speaker", "thinker"], pods
             (thinker_pod,) = (pod for pod in pods if pod.startswith(f"{RELEASE}-thinker-pod"))
             async with AsyncClient(f"127.0.0.1:{ports['orchestrator']}") as client:
                 await client.wait_ready(timeout_s=900)
@@ -77,9 +86,12 @@ async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podm
                 ).collect()
                 answer_s = time.monotonic() - asked
             assert result.ok, result.done
+            assert "speaker" in result.stages  # the packaged voice, inside the image
             thinker = result.stages["thinker"]
             assert len(thinker.token_ids) == 16 and thinker.text.strip()
-            (png,) = save_outputs(result, "podman-1", tmp_path / "out")
+            saved = save_outputs(result, "podman-1", tmp_path / "out")
+            (png,) = [path for path in saved if path.suffix == ".png"]
+            assert [path.suffix for path in saved if path.name.endswith("-speaker.wav")]
             with Image.open(png) as image:
                 assert image.size == (64, 64) and image.mode == "RGB"
 

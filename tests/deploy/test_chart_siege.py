@@ -9,7 +9,7 @@ import base64
 
 from orchestrator.pipeline import parse_pipeline
 from tests.deploy.chart import render
-from tests.deploy.test_chart import TLS, by_kind, config_file, containers
+from tests.deploy.manifests import TLS, by_kind, config_file, containers
 
 
 def test_the_mesh_token_is_on_by_default_from_a_generated_secret() -> None:

@@ -57,6 +57,10 @@ def open_dir(path: Path) -> int:
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
+        if exc.errno == errno.EACCES:  # another user's, and closed to us
+            raise FailedPrecondition(
+                f"shared-memory directory {path} is not ours ({exc.strerror}): refused"
+            ) from None
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
         raise FailedPrecondition(
@@ -98,6 +102,10 @@ class ProducerDir:
             os.mkdir(self.path, 0o700)
         except FileExistsError:
             pass
+        except PermissionError as exc:  # /dev/shm not writable by us (a volume's owner)
+            raise FailedPrecondition(
+                f"cannot make the shared-memory directory {self.path} ({exc.strerror})"
+            ) from None
         try:
             dir_fd = open_dir(self.path)
         except FileNotFoundError:
