@@ -278,7 +278,7 @@ class RequestFlow:
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.
                     where = f"segment.tensors[{index}]"
-                    tensors[index].CopyFrom(self._refs.read(tensor, where, self.request_id))
+                    tensors[index].CopyFrom(self._refs.read(tensor, where, self.stage_id))
             blobs = event.segment.blobs
             for chunk in [
                 *chunks.split(tensors, threshold=self._chunk_bytes),

@@ -37,6 +37,7 @@ def _manifests(cpu: str, vllm: str, tmp_path: Path) -> tuple[Path, dict[str, int
             "pipeline": {"name": "omni-vllm", "edges": [], "outputs": ["thinker"]},
             "stages": {
                 "renderer": None,  # Helm drops a key set to null
+                "speaker": None,
                 "thinker": {
                     "engine": "vllm",
                     "model": example["model"],

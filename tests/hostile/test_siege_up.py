@@ -166,10 +166,15 @@ async def _send(address: str, payload: bytes, token: str | None) -> str:
             request_serializer=lambda raw: raw,
             response_deserializer=orchestrator_pb2.GenerateEvent.FromString,
         )(payload, metadata=metadata, timeout=60)
+        events = []
         try:
-            events = [event async for event in call]
+            async for event in call:
+                events.append(event)
         except grpc.aio.AioRpcError as exc:
-            return f"{exc.code().name}: {exc.details()}"
+            # A request that was read and then failed ends with its status after
+            # its Done; one refused unread has no Done.
+            if not (events and events[-1].HasField("done")):
+                return f"{exc.code().name}: {exc.details()}"
     return f"done {events[-1].done.code_name}: {events[-1].done.message}"
 
 
