@@ -79,6 +79,7 @@ def test_installed_wheel_ships_the_examples_and_omni_up_starts_from_them(tmp_pat
     assert found["launch"] == [
         str(site / "orchestrator/examples/pipelines/stages/thinker.yaml"),
         str(site / "orchestrator/examples/pipelines/stages/renderer.yaml"),
+        str(site / "orchestrator/examples/pipelines/stages/speaker.yaml"),
     ]
 
 

@@ -35,7 +35,10 @@ def test_valid_file_with_defaults(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("name: a\nengine: nope\nmodel: m\n", "engine: expected one of diffusers, transformers"),
+        (
+            "name: a\nengine: nope\nmodel: m\n",
+            "engine: expected one of diffusers, speech, transformers",
+        ),
         (
             "name: a\nengine: transformers\nmodel: m\nruntime: {max_batch_size: 0}\n",
             "runtime.max_batch_size: Input should be greater than or equal to 1 (got 0)",
