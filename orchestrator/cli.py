@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         return serve_orchestrator(args.pipeline, args.host, args.port, flags, args.health_port)
     if args.command == "up":
-        from orchestrator.commands import default_pipeline, up
+        from orchestrator.commands import default_pipeline
+        from orchestrator.up import up
 
         return asyncio.run(
             up(
