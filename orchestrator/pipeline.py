@@ -2,11 +2,10 @@
 between them, validated once into frozen models.
 
 Every error names the file, the key path inside it and what was expected
-(formatting: services.mesh.config_files), e.g.
-``pipe.yaml: edges.1.to: unknown stage; expected one of thinker, renderer (got 'rendrer')``.
-The models check the graph; ``parse_pipeline`` also checks the world around the
-file (launch files exist) and resolves launch paths. Whether the consuming stage
-offers an edge's transform is learnt from its Describe once it is up.
+(services.mesh.config_files), e.g. ``pipe.yaml: edges.1.to: unknown stage; expected
+one of thinker, renderer (got 'rendrer')``. The models check the graph; ``parse_pipeline``
+also checks that launch files exist and resolves their paths. An edge's transform is
+checked against the consuming stage's Describe once it is up.
 """
 
 from __future__ import annotations
