@@ -59,11 +59,51 @@ class SamplingParams:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
+MediaKind = Literal["image", "audio", "video"]
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """An image, an audio clip or a video inside a chat message (stage.proto
+    ``ContentPart``), as the stage received it: encoded bytes with their media
+    type ("image/png", "image/jpeg", "audio/wav", "video/mp4", ...), or, for
+    ``media_type == "audio/pcm"``, float32 mono samples at ``sample_rate``."""
+
+    kind: MediaKind
+    media_type: str
+    data: bytes = b""
+    pcm: torch.Tensor | None = None  # float32 [samples], audio/pcm only
+    sample_rate: int = 0  # of ``pcm``
+
+
+# One part of a chat message's content, in order: text, or media.
+ContentPart = str | MediaPart
+
+
+@dataclass(frozen=True)
+class ChatTurn:
+    """One chat message. ``content`` is its text (all its text parts joined, in
+    order); ``parts`` is the whole content in order when the message has media,
+    and empty for a text-only message (old clients, and most requests)."""
+
+    role: str
+    content: str
+    parts: tuple[ContentPart, ...] = ()
+
+    @property
+    def media(self) -> tuple[MediaPart, ...]:
+        return tuple(p for p in self.parts if isinstance(p, MediaPart))
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
     text: str | None = None
-    messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) of text-only chats
+    # The whole chat with its content parts, set when any message carries media;
+    # then ``messages`` holds the same chat's text. An engine whose ``accepts``
+    # lacks a kind present here is refused by the stage before ``check``.
+    turns: tuple[ChatTurn, ...] = ()
     token_ids: tuple[int, ...] = ()
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
     params: SamplingParams = SamplingParams()
@@ -181,6 +221,10 @@ class Engine(Protocol[PlanT]):
     supported_params: ClassVar[frozenset[str]]
     # Names of the tensors this engine can emit.
     output_tensors: ClassVar[tuple[str, ...]]
+    # The content kinds a chat message may carry into this engine: "text" plus any
+    # of "image", "audio", "video". A request with another kind is refused by name
+    # ("stage thinker takes text and image, not audio"). Engines without the
+    # attribute take text only (see ``accepted_kinds``).
 
     def __init__(self, settings: EngineSettings) -> None: ...
 
@@ -283,3 +327,12 @@ class PreparesModel(Protocol):
         ...
 
     def prepare(self, model_path: Path) -> None: ...
+
+
+TEXT_ONLY: frozenset[str] = frozenset({"text"})
+
+
+def accepted_kinds(engine: object) -> frozenset[str]:
+    """The content kinds ``engine`` takes: its ``accepts`` class attribute, or text only."""
+    kinds = getattr(engine, "accepts", TEXT_ONLY)
+    return frozenset(kinds)
