@@ -54,6 +54,16 @@ def _speech() -> type[Engine]:
     return SpeechEngine
 
 
+def _qwen_omni(role: str) -> Callable[[], type[Engine]]:
+    def engine() -> type[Engine]:
+        from services.engines import qwen_omni
+
+        found: type[Engine] = getattr(qwen_omni, role)
+        return found
+
+    return engine
+
+
 ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "transformers": _transformers,
     "diffusers": _diffusers,
@@ -61,6 +71,11 @@ ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "video": _video,
     "video_frames": _video_frames,
     "speech": _speech,
+    # One engine per part: each part accepts, emits and is tuned differently, and
+    # a stage reads those from the engine class before any engine_args.
+    "qwen_omni_thinker": _qwen_omni("QwenOmniThinker"),
+    "qwen_omni_talker": _qwen_omni("QwenOmniTalker"),
+    "qwen_omni_code2wav": _qwen_omni("QwenOmniCode2Wav"),
 }
 
 

@@ -1,0 +1,62 @@
+"""Loading one part of a Qwen3-Omni checkpoint: the thinker, the talker or code2wav.
+
+Each stage builds only its part's modules (on the meta device, as
+``from_pretrained`` does) and reads only that part's tensors from the folder's
+safetensors, under their prefix in the whole model (``thinker.``, ``talker.``,
+``code2wav.``): a talker stage never holds the thinker's 30B of weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Role = Literal["thinker", "talker", "code2wav"]
+ROLES: tuple[Role, ...] = ("thinker", "talker", "code2wav")
+
+
+def whole_config(folder: Path) -> Any:
+    from transformers import Qwen3OmniMoeConfig
+
+    return Qwen3OmniMoeConfig.from_pretrained(folder, local_files_only=True)
+
+
+def _register_talker_mapping() -> None:
+    """The talker's config has an empty model_type, so transformers would not apply
+    the per-expert → fused MoE renaming the whole model's checkpoint was saved
+    with; four expert tensors per layer would stay random. Name it by class."""
+    from transformers import conversion_mapping as cm
+
+    name = "Qwen3OmniMoeTalkerForConditionalGeneration"
+    if name not in cm.USER_REGISTERED_MAPPINGS:
+        cm.register_checkpoint_conversion_mapping(
+            name, cm.get_checkpoint_conversion_mapping("qwen2_moe"), overwrite=True
+        )
+
+
+def load_part(folder: Path, role: Role, dtype: torch.dtype, device: str) -> tuple[Any, Any]:
+    """``(module, whole config)``: the ``role`` part of checkpoint ``folder``, in eval mode."""
+    import transformers as tf
+
+    config = whole_config(folder)
+    common: dict[str, Any] = {"dtype": dtype, "local_files_only": True}
+    if role == "thinker":
+        cls: Any = tf.Qwen3OmniMoeThinkerForConditionalGeneration
+        part = cls.from_pretrained(folder, config=config.thinker_config, **common)
+    elif role == "talker":
+        _register_talker_mapping()
+        talker_config = config.talker_config
+        # The talker's rope index reads the audio settings it shares with the thinker.
+        talker_config.audio_config = config.thinker_config.audio_config
+        cls = tf.Qwen3OmniMoeTalkerForConditionalGeneration
+        part = cls.from_pretrained(
+            folder, config=talker_config, key_mapping={r"^talker\.": ""}, **common
+        )
+    else:
+        cls = tf.Qwen3OmniMoeCode2Wav
+        part = cls.from_pretrained(
+            folder, config=config.code2wav_config, key_mapping={r"^code2wav\.": ""}, **common
+        )
+    return part.to(device).eval(), config

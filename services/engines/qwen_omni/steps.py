@@ -1,0 +1,53 @@
+"""A blocking Hugging Face ``generate`` run in a thread, its steps read as they come.
+
+The thinker's tokens (a streamer's ``put``) and the talker's codes (a forward
+hook) are produced inside ``generate``; ``Steps`` carries each one to the
+engine's async generator on the event loop, then the call's result or its
+error. Closing the reader stops the thread at its next step (a stopping
+criterion), so a cancelled request does not run on to max_tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+_DONE = object()
+
+
+class Steps:
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.stopped = threading.Event()
+        self.result: Any = None
+
+    def put(self, item: Any) -> None:
+        """From the generating thread: one step's output."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def stop_requested(self, *_: Any, **__: Any) -> bool:
+        """A stopping criterion for ``generate``: the reader went away."""
+        return self.stopped.is_set()
+
+    async def run(self, call: Callable[[], Any]) -> AsyncIterator[Any]:
+        """Each step ``call`` puts, in order; then ``self.result`` holds its return."""
+
+        def work() -> None:
+            try:
+                self.result = call()
+                self.put(_DONE)
+            except BaseException as exc:  # handed to the reader, raised there
+                self.put(exc)
+
+        task = asyncio.create_task(asyncio.to_thread(work))
+        try:
+            while (item := await self._queue.get()) is not _DONE:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.stopped.set()
+            await asyncio.shield(task)

@@ -1,0 +1,175 @@
+"""A tiny Qwen3-Omni checkpoint with random weights, built from a config here.
+
+The real classes (thinker, talker with its code predictor, code2wav) at a few
+hundred thousand parameters, seeded, saved as an ordinary Hugging Face folder
+with a processor whose tokenizer is built in memory (byte-level, the special
+tokens the model reads): nothing is downloaded. Tests and ``omni up`` on a
+machine without the real weights serve it; its text and audio are noise, but
+every hand-off between the parts is the real one. The config values and the
+four traps they get past are recorded in docs/design.md ("Qwen3-Omni").
+
+    python -m services.engines.qwen_omni.tiny FOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from services.engines.qwen_omni import processor
+
+# Token ids: the 256 bytes, then these (the order of SPECIAL below).
+SPECIAL = (
+    "user", "assistant", "system", "<|im_start|>", "<|im_end|>", "<|endoftext|>",
+    "<|audio_start|>", "<|audio_end|>", "<|audio_pad|>", "<|vision_start|>",
+    "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|tts_pad|>", "<|tts_bos|>",
+    "<|tts_eos|>",
+)  # fmt: skip
+IDS = {token: 256 + i for i, token in enumerate(SPECIAL)}
+SEED = 0
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c.type == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif c.type == 'text' %}{{ c.text }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def config() -> Any:
+    """The tiny model's ``Qwen3OmniMoeConfig``."""
+    from transformers import Qwen3OmniMoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1],
+            "interleaved": True}  # fmt: skip
+    moe = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+           "rope_parameters": rope}  # fmt: skip
+    media = {"audio_token_id": IDS["<|audio_pad|>"], "image_token_id": IDS["<|image_pad|>"],
+             "video_token_id": IDS["<|video_pad|>"],
+             "audio_start_token_id": IDS["<|audio_start|>"],
+             "vision_start_token_id": IDS["<|vision_start|>"]}  # fmt: skip
+    audio = {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
+             "encoder_ffn_dim": 32, "d_model": 16, "n_window": 50, "n_window_infer": 100,
+             "downsample_hidden_size": 8, "output_dim": 32}  # fmt: skip
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+              "out_hidden_size": 32, "num_position_embeddings": 64,
+              "deepstack_visual_indexes": [0]}  # fmt: skip
+    thinker = {"text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
+               "vision_config": vision, "user_token_id": IDS["user"], **media}  # fmt: skip
+    # The talker's top 1024 ids are special and never generated (but the end), as in
+    # the real model: its vocabulary is the codebook plus those 1024.
+    talker = {
+        "text_config": {**moe, "vocab_size": 1056, "shared_expert_intermediate_size": 32},
+        "code_predictor_config": {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "head_dim": 8,
+                                  "num_code_groups": 4},
+        "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
+        "codec_pad_id": 32, "codec_bos_id": 33, "codec_eos_token_id": 34,
+        "codec_nothink_id": 35, "codec_think_bos_id": 36, "codec_think_eos_id": 37,
+        "speaker_id": {"ethan": 38, "chelsie": 39}, "spatial_merge_size": 2, **media,
+    }  # fmt: skip
+    code2wav = {"codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
+                "num_key_value_heads": 4, "sliding_window": 72, "intermediate_size": 64,
+                "num_hidden_layers": 1, "num_quantizers": 4, "upsample_rates": [2, 2],
+                "upsampling_ratios": [2], "decoder_dim": 16}  # fmt: skip
+    cfg = Qwen3OmniMoeConfig(
+        thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
+        im_start_token_id=IDS["<|im_start|>"], im_end_token_id=IDS["<|im_end|>"],
+        tts_pad_token_id=IDS["<|tts_pad|>"], tts_bos_token_id=IDS["<|tts_bos|>"],
+        tts_eos_token_id=IDS["<|tts_eos|>"], system_token_id=IDS["system"],
+        user_token_id=IDS["user"], assistant_token_id=IDS["assistant"],
+    )  # fmt: skip
+    # Read by get_rope_index but not declared by the thinker's config (trap: undeclared key).
+    setattr(cfg.thinker_config, "vision_start_token_id", IDS["<|vision_start|>"])  # noqa: B010
+    return cfg
+
+
+def build_model(seed: int = SEED) -> Any:
+    """The whole model, every weight drawn under ``seed`` (the same model on every build)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen3OmniMoeForConditionalGeneration(config())
+    # The talker's MoE experts are left as torch.empty by _init_weights: garbage
+    # that differs from one build to the next unless drawn here.
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.talker.named_parameters()):
+        if ".experts." in name:
+            with torch.no_grad():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    return model.eval()
+
+
+def build_processor() -> Any:
+    """The processor: byte-level tokenizer with the special tokens, image and audio
+    front ends, no video processor (it needs torchvision, broken beside CPU torch)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (
+        PreTrainedTokenizerFast,
+        Qwen2VLImageProcessorPil,
+        WhisperFeatureExtractor,
+    )
+
+    vocab = {char: i for i, char in enumerate(_byte_chars())}
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.add_tokens(list(SPECIAL[:3]))
+    bpe.add_special_tokens(list(SPECIAL[3:]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens={
+            "image_token": "<|image_pad|>",
+            "audio_token": "<|audio_pad|>",
+            "video_token": "<|video_pad|>",
+            "vision_bos_token": "<|vision_start|>",
+            "vision_eos_token": "<|vision_end|>",
+            "audio_bos_token": "<|audio_start|>",
+            "audio_eos_token": "<|audio_end|>",
+        },
+    )
+    image = Qwen2VLImageProcessorPil(
+        patch_size=16, temporal_patch_size=2, merge_size=2, min_pixels=32 * 32, max_pixels=64 * 64
+    )
+    audio = WhisperFeatureExtractor(feature_size=128)
+    return processor.make(tokenizer, image, audio, CHAT_TEMPLATE)
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order (what ByteLevel emits)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def save(folder: Path, seed: int = SEED) -> Path:
+    """Build and save the tiny checkpoint (model + processor) into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    build_model(seed).save_pretrained(folder)
+    processor.save(build_processor(), folder)
+    (folder / "omni-tiny.json").write_text(json.dumps({"seed": seed, "random": True}))
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", type=Path)
+    parser.add_argument("--seed", type=int, default=SEED)
+    args = parser.parse_args()
+    print(save(args.folder, args.seed))
+
+
+if __name__ == "__main__":
+    main()
