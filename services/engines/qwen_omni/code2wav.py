@@ -74,8 +74,7 @@ class QwenOmniCode2Wav:
         self._requests: OrderedDict[str, _Codes] = OrderedDict()
 
     def load(self, model_path: Path | None) -> ModelInfo:
-        if model_path is None or not model_path.is_dir():
-            raise ValueError("qwen_omni_code2wav needs a Qwen3-Omni checkpoint folder as model")
+        model_path = loading.checkpoint(model_path, self.settings, self.name)
         dtype = getattr(torch, self.settings.dtype or "float32")
         self._model, config = loading.load_part(model_path, "code2wav", dtype, self.settings.device)
         self._groups = config.code2wav_config.num_quantizers

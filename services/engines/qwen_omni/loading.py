@@ -13,8 +13,22 @@ from typing import Any, Literal
 
 import torch
 
+from services.engines.base import EngineSettings
+
 Role = Literal["thinker", "talker", "code2wav"]
 ROLES: tuple[Role, ...] = ("thinker", "talker", "code2wav")
+
+
+def checkpoint(model_path: Path | None, settings: EngineSettings, engine: str) -> Path:
+    """The folder to load: the stage's model, or with ``load_format: dummy`` and no
+    model the tiny random checkpoint (tiny.py), built once in the cache."""
+    if model_path is None and settings.load_format == "dummy":
+        from services.engines.qwen_omni import tiny
+
+        return tiny.ensure(settings.cache_dir)
+    if model_path is None or not model_path.is_dir():
+        raise ValueError(f"{engine} needs a Qwen3-Omni checkpoint folder as its model")
+    return model_path
 
 
 def whole_config(folder: Path) -> Any:

@@ -78,8 +78,7 @@ class QwenOmniTalker:
         self._lock = asyncio.Lock()  # generate keeps per-call state (rope deltas) on the model
 
     def load(self, model_path: Path | None) -> ModelInfo:
-        if model_path is None or not model_path.is_dir():
-            raise ValueError("qwen_omni_talker needs a Qwen3-Omni checkpoint folder as model")
+        model_path = loading.checkpoint(model_path, self.settings, self.name)
         dtype = getattr(torch, self.settings.dtype or "float32")
         self._model, self._config = loading.load_part(
             model_path, "talker", dtype, self.settings.device

@@ -14,7 +14,9 @@ four traps they get past are recorded in docs/design.md ("Qwen3-Omni").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,21 @@ def save(folder: Path, seed: int = SEED) -> Path:
     build_model(seed).save_pretrained(folder)
     processor.save(build_processor(), folder)
     (folder / "omni-tiny.json").write_text(json.dumps({"seed": seed, "random": True}))
+    return folder
+
+
+def ensure(cache_dir: Path, seed: int = SEED) -> Path:
+    """The tiny checkpoint under ``cache_dir``, built there once: what a stage with
+    ``load_format: dummy`` serves. Three stages may start at once; each builds
+    into its own folder and the first rename wins (the builds are identical)."""
+    folder = cache_dir / f"qwen3-omni-tiny-seed{seed}"
+    if (folder / "omni-tiny.json").is_file():
+        return folder
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".tiny-") as scratch:
+        built = save(Path(scratch) / "model", seed)
+        with contextlib.suppress(OSError):  # another stage was first
+            built.rename(folder)
     return folder
 
 

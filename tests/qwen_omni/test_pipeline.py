@@ -1,0 +1,117 @@
+"""Qwen3-Omni through the mesh: thinker → talker → code2wav as three real stage
+processes behind a real orchestrator, on the tiny random checkpoint. The
+client's text ids, the talker's codes and the audio equal the monolithic
+``generate(return_audio=True)``: bit-equal with code2wav's chunk of 300 (the
+monolithic decode), and equal to ``chunked_decode`` with the same chunk and left
+context when code2wav decodes windows of 8 codes as they come."""
+
+from __future__ import annotations
+
+import wave
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.client import Result
+from services.mesh import wav
+from services.mesh.tensors.codec import from_proto
+from tests.orchestrator.conftest import Stages, orchestrator, pipeline
+from tests.qwen_omni.reference import QUESTION, TALKER_TOKENS, THINKER_TOKENS
+
+NAMES = ["thinker", "talker", "code2wav", "code2wav_8"]
+TO_TALKER = {"from": "thinker", "to": "talker", "window": -1}
+
+
+def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
+    def stage(name: str, engine: str, **extra: Any) -> dict[str, Any]:
+        runtime = {"torch_threads": 1, **extra.pop("runtime", {})}
+        return {"name": name, "engine": f"qwen_omni_{engine}", "model": str(folder),
+                "cache_dir": str(cache), "runtime": runtime, **extra}  # fmt: skip
+
+    return {
+        # The hand-off (about 9 KB here) goes by shared memory above 1 KiB.
+        "thinker": stage(
+            "thinker",
+            "thinker",
+            runtime={"inline_max_bytes": 1024},
+            defaults={"temperature": 0.0, "max_tokens": THINKER_TOKENS},
+        ),  # fmt: skip
+        "talker": stage(
+            "talker", "talker", defaults={"temperature": 0.0, "max_tokens": TALKER_TOKENS}
+        ),
+        "code2wav": stage("code2wav", "code2wav", runtime={"streaming_input": True}),
+        "code2wav_8": stage(
+            "code2wav_8",
+            "code2wav",
+            runtime={"streaming_input": True},
+            engine_args={"chunk_size": 8, "left_context_size": 25},
+        ),  # fmt: skip
+    }
+
+
+@pytest.fixture(scope="module")
+async def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_omni: Path) -> AsyncIterator[Stages]:
+    stages = Stages(tmp_path_factory.mktemp("qwen-omni"))
+    try:
+        await stages.start(configs(tiny_omni, tmp_path_factory.mktemp("cache")))
+        yield stages
+    finally:
+        await stages.stop()
+
+
+def codes_of(result: Result) -> torch.Tensor:
+    return torch.cat([from_proto(t) for t in result.stages["talker"].tensors["codes"]])
+
+
+def audio_of(result: Result, stage: str) -> torch.Tensor:
+    return torch.cat([from_proto(t) for t in result.stages[stage].tensors["audio"]])
+
+
+async def run(mesh: Stages, vocoder: str, window: dict[str, int], out: Path) -> Result:
+    edge = {"from": "talker", "to": vocoder, **window}
+    config = pipeline(
+        mesh, ["thinker", "talker", vocoder], [TO_TALKER, edge],
+        outputs=["thinker", "talker", vocoder],
+    )  # fmt: skip
+    async with orchestrator(config) as (_, client):
+        result = Result(audio_dir=out)
+        async for event in client.generate(QUESTION, request_id="omni"):
+            result.add(event)
+    assert result.ok, result.done
+    return result
+
+
+async def test_text_codes_and_audio_equal_the_monolithic_model(mesh, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    want = reference("text")
+    result = await run(mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path)
+    thinker = result.stages["thinker"]
+    assert thinker.token_ids == want.answer_ids
+    assert "hidden_states" not in thinker.tensors  # the hand-off is not the client's
+    assert torch.equal(codes_of(result), want.codes)
+    assert torch.equal(audio_of(result, "code2wav"), want.audio)
+    with wave.open(str(tmp_path / "omni-code2wav.wav")) as clip:
+        assert (clip.getframerate(), clip.getnframes()) == (24000, len(want.audio))
+        pcm = np.frombuffer(clip.readframes(clip.getnframes()), dtype="<i2")
+    assert pcm.tobytes() == wav.pcm16(want.audio.numpy())
+
+
+async def test_windows_of_codes_decode_as_chunked_decode(
+    mesh, reference, tiny_omni, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    from transformers import Qwen3OmniMoeCode2Wav
+
+    from services.engines.qwen_omni import loading
+
+    want = reference("text")
+    result = await run(mesh, "code2wav_8", {"window": 8, "first_window": 3}, tmp_path)
+    segments = result.stages["code2wav_8"].tensors["audio"]
+    assert len(segments) == -(-len(want.codes) // 8)  # one segment per chunk of 8, in order
+    model, _ = loading.load_part(tiny_omni, "code2wav", torch.float32, "cpu")
+    assert isinstance(model, Qwen3OmniMoeCode2Wav)
+    with torch.no_grad():
+        chunked = model.chunked_decode(want.codes.T[None], 8, 25).reshape(-1)
+    assert torch.equal(audio_of(result, "code2wav_8"), chunked)
