@@ -39,7 +39,7 @@ def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
             "thinker",
             runtime={"inline_max_bytes": 1024},
             defaults={"temperature": 0.0, "max_tokens": THINKER_TOKENS},
-        ),  # fmt: skip
+        ),
         "talker": stage(
             "talker", "talker", defaults={"temperature": 0.0, "max_tokens": TALKER_TOKENS}
         ),
@@ -49,7 +49,7 @@ def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
             "code2wav",
             runtime={"streaming_input": True},
             engine_args={"chunk_size": 8, "left_context_size": 25},
-        ),  # fmt: skip
+        ),
     }
 
 
