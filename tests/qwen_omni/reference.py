@@ -36,7 +36,7 @@ def png() -> bytes:
 
 
 def wav_clip() -> bytes:
-    samples = 0.3 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 440)
+    samples = 0.3 * np.sin(np.arange(16000) / 16000 * 2 * np.pi * 220)
     out = io.BytesIO()
     with wave.open(out, "wb") as clip:
         clip.setnchannels(1)

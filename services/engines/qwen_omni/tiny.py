@@ -33,6 +33,11 @@ SPECIAL = (
 )  # fmt: skip
 IDS = {token: 256 + i for i, token in enumerate(SPECIAL)}
 SEED = 0
+# Weights drawn ten times wider than transformers' 0.02: at 0.02 a model this small
+# answers every prompt alike and its talker ignores the text it is given, so a
+# broken hand-off would go unseen. code2wav keeps 0.02 (wider, its audio clips).
+SCALE = 0.2
+C2W_SCALE = 0.1
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n"
@@ -50,7 +55,7 @@ def config() -> Any:
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1],
             "interleaved": True}  # fmt: skip
-    moe = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    moe = {"initializer_range": SCALE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
            "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
            "rope_parameters": rope}  # fmt: skip
@@ -58,29 +63,29 @@ def config() -> Any:
              "video_token_id": IDS["<|video_pad|>"],
              "audio_start_token_id": IDS["<|audio_start|>"],
              "vision_start_token_id": IDS["<|vision_start|>"]}  # fmt: skip
-    audio = {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
+    audio = {"initializer_range": SCALE, "num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
              "encoder_ffn_dim": 32, "d_model": 16, "n_window": 50, "n_window_infer": 100,
              "downsample_hidden_size": 8, "output_dim": 32}  # fmt: skip
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+    vision = {"initializer_range": SCALE, "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "out_hidden_size": 32, "num_position_embeddings": 64,
               "deepstack_visual_indexes": [0]}  # fmt: skip
-    thinker = {"text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
+    thinker = {"initializer_range": SCALE, "text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
                "vision_config": vision, "user_token_id": IDS["user"], **media}  # fmt: skip
     # The talker's top 1024 ids are special and never generated (but the end), as in
     # the real model: its vocabulary is the codebook plus those 1024.
     talker = {
         "text_config": {**moe, "vocab_size": 1056, "shared_expert_intermediate_size": 32},
-        "code_predictor_config": {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+        "code_predictor_config": {"initializer_range": SCALE, "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
                                   "num_hidden_layers": 1, "num_attention_heads": 4,
                                   "num_key_value_heads": 2, "head_dim": 8,
                                   "num_code_groups": 4},
-        "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
+        "initializer_range": SCALE, "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
         "codec_pad_id": 32, "codec_bos_id": 33, "codec_eos_token_id": 34,
         "codec_nothink_id": 35, "codec_think_bos_id": 36, "codec_think_eos_id": 37,
         "speaker_id": {"ethan": 38, "chelsie": 39}, "spatial_merge_size": 2, **media,
     }  # fmt: skip
-    code2wav = {"codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
+    code2wav = {"initializer_range": C2W_SCALE, "codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
                 "num_key_value_heads": 4, "sliding_window": 72, "intermediate_size": 64,
                 "num_hidden_layers": 1, "num_quantizers": 4, "upsample_rates": [2, 2],
                 "upsampling_ratios": [2], "decoder_dim": 16}  # fmt: skip
@@ -108,7 +113,7 @@ def build_model(seed: int = SEED) -> Any:
     for name, param in sorted(model.talker.named_parameters()):
         if ".experts." in name:
             with torch.no_grad():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+                param.copy_(torch.randn(param.shape, generator=generator) * SCALE)
     return model.eval()
 
 
