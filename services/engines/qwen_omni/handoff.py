@@ -25,22 +25,32 @@ class Handoff:
     image_grid_thw: torch.Tensor | None = None
     audio_feature_lengths: torch.Tensor | None = None
 
+    def to(self, device: str) -> Handoff:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.to(device) if t is not None else None
+
+        return Handoff(
+            self.prompt_ids.to(device), self.answer_ids.to(device), self.embed.to(device),
+            self.hidden.to(device), self.tts.to(device), move(self.image_grid_thw),
+            move(self.audio_feature_lengths),
+        )  # fmt: skip
+
 
 def talker_inputs(
     model: Any, config: Any, handoff: Handoff, speaker_id: int, thinker_eos: int
 ) -> dict[str, Any]:
     """The keyword arguments of ``talker.generate`` (besides sampling) for ``handoff``."""
     talker_cfg = config.talker_config
-    dtype = model.dtype
+    dtype, device = model.dtype, handoff.embed.device
     input_ids = handoff.prompt_ids[None]
     sequences = torch.cat((handoff.prompt_ids, handoff.answer_ids))[None]
     thinker_embed = handoff.embed[None].to(dtype)
     thinker_hidden = handoff.hidden[None].to(dtype)
     mm_ids = (config.thinker_config.audio_token_id, config.thinker_config.image_token_id,
               config.thinker_config.video_token_id)  # fmt: skip
-    multimodal_mask = torch.isin(sequences, torch.tensor(mm_ids))
+    multimodal_mask = torch.isin(sequences, torch.tensor(mm_ids, device=device))
     sequence_length = input_ids.shape[1]
-    positions = torch.arange(sequence_length)[None]
+    positions = torch.arange(sequence_length, device=device)[None]
     im_start = torch.where(input_ids == config.im_start_token_id, positions, -1)
     previous_im_start = torch.cummax(im_start, dim=-1).values.clamp_min(0)
     roles = input_ids.gather(1, (previous_im_start + 1).clamp_max(sequence_length - 1))
@@ -50,7 +60,8 @@ def talker_inputs(
     user_indices = user_indices[:, -user_length:]
 
     # The user part: projected hidden states where media was, projected embeddings elsewhere.
-    user_part = torch.empty((1, sequence_length, talker_cfg.text_config.hidden_size), dtype=dtype)
+    size = talker_cfg.text_config.hidden_size
+    user_part = torch.empty((1, sequence_length, size), dtype=dtype, device=device)
     mm = multimodal_mask[:, :sequence_length]
     if mm.any():
         user_part[mm] = model.hidden_projection(thinker_hidden[:, :sequence_length][mm])
@@ -75,9 +86,9 @@ def talker_inputs(
     )
     codec_ids = torch.tensor([[talker_cfg.codec_nothink_id, talker_cfg.codec_think_bos_id,
                                talker_cfg.codec_think_eos_id, speaker_id, talker_cfg.codec_pad_id,
-                               talker_cfg.codec_bos_id]])  # fmt: skip
+                               talker_cfg.codec_bos_id]], device=device)  # fmt: skip
     codec_part = torch.cat(
-        (torch.zeros((1, 3, talker_cfg.text_config.hidden_size), dtype=dtype),
+        (torch.zeros((1, 3, size), dtype=dtype, device=device),
          model.get_input_embeddings()(codec_ids)),
         dim=1,
     )  # fmt: skip
@@ -85,21 +96,24 @@ def talker_inputs(
     # The end marker goes right after the answer's first end token, padding after it.
     is_eos = handoff.answer_ids == thinker_eos
     generated = len(handoff.answer_ids)
-    first_eos = (
-        int(torch.where(is_eos, torch.arange(generated), generated).min()) if generated else 0
-    )
-    slots = torch.arange(trailing.shape[1])[None, :, None]
+    steps = torch.arange(generated, device=device)
+    first_eos = int(torch.where(is_eos, steps, generated).min()) if generated else 0
+    slots = torch.arange(trailing.shape[1], device=device)[None, :, None]
     trailing = torch.where(slots > first_eos, tts_pad.to(trailing.dtype), trailing)
     trailing = torch.where(slots == first_eos, tts_eos.to(trailing.dtype), trailing)
 
     assistant_embeds = text_part + codec_part
-    assistant_ids = torch.full((1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long)
+    assistant_ids = torch.full(
+        (1, text_part.shape[1]), config.tts_pad_token_id, dtype=torch.long, device=device
+    )
     kwargs: dict[str, Any] = {
         "inputs_embeds": torch.cat((user_embeds, assistant_embeds), dim=1),
         "trailing_text_hidden": trailing,
         "tts_pad_embed": tts_pad,
         "talker_input_ids": torch.cat((user_ids, assistant_ids), dim=1),
-        "attention_mask": torch.ones((1, user_length + text_part.shape[1]), dtype=torch.long),
+        "attention_mask": torch.ones(
+            (1, user_length + text_part.shape[1]), dtype=torch.long, device=device
+        ),
     }
     if handoff.image_grid_thw is not None:
         kwargs["image_grid_thw"] = handoff.image_grid_thw

@@ -182,8 +182,8 @@ class QwenOmniTalker:
 
             model = self._model
             with torch.no_grad():
-                inputs = talker_inputs(model, self._config, plan.handoff, plan.speaker_id, eos)
-                inputs = {k: v.to(self.settings.device) for k, v in inputs.items()}
+                handoff = plan.handoff.to(self.settings.device)
+                inputs = talker_inputs(model, self._config, handoff, plan.speaker_id, eos)
                 if seed is not None:
                     torch.manual_seed(seed)
                 hook = model.register_forward_pre_hook(codes_of_step, with_kwargs=True)

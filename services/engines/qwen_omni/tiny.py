@@ -55,40 +55,44 @@ def config() -> Any:
 
     rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1],
             "interleaved": True}  # fmt: skip
-    moe = {"initializer_range": SCALE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
-           "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    moe = {"initializer_range": SCALE, "hidden_size": 32, "intermediate_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
            "rope_parameters": rope}  # fmt: skip
     media = {"audio_token_id": IDS["<|audio_pad|>"], "image_token_id": IDS["<|image_pad|>"],
              "video_token_id": IDS["<|video_pad|>"],
              "audio_start_token_id": IDS["<|audio_start|>"],
              "vision_start_token_id": IDS["<|vision_start|>"]}  # fmt: skip
-    audio = {"initializer_range": SCALE, "num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
+    audio = {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
              "encoder_ffn_dim": 32, "d_model": 16, "n_window": 50, "n_window_infer": 100,
              "downsample_hidden_size": 8, "output_dim": 32}  # fmt: skip
-    vision = {"initializer_range": SCALE, "depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
               "out_hidden_size": 32, "num_position_embeddings": 64,
               "deepstack_visual_indexes": [0]}  # fmt: skip
-    thinker = {"initializer_range": SCALE, "text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
+    thinker = {"text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
                "vision_config": vision, "user_token_id": IDS["user"], **media}  # fmt: skip
+    predictor = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 8, "num_code_groups": 4}  # fmt: skip
     # The talker's top 1024 ids are special and never generated (but the end), as in
     # the real model: its vocabulary is the codebook plus those 1024.
     talker = {
         "text_config": {**moe, "vocab_size": 1056, "shared_expert_intermediate_size": 32},
-        "code_predictor_config": {"initializer_range": SCALE, "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
-                                  "num_hidden_layers": 1, "num_attention_heads": 4,
-                                  "num_key_value_heads": 2, "head_dim": 8,
-                                  "num_code_groups": 4},
-        "initializer_range": SCALE, "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
+        "code_predictor_config": predictor,
+        "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
         "codec_pad_id": 32, "codec_bos_id": 33, "codec_eos_token_id": 34,
         "codec_nothink_id": 35, "codec_think_bos_id": 36, "codec_think_eos_id": 37,
         "speaker_id": {"ethan": 38, "chelsie": 39}, "spatial_merge_size": 2, **media,
     }  # fmt: skip
-    code2wav = {"initializer_range": C2W_SCALE, "codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
+    code2wav = {"codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
                 "num_key_value_heads": 4, "sliding_window": 72, "intermediate_size": 64,
                 "num_hidden_layers": 1, "num_quantizers": 4, "upsample_rates": [2, 2],
                 "upsampling_ratios": [2], "decoder_dim": 16}  # fmt: skip
+    parts: tuple[dict[str, Any], ...] = (audio, vision, thinker, talker, predictor)
+    for part in parts:
+        part["initializer_range"] = SCALE
+    code2wav["initializer_range"] = C2W_SCALE
     cfg = Qwen3OmniMoeConfig(
         thinker_config=thinker, talker_config=talker, code2wav_config=code2wav,
         im_start_token_id=IDS["<|im_start|>"], im_end_token_id=IDS["<|im_end|>"],
