@@ -5,6 +5,7 @@ prompts (engine level: the request as a stage builds it, no wire)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -60,7 +61,7 @@ async def test_code_windows_decode_as_chunked_decode(tiny_omni: Path, reference,
     and left context, one segment per chunk (the last one when the input ends)."""
     codes = reference("text").codes
     bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
-    windows = [codes[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if a < len(codes)]
+    windows = [codes[a:b] for a, b in itertools.pairwise(bounds) if a < len(codes)]
     windows.append(codes[bounds[-1] :])
     engine = parts.code2wav(tiny_omni, chunk_size=8, left=5)
     pieces = await parts.vocode(engine, [w for w in windows if len(w)])
