@@ -1,0 +1,216 @@
+"""Qwen3-Omni through the mesh against the monolithic ``generate``: time to first
+audio and real-time factor.
+
+    python benchmarks/omni_gpu.py --model /models/Qwen3-Omni-30B-A3B-Instruct \
+        [--devices cuda:0,cuda:1,cuda:1] [--rounds 3] [--tokens 128]
+    python benchmarks/omni_gpu.py --tiny     # the tiny random checkpoint on CPU
+
+Three configurations, each answering the same prompt greedily:
+
+    monolithic   Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)
+                 in this process: the audio exists when generate returns
+    mesh -1      thinker → talker → code2wav stage processes, talker → code2wav
+                 window -1: code2wav decodes once the talker has finished
+    mesh N       the same stages, window N = code2wav's chunk_size: each chunk is
+                 decoded as the talker makes it
+
+The monolithic model runs first and is freed before the stages load (both would
+not fit one GPU); the two mesh configurations run interleaved round by round
+over the same three stage processes. Reported per configuration: time to first
+audio and to the whole answer (p50 over rounds), audio seconds, RTF (time to
+the whole answer / audio seconds) and time to first audio as a ratio to the
+monolithic. Without ``--tiny`` it needs CUDA and the checkpoint folder, and
+exits 0 saying why it skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import median, table, write_json
+from orchestrator.client import AsyncClient
+from orchestrator.pipeline import parse_pipeline
+from orchestrator.server import OrchestratorServer
+from orchestrator.stages.processes import StageProcess
+from services.mesh.rpc.stage_client import StageClient
+
+PROMPT = "Tell me a short story about the sea."
+SAMPLE_RATE = 24000
+
+
+def skip_reason(args: argparse.Namespace) -> str | None:
+    if args.tiny:
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device (run with --tiny for the tiny checkpoint on CPU)"
+    if args.model is None or not (Path(args.model) / "config.json").is_file():
+        return f"no Qwen3-Omni checkpoint folder at --model {args.model}"
+    return None
+
+
+def monolithic(folder: Path, device: str, dtype: torch.dtype, args: argparse.Namespace) -> list:
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    from services.engines.qwen_omni import processor as processors
+
+    loaded: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=dtype)
+    model = loaded.to(device).eval()
+    processor = processors.load(folder)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = processor(text=[text], return_tensors="pt").to(device)
+    samples = []
+    for _ in range(args.rounds + 1):  # the first is a warm-up
+        began = time.perf_counter()
+        _, audio = model.generate(
+            **inputs, return_audio=True, thinker_max_new_tokens=args.tokens,
+            thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
+            talker_do_sample=False, talker_max_new_tokens=args.talker_tokens,
+        )  # fmt: skip
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        took = time.perf_counter() - began
+        samples.append((took, took, audio.shape[-1] / SAMPLE_RATE))
+    del model
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return samples[1:]
+
+
+def stage_files(folder: Path, model: str | None, devices: list[str], args: Any) -> dict[str, Path]:
+    source = {"load_format": "dummy"} if model is None else {"model": model}
+    dtype = {} if args.tiny else {"dtype": "bfloat16"}
+    threads = {"torch_threads": 1} if args.tiny else {}
+    configs: dict[str, dict[str, Any]] = {
+        "thinker": {"engine": "qwen_omni_thinker", **dtype,
+                    "defaults": {"temperature": 0.0, "max_tokens": args.tokens}},
+        "talker": {"engine": "qwen_omni_talker", **dtype,
+                   "defaults": {"temperature": 0.0, "max_tokens": args.talker_tokens}},
+        "code2wav": {"engine": "qwen_omni_code2wav",
+                     "engine_args": {"chunk_size": args.chunk, "left_context_size": 25},
+                     "runtime": {"streaming_input": True}},
+    }  # fmt: skip
+    paths = {}
+    for (name, config), device in zip(configs.items(), devices, strict=True):
+        config = {"name": name, **source, **config}
+        config["runtime"] = {**dict(config.get("runtime", {})), "device": device, **threads}
+        paths[name] = folder / f"{name}.yaml"
+        paths[name].write_text(yaml.safe_dump(config))
+    return paths
+
+
+async def one(client: AsyncClient, rid: str) -> tuple[float, float, float]:
+    began, first, samples = time.perf_counter(), float("nan"), 0
+    async for event in client.generate(PROMPT, request_id=rid):
+        kind = event.WhichOneof("kind")
+        if kind == "segment" and event.stage == "code2wav":
+            for tensor in event.segment.tensors:
+                if tensor.name == "audio":
+                    first = first if first == first else time.perf_counter() - began
+                    samples += tensor.shape[0]
+        if kind == "done":
+            if event.done.code:
+                raise RuntimeError(f"{rid}: {event.done.code_name} {event.done.message}")
+            return first, time.perf_counter() - began, samples / SAMPLE_RATE
+    raise RuntimeError(f"{rid}: no Done")
+
+
+async def mesh(model: str | None, devices: list[str], args: Any) -> dict[str, list]:
+    windows = {"mesh -1": {"window": -1}, "mesh N": {"window": args.chunk}}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = stage_files(Path(tmp), model, devices, args)
+        processes = {name: StageProcess(path) for name, path in paths.items()}
+        servers: list[OrchestratorServer] = []
+        samples: dict[str, list] = {label: [] for label in windows}
+        try:
+            addresses = {name: await p.start() for name, p in processes.items()}
+            for address in addresses.values():
+                async with StageClient(address) as stage:
+                    await stage.wait_ready(timeout_s=1800)
+            clients = {}
+            for label, edge in windows.items():
+                pipeline = parse_pipeline({
+                    "name": label.replace(" ", ""),
+                    "stages": [{"name": n, "address": a} for n, a in addresses.items()],
+                    "edges": [{"from": "thinker", "to": "talker", "window": -1},
+                              {"from": "talker", "to": "code2wav", **edge}],
+                    "outputs": ["thinker", "code2wav"],
+                })  # fmt: skip
+                server = OrchestratorServer(pipeline)
+                servers.append(server)
+                port = await server.start()
+                await server.wait_ready(120)
+                clients[label] = AsyncClient(f"127.0.0.1:{port}")
+            await one(clients["mesh N"], "warm")
+            for r in range(args.rounds):
+                for label, client in clients.items():  # interleaved: the same load for each
+                    samples[label].append(await one(client, f"{label[5:]}-{r}"))
+            for client in clients.values():
+                await client.close()
+        finally:
+            for server in servers:
+                await server.stop()
+            for process in processes.values():
+                await process.stop()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a Qwen3-Omni checkpoint folder")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random checkpoint, CPU")
+    parser.add_argument("--devices", default="cuda:0,cuda:1,cuda:1", help="thinker,talker,code2wav")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=128, help="thinker tokens")
+    parser.add_argument("--talker-tokens", type=int, default=1024)
+    parser.add_argument("--chunk", type=int, default=25, help="code2wav chunk_size = window N")
+    args = parser.parse_args()
+    if (why := skip_reason(args)) is not None:
+        print(f"omni_gpu: skipped: {why}")
+        return
+    if args.tiny:
+        from services.engines.qwen_omni import tiny
+
+        cache = Path(tempfile.gettempdir()) / "omni-gpu-bench"
+        folder, model, devices = tiny.ensure(cache), None, ["cpu"] * 3
+        args.chunk, args.tokens, args.talker_tokens = 4, 32, 64
+        torch.set_num_threads(1)
+        samples = {"monolithic": monolithic(folder, "cpu", torch.float32, args)}
+    else:
+        folder, model, devices = Path(args.model), str(Path(args.model)), args.devices.split(",")
+        samples = {"monolithic": monolithic(folder, devices[0], torch.bfloat16, args)}
+    samples.update(asyncio.run(mesh(model, devices, args)))
+    base = median([first for first, _, _ in samples["monolithic"]])
+    rows = []
+    for label, runs in samples.items():
+        first, whole = median([r[0] for r in runs]), median([r[1] for r in runs])
+        audio = median([r[2] for r in runs])
+        rows.append({"config": label, "first_audio_ms_p50": first * 1e3,
+                     "done_ms_p50": whole * 1e3, "audio_s": audio,
+                     "rtf": whole / audio if audio else float("nan"),
+                     "first_audio_vs_monolithic": base / first})  # fmt: skip
+    columns = ["config", "first_audio_ms_p50", "done_ms_p50", "audio_s", "rtf",
+               "first_audio_vs_monolithic"]  # fmt: skip
+    print(table(rows, columns))
+    result = {"model": "tiny" if args.tiny else args.model, "devices": devices, "rows": rows,
+              "rounds": args.rounds, "chunk": args.chunk}  # fmt: skip
+    name = "omni_tiny_cpu" if args.tiny else "omni_gpu"
+    print(f"json: {write_json(name, result)}")
+
+
+if __name__ == "__main__":
+    main()
