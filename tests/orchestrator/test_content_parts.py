@@ -7,8 +7,10 @@ only because it travelled as chunks (client -> orchestrator -> stage)."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import sys
 from array import array
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -225,3 +227,43 @@ async def test_describe_lists_the_kinds_a_stage_takes(mesh) -> None:
     for name, kinds in (("thinker", ["audio", "image", "text"]), ("talker", ["text"])):
         async with StageClient(mesh.stage_addresses[name]) as stage:
             assert list((await stage.describe()).accepts) == kinds
+
+
+OMNI = str(Path(sys.executable).parent / "omni")
+
+
+async def omni(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        OMNI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_omni_generate_sends_image_and_audio_files(mesh, tmp_path: Path) -> None:
+    # Suffixes that lie: the type comes from the files' first bytes.
+    image, clip = tmp_path / "picture.bin", tmp_path / "clip.wav"
+    image.write_bytes(PNG)
+    clip.write_bytes(WAV)
+    code, out, err = await omni(
+        "generate", "What is this?", "--image", str(image), "--audio", str(clip),
+        "--address", mesh.address, "--out", str(tmp_path / "out"),
+    )  # fmt: skip
+    assert code == 0, err
+    parts = json.loads(out)["turns"][0]["parts"]
+    assert [p.get("media_type") for p in parts] == ["image/png", "audio/wav", None]
+    assert parts[0]["sha256"] == sha(PNG) and parts[1]["sha256"] == sha(WAV)
+    assert parts[2] == {"text": "What is this?"}
+
+
+async def test_omni_generate_names_a_file_it_cannot_send(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    missing = tmp_path / "missing.png"
+    for flag, path, why in (("--image", missing, "cannot read it"),
+                            ("--image", notes, "of no known type, not image"),
+                            ("--audio", notes, "of no known type, not audio")):  # fmt: skip
+        code, _out, err = await omni("generate", "hi", flag, str(path), "--address", "127.0.0.1:1")
+        assert code == 2
+        assert f"omni generate: {path}: {why}" in err
