@@ -89,5 +89,14 @@ class TextOnlyEngine:
 
 
 class MediaEngine(TextOnlyEngine):
+    """Takes text, images and audio; ``engine_args: {accepts: [text, image]}`` narrows
+    that for one stage (read per instance, as ``accepted_kinds`` reads it)."""
+
     name: ClassVar[str] = "media-echo"
-    accepts: ClassVar[frozenset[str]] = frozenset({"text", "image", "audio"})
+    accepts: frozenset[str] = frozenset({"text", "image", "audio"})
+
+    def __init__(self, settings: EngineSettings) -> None:
+        super().__init__(settings)
+        kinds = dict(settings.engine_args).get("accepts")  # type: ignore[arg-type]
+        if kinds is not None:
+            self.accepts = frozenset(kinds)
