@@ -132,6 +132,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         described.CopyFrom(status)
         described.engine = description.engine
         described.output_tensors.extend(description.output_tensors)
+        described.accepts.extend(description.accepts)
         return described
 
     async def WatchStages(

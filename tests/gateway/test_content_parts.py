@@ -82,6 +82,12 @@ async def test_the_sdks_parts_reach_the_stage_in_order(media_mesh: Mesh) -> None
     assert parts[2]["sha256"] == hashlib.sha256(WAV).hexdigest()
 
 
+async def test_models_say_what_the_stage_takes(media_mesh: Mesh) -> None:
+    async with httpx.AsyncClient(timeout=60) as http:
+        card = (await http.get(f"{media_mesh.base_url}/models")).json()["data"][0]
+    assert card["stages"][0]["accepts"] == ["audio", "image", "text"]
+
+
 IMAGE = "messages[0].content[0].image_url.url"
 
 

@@ -267,3 +267,6 @@ async def test_omni_generate_names_a_file_it_cannot_send(tmp_path: Path) -> None
         code, _out, err = await omni("generate", "hi", flag, str(path), "--address", "127.0.0.1:1")
         assert code == 2
         assert f"omni generate: {path}: {why}" in err
+    # omni up reads its files before it starts anything.
+    code, _out, err = await omni("up", "--prompt", "hi", "--image", str(missing))
+    assert code == 2 and f"omni up: {missing}: cannot read it" in err
