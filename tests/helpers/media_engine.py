@@ -81,6 +81,11 @@ class TextOnlyEngine:
             "messages": [list(m) for m in request.messages],
             "turns": [turn_record(t) for t in request.turns],
         }
+        if request.tensors:  # hashed like media, so a benchmark compares like with like
+            record["tensors"] = {
+                name: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+                for name, t in request.tensors.items()
+            }
         yield TokenOutput(token_ids=(0,), text=json.dumps(record))
         yield FinishOutput("done", prompt_tokens=len(request.messages), completion_tokens=1)
 
