@@ -2,8 +2,9 @@
 a real orchestrator to real stages, and the stage's engine reports what it got
 (tests/helpers/media_engine.py): kinds, media types, bytes and PCM, in order.
 
-Both servers here accept messages of at most 2 MiB, so the 5 MiB image arrives
-only because it travelled as chunks (client -> orchestrator -> stage)."""
+Both servers here accept messages of at most 2 MiB, so the 5 MiB image (and the
+2.8 MB of PCM) arrive
+only because they travelled as chunks (client -> orchestrator -> stage)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ MIB = 1 << 20
 LIMIT = 2 * MIB  # max_message_bytes of the orchestrator and the stages
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * (5 * MIB // 256)  # 5 MiB "image"
 WAV = b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x01" * 64
-SAMPLES = [0.0, 0.5, -0.25, 1.0, -1.0, 1e-7, 0.125]
+SAMPLES = [0.0, 0.5, -0.25, 1.0, -1.0, 1e-7, 0.125] * 100_000  # 2.8 MB of float32: chunked too
 
 
 def sha(data: bytes) -> str:
