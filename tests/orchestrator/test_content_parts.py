@@ -3,8 +3,8 @@ a real orchestrator to real stages, and the stage's engine reports what it got
 (tests/helpers/media_engine.py): kinds, media types, bytes and PCM, in order.
 
 Both servers here accept messages of at most 2 MiB, so the 5 MiB image (and the
-2.8 MB of PCM) arrive
-only because they travelled as chunks (client -> orchestrator -> stage)."""
+2.8 MB of PCM) arrive only because they travelled as chunks (client ->
+orchestrator -> stage)."""
 
 from __future__ import annotations
 
