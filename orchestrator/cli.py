@@ -176,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("up", "generate"):
         from orchestrator.content import MediaFileError, files
 
+        if args.command == "up" and (args.image or args.audio) and args.prompt is None:
+            print("omni up: --image and --audio go with --prompt", file=sys.stderr)
+            return 2
         try:  # before anything starts: a wrong path is told at once
             media = files(args.image, args.audio)
         except MediaFileError as exc:

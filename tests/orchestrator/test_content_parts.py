@@ -271,3 +271,5 @@ async def test_omni_generate_names_a_file_it_cannot_send(tmp_path: Path) -> None
     # omni up reads its files before it starts anything.
     code, _out, err = await omni("up", "--prompt", "hi", "--image", str(missing))
     assert code == 2 and f"omni up: {missing}: cannot read it" in err
+    code, _out, err = await omni("up", "--image", str(notes))  # nothing to send it with
+    assert code == 2 and "omni up: --image and --audio go with --prompt" in err
