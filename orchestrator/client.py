@@ -28,7 +28,7 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.audio import AudioFiles
-from orchestrator.content import chat_message, needs_stream
+from orchestrator.content import fill, needs_stream
 from services.mesh.data import media_wire
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import status_code
@@ -116,7 +116,7 @@ def make_request(
         request.inputs.CopyFrom(inputs)
     if prompt is not None or media:
         text = () if prompt is None else (prompt,)
-        request.inputs.messages.append(chat_message("user", *media, *text))
+        fill(request.inputs.messages.add(role="user"), *media, *text)
     if params:
         request.params.CopyFrom(_params(params))
     for stage, values in (stage_params or {}).items():
@@ -128,15 +128,15 @@ def stream_inputs(
     request: orchestrator_pb2.GenerateRequest,
 ) -> list[orchestrator_pb2.StreamInput]:
     """``request`` as GenerateStream messages: its large media as TensorChunks, then
-    its one Submit (under a new id when it has none: a stream's Submit needs one)."""
-    submit = stage_pb2.Submit(
-        request_id=request.request_id or uuid.uuid4().hex,
-        params=request.params,
-        is_last=True,
-    )
+    its one Submit (under a new id when it has none: a stream's Submit needs one).
+    The media are moved out of ``request`` (it holds chunk refs after): copying
+    them first would cost more than sending them."""
+    chunks = [orchestrator_pb2.StreamInput(chunk=c) for c in media_wire.split(request.inputs)]
+    last = orchestrator_pb2.StreamInput()
+    submit = last.submit
+    submit.request_id, submit.is_last = request.request_id or uuid.uuid4().hex, True
     submit.inputs.CopyFrom(request.inputs)
-    chunks = [orchestrator_pb2.StreamInput(chunk=c) for c in media_wire.split(submit.inputs)]
-    last = orchestrator_pb2.StreamInput(submit=submit)
+    submit.params.CopyFrom(request.params)
     for stage, params in request.stage_params.items():
         last.stage_params[stage].CopyFrom(params)
     return [*chunks, last]

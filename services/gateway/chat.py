@@ -35,7 +35,7 @@ def generate_request(chat: ChatRequest) -> tuple[orchestrator_pb2.GenerateReques
     request = orchestrator_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}")
     for index, message in enumerate(chat.messages):
         role = _ROLES.get(message.role, message.role)
-        request.inputs.messages.append(content.chat_message(role, message, index))
+        request.inputs.messages.add().CopyFrom(content.chat_message(role, message, index))
     params = request.params
     max_tokens = chat.max_completion_tokens or chat.max_tokens
     if max_tokens is not None:

@@ -86,15 +86,17 @@ def _part(part: dict[str, Any], where: str) -> stage_pb2.ContentPart:
     kind = part.get("type")
     if kind == "text":
         return stage_pb2.ContentPart(text=validate(TextPart, part, prefix=where).text)
+    # Filled field by field: a constructor given a Media re-encodes its bytes (upb).
+    out = stage_pb2.ContentPart()
     if kind == "image_url":
         url = validate(ImagePart, part, prefix=where).image_url.url
-        media_type, data = _data_url(url, f"{where}.image_url.url")
-        return stage_pb2.ContentPart(image=stage_pb2.Media(media_type=media_type, data=data))
+        out.image.media_type, out.image.data = _data_url(url, f"{where}.image_url.url")
+        return out
     if kind == "input_audio":
         audio = validate(AudioPart, part, prefix=where).input_audio
-        data = _base64(audio.data, f"{where}.input_audio.data")
-        media = stage_pb2.Media(media_type=_AUDIO_FORMATS[audio.format], data=data)
-        return stage_pb2.ContentPart(audio=media)
+        out.audio.media_type = _AUDIO_FORMATS[audio.format]
+        out.audio.data = _base64(audio.data, f"{where}.input_audio.data")
+        return out
     raise ApiError(
         400,
         f"{where}.type: expected text, image_url or input_audio, got {kind!r}",
@@ -108,8 +110,10 @@ def chat_message(role: str, message: Message, index: int) -> stage_pb2.ChatMessa
     if message.content is None or isinstance(message.content, str):
         return stage_pb2.ChatMessage(role=role, content=message.content or "")
     where = f"messages[{index}].content"
-    parts = [_part(part, f"{where}[{j}]") for j, part in enumerate(message.content)]
-    return stage_pb2.ChatMessage(role=role, parts=parts)
+    out = stage_pb2.ChatMessage(role=role)
+    for j, part in enumerate(message.content):
+        out.parts.add().CopyFrom(_part(part, f"{where}[{j}]"))
+    return out
 
 
 def fields(chat: ChatRequest) -> dict[str, str]:
