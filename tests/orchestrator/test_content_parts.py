@@ -107,8 +107,7 @@ async def test_the_engine_gets_every_part_in_order_bytes_and_pcm_equal(mesh) -> 
     ]
     pcm = array("f", SAMPLES).tobytes()
     assert got["turns"] == [
-        {"role": "system", "content": "Describe what you are given.",
-         "parts": [{"text": "Describe what you are given."}]},
+        {"role": "system", "content": "Describe what you are given.", "parts": []},
         {"role": "user", "content": "Look:\nand listen:", "parts": [
             {"text": "Look:"},
             {"kind": "image", "media_type": "image/png", "nbytes": len(PNG), "sha256": sha(PNG)},

@@ -71,7 +71,7 @@ def test_windows_of_a_chat_with_media_join_into_turns() -> None:
     whole = merge([first, second])
     assert whole.messages == (("user", "a\nb"), ("user", ""))
     assert whole.turns == (
-        ChatTurn("user", "a\nb", ("a\nb",)),
+        ChatTurn("user", "a\nb"),  # no media: its text alone, as ChatTurn says
         ChatTurn("user", "", (MediaPart("audio", "audio/wav", b"RIFF"),)),
     )
 

@@ -80,13 +80,11 @@ def read_messages(
             for p, part in enumerate(message.parts)
         )
         text = TEXT_JOIN.join(p for p in parts if isinstance(p, str)) if parts else message.content
-        turns.append(ChatTurn(message.role, text, parts))
+        # A message without media is its text alone, however it was sent (ChatTurn).
+        media = any(isinstance(p, MediaPart) for p in parts)
+        turns.append(ChatTurn(message.role, text, parts if media else ()))
     pairs = tuple((t.role, t.content) for t in turns)
-    if not any(t.media for t in turns):
-        return pairs, ()
-    # Text-only messages of a chat with media: their one text part, for engines that walk parts.
-    whole = tuple(t if t.parts else ChatTurn(t.role, t.content, (t.content,)) for t in turns)
-    return pairs, whole
+    return pairs, tuple(turns) if any(t.parts for t in turns) else ()
 
 
 def _part(

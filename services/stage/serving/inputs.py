@@ -117,14 +117,11 @@ def merge(windows: Sequence[Inputs]) -> Inputs:
 
 
 def _turns(windows: Sequence[Inputs]) -> tuple[ChatTurn, ...]:
-    """Every window's chat as turns when any window has media (text-only ones as
-    turns of one text part), else none."""
+    """Every window's chat as turns when any window has media, else none."""
     if not any(w.turns for w in windows):
         return ()
     return tuple(
-        turn
-        for w in windows
-        for turn in (w.turns or tuple(ChatTurn(r, c, (c,)) for r, c in w.messages))
+        turn for w in windows for turn in (w.turns or tuple(ChatTurn(r, c) for r, c in w.messages))
     )
 
 
