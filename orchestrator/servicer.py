@@ -59,6 +59,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_request_id(rid, "request_id")
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
             refuse_refs(request.inputs)
+            self._router.refuse_kinds(request.inputs)
             self._router.start(
                 rid,
                 single(from_client(rid, request)),

@@ -146,6 +146,7 @@ class _StreamReader:
                     field="submit.request_id",
                 )
             refuse_refs(submit.inputs, "submit.inputs")
+            self._router.refuse_kinds(submit.inputs, "submit.inputs")
             self._chunks.resolve(submit.inputs.tensors, "submit.inputs.tensors")
             media_wire.resolve(self._chunks, submit.inputs, "submit.inputs")
             if not started:

@@ -1,13 +1,21 @@
-"""The media types a chat message's parts may carry, and how a file's type is told.
+"""The media types a chat message's parts may carry, how a file's type is told,
+and the one refusal of a kind a stage does not take.
 
 One table for every side: the stage refuses a type it does not list (a typo
 such as "image/pgn" is caught at the door, not deep in a model's processor);
-the CLI and the gateway name a file's or a data URL's type the same way.
+the CLI and the gateway name a file's or a data URL's type the same way. The
+stage refuses a part of a kind its engine does not take, and the orchestrator,
+knowing the entry stage's ``accepts`` from its Describe, refuses it in the same
+words before sending the media on.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import Protocol
+
+from services.mesh.errors import InvalidArgument
 
 PCM = "audio/pcm"  # audio as float32 samples (Media.pcm), not as a file
 
@@ -82,3 +90,36 @@ def sniff(data: bytes) -> str | None:
 def of_file(path: Path, data: bytes) -> str | None:
     """A file's media type: its magic bytes, else its suffix; None when neither is known."""
     return sniff(data) or _SUFFIXES.get(path.suffix.lower())
+
+
+_KIND_ORDER = ("text", "image", "audio", "video")
+
+
+class _Part(Protocol):
+    def WhichOneof(self, oneof: str) -> str | None: ...
+
+
+class _Message(Protocol):
+    @property
+    def parts(self) -> Iterable[_Part]: ...
+
+
+def listed(kinds: Collection[str]) -> str:
+    """"text", "text and image", "text, image and audio"."""
+    names = [k for k in _KIND_ORDER if k in kinds] + sorted(set(kinds) - set(_KIND_ORDER))
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def refuse_kinds(
+    messages: Iterable[_Message], accepts: Collection[str], stage: str, prefix: str = "inputs"
+) -> None:
+    """INVALID_ARGUMENT for the first part of a kind ``stage`` does not take:
+    "stage thinker takes text and image, not audio", naming the part's field."""
+    for m, message in enumerate(messages):
+        for p, part in enumerate(message.parts):
+            kind = part.WhichOneof("kind")
+            if kind is not None and kind not in accepts:
+                where = f"{prefix}.messages[{m}].parts[{p}].{kind}"
+                raise InvalidArgument(
+                    f"{where}: stage {stage} takes {listed(accepts)}, not {kind}", field=where
+                )

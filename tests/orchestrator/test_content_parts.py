@@ -138,13 +138,38 @@ async def test_an_old_client_sending_content_still_works(mesh) -> None:
     assert got == {"messages": [["user", "Hello there"]], "turns": []}
 
 
+VIDEO = content.media_part("video", b"\x00\x00\x00\x18ftypmp42", "video/mp4")
+
+
 async def test_a_part_the_engine_does_not_take_is_refused_by_name(mesh) -> None:
-    video = content.media_part("video", b"\x00\x00\x00\x18ftypmp42", "video/mp4")
-    result = await ask(mesh, content.chat_message("user", "hi", video))
+    """The orchestrator knows what the entry stage takes (its Describe): the video
+    is refused at the front door, in the stage's words, before it travels on."""
+    result = await ask(mesh, content.chat_message("user", "hi", VIDEO))
     done = result.done
     assert done is not None and done.code_name == "INVALID_ARGUMENT"
-    assert done.field == "inputs.messages[0].parts[1].video"
+    assert done.field == "inputs.messages[0].parts[1].video" and done.stage == ""
     assert "stage thinker takes text, image and audio, not video" in done.message
+    # A GenerateStream's Submit alike, under its own field.
+    submit = stage_pb2.Submit(request_id="v", is_last=True)
+    submit.inputs.messages.add().CopyFrom(content.chat_message("user", VIDEO))
+    call = mesh.stub.GenerateStream([orchestrator_pb2.StreamInput(submit=submit)])
+    dones = [e.done async for e in call if e.WhichOneof("kind") == "done"]
+    assert len(dones) == 1
+    done = dones[0]
+    assert done.field == "submit.inputs.messages[0].parts[0].video"
+
+
+async def test_the_stage_itself_refuses_a_kind_by_name(mesh) -> None:
+    """The stage checks too (a client of the stage, or an orchestrator that has not
+    described it yet): its Error names the part."""
+    submit = stage_pb2.Submit(request_id="direct", is_last=True)
+    submit.inputs.messages.add().CopyFrom(content.chat_message("user", "hi", VIDEO))
+    async with StageClient(mesh.stage_addresses["thinker"]) as stage:
+        outputs = [o async for o in stage.generate(submit)]
+    error = outputs[-1].error
+    assert error.code_name == "INVALID_ARGUMENT"
+    assert error.field == "inputs.messages[0].parts[1].video"
+    assert error.message.endswith("stage thinker takes text, image and audio, not video")
 
 
 async def test_a_text_only_stage_refuses_an_image_by_name(mesh) -> None:

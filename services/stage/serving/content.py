@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from services.engines.base import ChatTurn, ContentPart, MediaPart
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument
-from services.mesh.media_types import MEDIA_TYPES, PCM, canonical
+from services.mesh.media_types import MEDIA_TYPES, PCM, canonical, refuse_kinds
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.transport import TensorReceiver
 
-_KIND_ORDER = ("text", "image", "audio", "video")
 TEXT_JOIN = "\n"  # between a message's text parts, in its ``content`` (as vLLM joins them)
 
 
@@ -34,26 +33,13 @@ class Intake:
     accepts: frozenset[str]
 
 
-def _listed(kinds: frozenset[str]) -> str:
-    names = [k for k in _KIND_ORDER if k in kinds] + sorted(kinds - set(_KIND_ORDER))
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def _invalid(where: str, why: str) -> InvalidArgument:
     return InvalidArgument(f"{where}: {why}", field=where)
 
 
 def check_kinds(messages: Sequence[stage_pb2.ChatMessage], intake: Intake) -> None:
     """Refuse the first part of a kind the engine does not take (before any decoding)."""
-    for m, message in enumerate(messages):
-        for p, part in enumerate(message.parts):
-            kind = part.WhichOneof("kind")
-            if kind is not None and kind not in intake.accepts:
-                where = f"inputs.messages[{m}].parts[{p}].{kind}"
-                raise InvalidArgument(
-                    f"{where}: stage {intake.stage} takes {_listed(intake.accepts)}, not {kind}",
-                    field=where,
-                )
+    refuse_kinds(messages, intake.accepts, intake.stage)
 
 
 def read_messages(
