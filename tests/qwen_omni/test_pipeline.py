@@ -1,9 +1,10 @@
 """Qwen3-Omni through the mesh: thinker → talker → code2wav as three real stage
 processes behind a real orchestrator, on the tiny random checkpoint. The
 client's text ids, the talker's codes and the audio equal the monolithic
-``generate(return_audio=True)``: bit-equal with code2wav's chunk of 300 (the
-monolithic decode), and equal to ``chunked_decode`` with the same chunk and left
-context when code2wav decodes windows of 8 codes as they come."""
+``generate(return_audio=True)`` for text, an image and an audio clip sent as
+content parts: bit-equal with code2wav's chunk of 300 (the monolithic decode),
+and equal to ``chunked_decode`` with the same chunk and left context when
+code2wav decodes windows of 8 codes as they come."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from orchestrator import content
 from orchestrator.client import Result
 from services.mesh import wav
+from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.codec import from_proto
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
-from tests.qwen_omni.reference import QUESTION, TALKER_TOKENS, THINKER_TOKENS
+from tests.qwen_omni.reference import QUESTION, TALKER_TOKENS, THINKER_TOKENS, png, wav_clip
 
 NAMES = ["thinker", "talker", "code2wav", "code2wav_8"]
 TO_TALKER = {"from": "thinker", "to": "talker", "window": -1}
@@ -71,7 +74,18 @@ def audio_of(result: Result, stage: str) -> torch.Tensor:
     return torch.cat([from_proto(t) for t in result.stages[stage].tensors["audio"]])
 
 
-async def run(mesh: Stages, vocoder: str, window: dict[str, int], out: Path) -> Result:
+def media(kind: str) -> list[stage_pb2.ContentPart]:
+    """The prompt's media as a client sends it (the wire's content parts)."""
+    if kind == "image":
+        return [content.image(png(), "image/png")]
+    if kind == "audio":
+        return [content.audio(wav_clip(), "audio/wav")]
+    return []
+
+
+async def run(
+    mesh: Stages, vocoder: str, window: dict[str, int], out: Path, kind: str = "text"
+) -> Result:
     edge = {"from": "talker", "to": vocoder, **window}
     config = pipeline(
         mesh, ["thinker", "talker", vocoder], [TO_TALKER, edge],
@@ -79,15 +93,18 @@ async def run(mesh: Stages, vocoder: str, window: dict[str, int], out: Path) -> 
     )  # fmt: skip
     async with orchestrator(config) as (_, client):
         result = Result(audio_dir=out)
-        async for event in client.generate(QUESTION, request_id="omni"):
+        async for event in client.generate(QUESTION, media=media(kind), request_id="omni"):
             result.add(event)
     assert result.ok, result.done
     return result
 
 
-async def test_text_codes_and_audio_equal_the_monolithic_model(mesh, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    want = reference("text")
-    result = await run(mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path)
+@pytest.mark.parametrize("kind", ["text", "image", "audio"])
+async def test_text_codes_and_audio_equal_the_monolithic_model(
+    mesh, reference, tmp_path, kind
+) -> None:  # type: ignore[no-untyped-def]
+    want = reference(kind)
+    result = await run(mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path, kind)
     thinker = result.stages["thinker"]
     assert thinker.token_ids == want.answer_ids
     assert "hidden_states" not in thinker.tensors  # the hand-off is not the client's
