@@ -132,3 +132,17 @@ async def test_windows_of_codes_decode_as_chunked_decode(
     with torch.no_grad():
         chunked = model.chunked_decode(want.codes.T[None], 8, 25).reshape(-1)
     assert torch.equal(audio_of(result, "code2wav_8"), chunked)
+
+
+async def test_a_video_is_refused_naming_the_stage_and_kind(mesh) -> None:  # type: ignore[no-untyped-def]
+    config = pipeline(
+        mesh, ["thinker", "talker", "code2wav"], [TO_TALKER, {"from": "talker", "to": "code2wav"}]
+    )
+    async with orchestrator(config) as (_, client):
+        result = Result()
+        video = content.media_part("video", b"\x00\x00\x00\x18ftypmp42", "video/mp4")
+        async for event in client.generate(QUESTION, media=[video], request_id="film"):
+            result.add(event)
+    assert result.done is not None and result.done.code_name == "INVALID_ARGUMENT"
+    assert "thinker" in result.done.message and "video" in result.done.message
+    assert "talker" not in result.stages and "code2wav" not in result.stages
