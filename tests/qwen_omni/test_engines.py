@@ -79,3 +79,19 @@ async def test_bad_codes_are_refused_by_name(tiny_omni: Path) -> None:
     for bad in (torch.zeros(3, 5, dtype=torch.long), torch.zeros(3, 4), torch.full((2, 4), 32)):
         with pytest.raises(InvalidArgument, match=r"inputs\.tensors\.codes"):
             engine.check(EngineRequest("bad", tensors={"codes": bad}))
+
+
+async def test_closing_the_thinker_stops_its_generate_at_the_next_step(engines, reference) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from services.engines.base import TokenOutput
+
+    thinker = engines[0]
+    stream = thinker.generate(thinker.check(request("text", "long", max_tokens=20000)))
+    first = await anext(stream)
+    assert isinstance(first, TokenOutput)
+    began = time.perf_counter()
+    await stream.aclose()  # 20,000 tokens would take minutes; the thread stops now
+    assert time.perf_counter() - began < 10
+    thought = await parts.think(thinker, request("text"))  # and the engine serves on
+    assert thought.answer_ids == reference("text").answer_ids

@@ -3,15 +3,17 @@
 The thinker's tokens (a streamer's ``put``) and the talker's codes (a forward
 hook) are produced inside ``generate``; ``Steps`` carries each one to the
 engine's async generator on the event loop, then the call's result or its
-error. Closing the reader stops the thread at its next step (a stopping
-criterion), so a cancelled request does not run on to max_tokens.
+error. Closing the reader (``aclosing``: a nested async generator left by a
+closed one is otherwise closed later, by the loop) stops the thread at its next
+step (a stopping criterion) and waits for it, so a cancelled request neither
+runs on to max_tokens nor overlaps the next one on the model.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 _DONE = object()
@@ -32,7 +34,7 @@ class Steps:
         """A stopping criterion for ``generate``: the reader went away."""
         return self.stopped.is_set()
 
-    async def run(self, call: Callable[[], Any]) -> AsyncIterator[Any]:
+    async def run(self, call: Callable[[], Any]) -> AsyncGenerator[Any, None]:
         """Each step ``call`` puts, in order; then ``self.result`` holds its return."""
 
         def work() -> None:

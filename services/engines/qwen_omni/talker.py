@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -159,8 +160,10 @@ class QwenOmniTalker:
         )
 
     async def generate(self, plan: TalkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        async with self._lock:
-            async for event in self._speak(plan):
+        # Closed from outside, a nested generator would be closed later by the loop,
+        # after the lock is let go: aclosing closes it (and stops its thread) first.
+        async with self._lock, aclosing(self._speak(plan)) as events:
+            async for event in events:
                 yield event
 
     async def _speak(self, plan: TalkerPlan) -> AsyncGenerator[EngineEvent, None]:
@@ -197,10 +200,11 @@ class QwenOmniTalker:
                     hook.remove()
 
         count = 0
-        async for codes in steps.run(call):
-            count += 1
-            yield TensorOutput({names.CODES: codes})
-            yield ProgressOutput(step=count, total_steps=generation["max_new_tokens"])
+        async with aclosing(steps.run(call)) as produced:
+            async for codes in produced:
+                count += 1
+                yield TensorOutput({names.CODES: codes})
+                yield ProgressOutput(step=count, total_steps=generation["max_new_tokens"])
         yield FinishOutput(
             "done", prompt_tokens=len(plan.handoff.prompt_ids), completion_tokens=count
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -113,8 +114,10 @@ class QwenOmniThinker:
         return ThinkerPlan(request, inputs, generation)
 
     async def generate(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        async with self._lock:
-            async for event in self._answer(plan):
+        # Closed from outside, a nested generator would be closed later by the loop,
+        # after the lock is let go: aclosing closes it (and stops its thread) first.
+        async with self._lock, aclosing(self._answer(plan)) as events:
+            async for event in events:
                 yield event
 
     async def _answer(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
@@ -138,9 +141,10 @@ class QwenOmniThinker:
 
         text = _Text(self._processor.tokenizer)
         answer: list[int] = []
-        async for token in steps.run(call):
-            answer.append(token)
-            yield TokenOutput((token,), text.add(answer))
+        async with aclosing(steps.run(call)) as produced:
+            async for token in produced:
+                answer.append(token)
+                yield TokenOutput((token,), text.add(answer))
         if tail := text.rest(answer):  # an incomplete character at the very end
             yield TokenOutput((), tail)
         prompt_ids = inputs["input_ids"][0]
