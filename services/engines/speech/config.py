@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
 from services.engines.engine_args import EngineArgs
 from services.mesh.config_files import Frozen
@@ -48,15 +48,11 @@ class SpeechArgs(EngineArgs):
                 f"unknown voice(s) {unknown} (hibari has: {', '.join(VOICES)}; a voice file "
                 "is given as {name: ..., source: ...})"
             )
-        return voices
-
-    @model_validator(mode="after")
-    def _distinct(self) -> SpeechArgs:
-        names = self.voice_names
+        names = [v if isinstance(v, str) else v.name for v in voices]
         doubled = sorted({n for n in names if names.count(n) > 1})
         if doubled:
-            raise ValueError(f"voices: {doubled} named more than once")
-        return self
+            raise ValueError(f"{doubled} named more than once")
+        return voices
 
     @property
     def voice_names(self) -> list[str]:
