@@ -16,9 +16,9 @@ at the client, time to Done, and whether the audio, once started, ever runs dry
 (each piece's arrival against the end of the audio before it, played from the
 first arrival on, one request at a time). Then the speaker alone, on the same
 answer's text: audio seconds per wall second through its Stage stream against
-hibari in this process. Both arms must say the same thing (checked: the same
-text and the same audio). Targets: first audio >= 4x sooner windowed; the
-stream >= 0.95x hibari in process; no gap.
+hibari in this process (interleaved, the best of 5 each per run). Both arms
+must say the same thing (checked: the same text and the same audio). Targets:
+first audio >= 4x sooner windowed; the stream >= 0.95x hibari in process; no gap.
 
 A case is one function returning a ``Case`` (its stage files, the windowed
 edges, the stage whose audio is played, and the stage-alone timing both ways);
@@ -55,6 +55,7 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "pipelines"
+REPEATS = 5  # the speaker alone, each way, per run
 PROMPT = "Write a short story about a lighthouse keeper and a storm at sea."
 
 
@@ -240,11 +241,21 @@ async def run(case: Case, runs: int) -> dict[str, Any]:
             for r in range(runs):
                 for arm, client in clients.items():  # interleaved: the same load for each
                     heard[arm].append(await hear(client, case, f"{arm}-{r}"))
-                text = heard["full"][0].text
-                alone["stream"].append(await case.through_stream(addresses, text))
-                alone["in_process"].append(await asyncio.to_thread(case.in_process, text))
             for client in clients.values():
                 await client.close()
+            for server in servers:  # quiet: this process's hibari shares its GIL with them
+                await server.stop()
+            servers.clear()
+            text = heard["full"][0].text
+            for _ in range(runs):
+                # The speaker alone both ways, interleaved, the best of REPEATS each: one
+                # utterance takes about a second, which a busy neighbour can double.
+                tries: dict[str, list[Spoken]] = {way: [] for way in alone}
+                for _ in range(REPEATS):
+                    tries["stream"].append(await case.through_stream(addresses, text))
+                    tries["in_process"].append(await asyncio.to_thread(case.in_process, text))
+                for way, spoken in tries.items():
+                    alone[way].append(max(spoken, key=lambda s: s.rate))
         finally:
             for server in servers:
                 await server.stop()

@@ -8,6 +8,8 @@ with ``runtime.streaming_input`` over a windowed edge each window speaks the
 sentences it completes, and the end of the text is spoken when the input ends
 (``HoldsInputBack``). Parameters: ``seed``, ``extra.voice``, ``extra.speed``,
 ``extra.return_wav`` (the whole audio as an audio/wav Blob at the end).
+Voices are hibari names or files given by source (``VoiceSource``), which the
+stage fetches in its download phase (``FetchesFiles``) and hands over before load.
 """
 
 from __future__ import annotations

@@ -86,7 +86,9 @@ class GenerateStream:
         if self._fatal is not None:
             raise self._fatal
 
-    async def _read(self, inputs: AsyncIterator[InputFrame]) -> None:
+    async def _read(
+        self, inputs: AsyncIterator[InputFrame]
+    ) -> None:
         try:
             async for message in inputs:
                 try:
