@@ -43,6 +43,7 @@ from typing import Any
 
 import grpc
 import yaml
+from hibari import Hibari
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -93,8 +94,6 @@ def smollm2_hibari(cache: str, tokens: int) -> Case:
     speaker = yaml.safe_load((EXAMPLES / "stages" / "speaker.yaml").read_text())
     assert thinker["model"] == speaker["model"] == SMOLLM2
     pipeline = yaml.safe_load((EXAMPLES / "speech.yaml").read_text())
-    from hibari import Hibari
-
     tts = Hibari(threads=speaker.get("engine_args", {}).get("threads", 1))
     seed = speaker["defaults"]["seed"]
     tts("Warm up.", seed=seed)  # its spelling-to-sound tables load now, as the stage's do
@@ -309,7 +308,7 @@ def report(
         "params": case.params,
         "answer": answer,
         "answer_chars": len(answer),
-        "answer_sentences": len(_sentences(answer)),
+        "answer_sentences": len(Hibari.split_sentences(answer)),
         "audio_s": sum(s for _, s in heard["full"][0].pieces),
         "same_text_and_audio": True,
         "rows": rows,
@@ -327,12 +326,6 @@ def report(
             "no_gap": sum(h.gaps for h in heard["windowed"]) == 0,
         },
     }
-
-
-def _sentences(text: str) -> list[str]:
-    from hibari import Hibari
-
-    return list(Hibari.split_sentences(text))
 
 
 def main() -> None:
