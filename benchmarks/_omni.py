@@ -23,6 +23,7 @@ TALKER_TOKENS = 128  # codes: >= 100, as a real spoken answer (10 s at 12.5 code
 TINY_CHUNK = 12  # code2wav's chunk_size (= the window) in examples/pipelines/qwen3-omni.yaml
 LEFT_CONTEXT = 25
 SAMPLE_RATE = 24000
+CODES_PER_S = 12.5  # the real Qwen3-Omni codec: 80 ms of speech per code
 
 
 def stage_configs(

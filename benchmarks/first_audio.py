@@ -25,7 +25,12 @@ tiny random Qwen3-Omni: thinker → talker → code2wav, greedy, the talker's
 answer 128 codes (``--tokens``; 10 s of speech at the real model's 12.5 codes/s),
 the talker → code2wav edge at window -1 against window 12 (code2wav's
 chunk_size); the stage alone is code2wav on the talker's codes against its
-``chunked_decode`` in this process. Target: first audio >= 3x sooner windowed.
+``chunked_decode`` in this process. The tiny code2wav makes 8 samples a code
+where the real one makes 1920, so the client plays each piece as long as the
+real model's (``play_scale``) when it judges gaps. Both arms must make the same
+audio (sha256 of every sample). Target: first audio >= 3x sooner windowed; no
+gap. (Stream against in process is reported, not a target: ~35 ms of decode
+against ~20 ms fixed per request.)
 
 A case is one function in benchmarks/_audio_cases.py returning a ``Case``
 (its stage files, the windowed edges, the stage whose audio is played, what fed
@@ -105,7 +110,8 @@ async def hear(client: AsyncClient, case: Case, rid: str) -> Heard:
             if samples := samples_of(tensor):
                 now = time.perf_counter() - began
                 fmt = event.segment.audio_format
-                heard.pieces.append((now, samples / fmt.sample_rate / max(fmt.channels, 1)))
+                seconds = samples / fmt.sample_rate / max(fmt.channels, 1)
+                heard.pieces.append((now, seconds * case.play_scale))
                 digest.update(tensor.raw)
     heard.done_s = time.perf_counter() - began
     if not result.ok:
@@ -235,7 +241,8 @@ def report(
         "answer": answer,
         "answer_chars": len(answer),
         "audio_stage_fed": case.describe(every[0].fed),
-        "audio_s": sum(s for _, s in heard["full"][0].pieces),
+        "audio_s": sum(s for _, s in heard["full"][0].pieces),  # as played (play_scale)
+        "play_scale": case.play_scale,
         "same_text_and_audio": True,
         "first_audio_sooner": sooner,
         "rows": rows,
@@ -249,9 +256,13 @@ def report(
         },
         "targets": {
             f"first_audio_{case.target:g}x": sooner >= case.target,
-            "stream_0.95x": median(ratios) >= 0.95,
             "no_gap": sum(h.gaps for h in heard["windowed"]) == 0,
-        },
+        }
+        | (
+            {}
+            if case.stream_target is None
+            else {f"stream_{case.stream_target:g}x": median(ratios) >= case.stream_target}
+        ),
     }
 
 
@@ -268,9 +279,9 @@ def main() -> None:
     cache = str(Path.home() / ".cache" / "omni-mesh")
     result = asyncio.run(run(CASES[args.case](cache, args.tokens), args.runs))
     print(
-        f"{result['case']}: {result['answer_chars']} characters of text; the audio stage was fed "
-        f"{result['audio_stage_fed']}; {result['audio_s']:.2f} s of audio; both arms said the "
-        f"same: {result['same_text_and_audio']}"
+        f"{result['case']}: {result['answer_chars']} characters of text; the audio stage was "
+        f"fed {result['audio_stage_fed']}; {result['audio_s']:.2f} s of audio as played; both "
+        f"arms said the same: {result['same_text_and_audio']}"
     )
     columns = ["arm", "first_audio_ms", "vs_full", "done_ms", "pieces", "worst_late_ms", "gaps"]
     print(table(result["rows"], columns))
