@@ -14,13 +14,19 @@ Three configurations, each answering the same prompt greedily:
     mesh N       the same stages, window N = code2wav's chunk_size: each chunk is
                  decoded as the talker makes it
 
-The monolithic model runs first and is freed before the stages load (both would
-not fit one GPU); the two mesh configurations run interleaved round by round
-over the same three stage processes. Reported per configuration: time to first
-audio and to the whole answer (p50 over rounds), audio seconds, RTF (time to
-the whole answer / audio seconds) and time to first audio as a ratio to the
-monolithic. Without ``--tiny`` it needs CUDA and the checkpoint folder, and
-exits 0 saying why it skipped otherwise.
+The two mesh configurations run interleaved round by round over the same three
+stage processes. On a GPU the monolithic model runs first and is freed before
+the stages load (both would not fit one GPU); with ``--tiny`` it runs in the
+same rounds, interleaved with the mesh's, so all three see the same load (run
+first, minutes apart on a shared machine, it once read 1.7-2.4 s against the
+mesh's 0.3-0.9 s). Every configuration runs torch at one thread per process.
+The tiny talker answers PROMPT with 127 codes (--talker-tokens 128 caps it;
+benchmarks/_omni.py), about 10 s of speech for the real model.
+
+Reported per configuration: time to first audio and to the whole answer (p50
+over rounds), audio seconds, RTF (time to the whole answer / audio seconds) and
+time to first audio as a ratio to the monolithic. Without ``--tiny`` it needs
+CUDA and the checkpoint folder, and exits 0 saying why it skipped otherwise.
 """
 
 from __future__ import annotations
@@ -60,35 +66,41 @@ def skip_reason(args: argparse.Namespace) -> str | None:
     return None
 
 
-def monolithic(folder: Path, device: str, dtype: torch.dtype, args: argparse.Namespace) -> list:
-    from transformers import Qwen3OmniMoeForConditionalGeneration
+class Monolithic:
+    """The whole model in this process; each call is one timed ``generate``
+    (first audio = done: the audio exists when generate returns)."""
 
-    from services.engines.qwen_omni import processor as processors
+    def __init__(self, folder: Path, device: str, dtype: torch.dtype, args: Any) -> None:
+        from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    loaded: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=dtype)
-    model = loaded.to(device).eval()
-    processor = processors.load(folder)
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
-    )
-    inputs = processor(text=[text], return_tensors="pt").to(device)
-    samples = []
-    for _ in range(args.rounds + 1):  # the first is a warm-up
-        began = time.perf_counter()
-        _, audio = model.generate(
-            **inputs, return_audio=True, thinker_max_new_tokens=args.tokens,
-            thinker_eos_token_id=model.config.im_end_token_id, thinker_do_sample=False,
+        from services.engines.qwen_omni import processor as processors
+
+        loaded: Any = Qwen3OmniMoeForConditionalGeneration.from_pretrained(folder, dtype=dtype)
+        self.model, self.device, self.args = loaded.to(device).eval(), device, args
+        processor = processors.load(folder)
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+        )
+        self.inputs = processor(text=[text], return_tensors="pt").to(device)
+        self()  # a warm-up, not counted
+
+    def __call__(self) -> tuple[float, float, float]:
+        began, args = time.perf_counter(), self.args
+        _, audio = self.model.generate(
+            **self.inputs, return_audio=True, thinker_max_new_tokens=args.tokens,
+            thinker_eos_token_id=self.model.config.im_end_token_id, thinker_do_sample=False,
             talker_do_sample=False, talker_max_new_tokens=args.talker_tokens,
         )  # fmt: skip
-        if device.startswith("cuda"):
+        if self.device.startswith("cuda"):
             torch.cuda.synchronize()
         took = time.perf_counter() - began
-        samples.append((took, took, audio.shape[-1] / SAMPLE_RATE))
-    del model
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return samples[1:]
+        return took, took, audio.shape[-1] / SAMPLE_RATE
+
+    def close(self) -> None:
+        del self.model
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
 
 
 def stage_files(folder: Path, model: str | None, devices: list[str], args: Any) -> dict[str, Path]:
@@ -119,13 +131,19 @@ async def one(client: AsyncClient, rid: str) -> tuple[float, float, float]:
     raise RuntimeError(f"{rid}: no Done")
 
 
-async def mesh(model: str | None, devices: list[str], args: Any) -> dict[str, list]:
+async def mesh(
+    model: str | None, devices: list[str], args: Any, local: Monolithic | None = None
+) -> dict[str, list]:
+    """The two mesh arms interleaved round by round, and ``local`` (the monolithic,
+    when it fits beside the stages) in the same rounds: one load for all three."""
     windows = {"mesh -1": -1, "mesh N": args.chunk}
     with tempfile.TemporaryDirectory() as tmp:
         paths = stage_files(Path(tmp), model, devices, args)
         processes = {name: StageProcess(path) for name, path in paths.items()}
         servers: list[OrchestratorServer] = []
         samples: dict[str, list] = {label: [] for label in windows}
+        if local is not None:
+            samples = {"monolithic": [], **samples}
         try:
             addresses = {name: await p.start() for name, p in processes.items()}
             for address in addresses.values():
@@ -146,6 +164,8 @@ async def mesh(model: str | None, devices: list[str], args: Any) -> dict[str, li
                 clients[label] = AsyncClient(f"127.0.0.1:{port}")
             await one(clients["mesh N"], "warm")
             for r in range(args.rounds):
+                if local is not None:  # the stages idle meanwhile
+                    samples["monolithic"].append(local())
                 for label, client in clients.items():  # interleaved: the same load for each
                     samples[label].append(await one(client, f"{label[5:]}-{r}"))
             for client in clients.values():
@@ -178,12 +198,15 @@ def main() -> None:
         folder, model, devices = tiny.ensure(cache), None, ["cpu"] * 3
         args.chunk, args.tokens = omni.TINY_CHUNK, omni.THINKER_TOKENS
         args.talker_tokens = omni.TALKER_TOKENS
-        torch.set_num_threads(1)
-        samples = {"monolithic": monolithic(folder, "cpu", torch.float32, args)}
+        torch.set_num_threads(1)  # as each stage: at 2 threads on 2 busy cores it is ~8x slower
+        local = Monolithic(folder, "cpu", torch.float32, args)
+        samples = asyncio.run(mesh(model, devices, args, local))
     else:
         folder, model, devices = Path(args.model), str(Path(args.model)), args.devices.split(",")
-        samples = {"monolithic": monolithic(folder, devices[0], torch.bfloat16, args)}
-    samples.update(asyncio.run(mesh(model, devices, args)))
+        local = Monolithic(folder, devices[0], torch.bfloat16, args)
+        samples = {"monolithic": [local() for _ in range(args.rounds)]}
+        local.close()  # both would not fit one GPU
+        samples.update(asyncio.run(mesh(model, devices, args)))
     base = median([first for first, _, _ in samples["monolithic"]])
     rows = []
     for label, runs in samples.items():
