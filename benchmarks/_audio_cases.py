@@ -150,7 +150,6 @@ def tiny_omni(cache: str, tokens: int | None) -> Case:
         None, ["cpu"] * 3, tokens=omni.THINKER_TOKENS, talker_tokens=codes,
         chunk=omni.TINY_CHUNK, tiny=True, cache_dir=cache,
     )  # fmt: skip
-    torch.set_num_threads(1)  # as each stage runs
     code2wav = omni.Code2Wav(tiny.ensure(Path(cache)), omni.TINY_CHUNK)
     # The tiny code2wav makes 8 samples a code, the real one 1920 (12.5 codes/s at
     # 24 kHz): the client plays each piece for as long as the real model's would.
@@ -162,9 +161,14 @@ def tiny_omni(cache: str, tokens: int | None) -> Case:
         return torch.cat([from_proto(t, "codes") for t in steps]) if steps else torch.empty(0)
 
     def in_process(fed: torch.Tensor) -> Spoken:
-        began = time.perf_counter()
-        samples = code2wav(fed).shape[0]
-        return Spoken(samples / omni.SAMPLE_RATE, time.perf_counter() - began)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the stage runs
+        try:
+            began = time.perf_counter()
+            samples = code2wav(fed).shape[0]
+            return Spoken(samples / omni.SAMPLE_RATE, time.perf_counter() - began)
+        finally:
+            torch.set_num_threads(threads)
 
     async def through_stream(addresses: dict[str, str], fed: torch.Tensor) -> Spoken:
         inputs = stage_pb2.StageInputs(tensors=[to_proto(fed, "codes")])

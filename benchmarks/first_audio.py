@@ -244,6 +244,7 @@ def report(
         "audio_s": sum(s for _, s in heard["full"][0].pieces),  # as played (play_scale)
         "play_scale": case.play_scale,
         "same_text_and_audio": True,
+        "audio_sha256": every[0].audio,
         "first_audio_sooner": sooner,
         "rows": rows,
         "speaker_rows": speed_rows,
