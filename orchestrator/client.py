@@ -104,9 +104,11 @@ def make_request(
     params: Params = None,
     stage_params: Mapping[str, Params] | None = None,
     request_id: str = "",
+    stage: str = "",
 ) -> orchestrator_pb2.GenerateRequest:
-    """A GenerateRequest; a plain prompt is sent as one user chat message."""
-    request = orchestrator_pb2.GenerateRequest(request_id=request_id)
+    """A GenerateRequest; a plain prompt is sent as one user chat message.
+    ``stage``: run that stage alone (its inputs and ``params`` are the request's)."""
+    request = orchestrator_pb2.GenerateRequest(request_id=request_id, stage=stage)
     if inputs is not None:
         request.inputs.CopyFrom(inputs)
     if prompt is not None:

@@ -18,6 +18,7 @@ import grpc
 
 from orchestrator.requests.client_input import (
     check_abort_ids,
+    check_alone,
     check_stage_params,
     refusal,
     refuse_refs,
@@ -58,6 +59,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             check_request_id(rid, "request_id")
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
+            check_alone(request, self._server.monitors)
             refuse_refs(request.inputs)
             self._router.start(
                 rid,
@@ -66,6 +68,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 sink,
                 owner=caller,
                 timeout_s=context.time_remaining(),
+                alone=request.stage,
             )
         except OmniError as exc:
             logger.info("request %s refused: %s", rid, exc.message)

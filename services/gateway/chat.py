@@ -5,7 +5,9 @@ events become a completion, or OpenAI's ``chat.completion.chunk`` stream.
 The answer's text is that of the first stage to stream text (the thinker of the
 default pipeline), and ``usage`` and ``finish_reason`` come from that stage's
 Completed. Other stages still run (a renderer draws its image); their outputs
-are not part of a chat completion.
+are not part of a chat completion, except a speech stage's audio when
+``modalities`` asks for it (audio_out.py): then the text is the audio's
+transcript, as OpenAI gives it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from services.gateway.audio_out import Speech, audio_deltas, audio_end, message_audio
 from services.gateway.errors import ApiError
 from services.gateway.schema import ChatRequest
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -66,9 +69,12 @@ class Answer:
     text: list[str] = field(default_factory=list)
     completions: dict[str, stage_pb2.Completed] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
+    speech: Speech | None = None  # the speech stage's audio, when asked for
 
     def add(self, event: orchestrator_pb2.GenerateEvent) -> str:
         """Take one event; returns the answer's new text in it ("" if none)."""
+        if self.speech is not None:
+            self.speech.add(event)
         kind = event.WhichOneof("kind")
         if kind == "segment":
             delta = event.segment.text_delta
@@ -106,8 +112,18 @@ class Answer:
         }
 
 
-def completion(request_id: str, model: str, answer: Answer) -> dict[str, Any]:
+def completion(
+    request_id: str, model: str, answer: Answer, audio_format: str = "wav"
+) -> dict[str, Any]:
     """The ``chat.completion`` object of a request that succeeded."""
+    text = "".join(answer.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if answer.speech is not None:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "audio": message_audio(request_id, answer.speech, audio_format, text),
+        }
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -116,7 +132,7 @@ def completion(request_id: str, model: str, answer: Answer) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(answer.text)},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": answer.finish_reason,
             }
@@ -139,8 +155,9 @@ class ChunkStream:
         fields: dict[str, str],
         *,
         include_usage: bool,
+        speech: Speech | None = None,
     ) -> None:
-        self.answer = Answer()
+        self.answer = Answer(speech=speech)
         self._fields = fields
         self._include_usage = include_usage
         self._head = {"id": request_id, "object": "chat.completion.chunk", "model": model}
@@ -149,11 +166,15 @@ class ChunkStream:
     async def sse(
         self, events: AsyncIterator[orchestrator_pb2.GenerateEvent]
     ) -> AsyncIterator[bytes]:
-        yield self._chunk({"role": "assistant", "content": ""})
+        speech = self.answer.speech
+        yield self._chunk({"role": "assistant", "content": None if speech else ""})
         try:
             async for event in events:
                 delta = self.answer.add(event)
-                if delta:
+                if speech is not None:
+                    for piece in audio_deltas(self._head["id"], speech, delta):
+                        yield self._chunk({"audio": piece})
+                elif delta:
                     yield self._chunk({"content": delta})
         except grpc.aio.AioRpcError as exc:  # ended without a Done: the orchestrator went away
             yield _event(ApiError.from_rpc(exc).body)
@@ -163,6 +184,8 @@ class ChunkStream:
         if done is not None and done.code != 0:
             yield _event(ApiError.from_done(done, self._fields).body)
         elif done is not None:
+            if speech is not None:
+                yield self._chunk({"audio": audio_end()})
             yield self._chunk({}, self.answer.finish_reason)
             if self._include_usage:
                 yield _event({**self._base(), "choices": [], "usage": self.answer.usage})
@@ -171,7 +194,7 @@ class ChunkStream:
     def _base(self) -> dict[str, Any]:
         return {**self._head, "created": self._created}
 
-    def _chunk(self, delta: dict[str, str], finish: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return _event({**self._base(), "choices": [choice]})
 
