@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import socket
 import sys
 from dataclasses import dataclass
@@ -76,9 +77,25 @@ def _parser() -> argparse.ArgumentParser:
         help=f"connections the kernel queues before accept (default {DEFAULT_BACKLOG})",
     )
     parser.add_argument(
+        "--http",
+        choices=("httptools", "h11"),
+        default="httptools" if _installed("httptools") else "h11",
+        help="uvicorn's HTTP/1.1 parser: httptools (C; the default when installed) or h11",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop" if _installed("uvloop") else "asyncio",
+        help="the event loop: uvloop (the default when installed) or the standard library's",
+    )
+    parser.add_argument(
         "--drain-s", type=float, default=10.0, help="how long responses in flight get on SIGTERM"
     )
     return parser
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 class _Server(uvicorn.Server):
@@ -116,6 +133,7 @@ class Listening:
     limit_concurrency: int
     backlog: int
     drain_s: float
+    http: str = "httptools"
 
 
 async def serve(config: GatewayConfig, listening: Listening) -> int:
@@ -133,6 +151,7 @@ async def serve(config: GatewayConfig, listening: Listening) -> int:
             timeout_graceful_shutdown=max(1, round(listening.drain_s)),
             limit_concurrency=listening.limit_concurrency,
             backlog=listening.backlog,
+            http=listening.http,
         )
     )
     stop = stop_on_signals()
@@ -164,8 +183,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_connections < 1 or args.backlog < 1:
         print("omni gateway: --max-connections and --backlog: expected >= 1", file=sys.stderr)
         return 2
-    listening = Listening(args.host, args.port, args.max_connections, args.backlog, args.drain_s)
-    return asyncio.run(serve(config, listening))
+    listening = Listening(
+        args.host, args.port, args.max_connections, args.backlog, args.drain_s, args.http
+    )
+    # uvloop and httptools take ~40% of the CPU time a 16-token completion costs
+    # here (benchmarks/gateway.py); gRPC's asyncio client runs on either loop.
+    loop_factory = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config, listening))
 
 
 if __name__ == "__main__":
