@@ -2,11 +2,14 @@
 pipeline's speech stage alone (``GenerateRequest.stage``: no thinker runs), with
 the voice and speed as that stage's parameters; the answer is its audio. A WAV
 is sent whole (its header holds the length); raw ``pcm`` streams as each
-sentence is spoken, so a player starts after the first sentence.
+sentence is spoken, so a player starts after the first sentence; a failure
+after the first audio can only end that body early (its status is sent), and is
+logged.
 """
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -14,6 +17,8 @@ from services.gateway.audio_out import Speech
 from services.gateway.schema import SpeechRequest
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+
+logger = logging.getLogger(__name__)
 
 MEDIA_TYPES = {"wav": wav.MEDIA_TYPE, "pcm": "audio/pcm"}
 
@@ -48,6 +53,14 @@ async def pcm_body(
         pcm = said.take()
         if pcm:
             yield pcm
+    done = said.done
+    if done is not None and done.code != 0:
+        logger.warning(
+            "request %s: %s %s (the audio ends early)",
+            done.request_id,
+            done.code_name,
+            done.message,
+        )
 
 
 def pcm_stream(
