@@ -108,7 +108,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def _listen(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     """A listening TCP socket, bound now (so --port 0 is known at once). Made with
     proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections whose socket
     says so, and without it each small SSE chunk waits out a delayed ACK (~40 ms)."""
