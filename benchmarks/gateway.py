@@ -13,6 +13,11 @@ processes, as `omni up --http` runs them; this process is the client.
    of the p99s, and the median of each round's back-to-back difference); and the
    CPU time a request costs this process plus the gateway's (the gRPC path
    spends none in the gateway), which a busy shared machine disturbs least.
+   Beside the gateway as shipped (uvicorn on httptools and uvloop): the same
+   gateway on the stack it had before (h11, asyncio's loop), and the floor, a
+   bare ASGI app on the shipped stack that relays one Generate and answers the
+   least it can (benchmarks/_bare_relay.py): no FastAPI, no validation, no
+   OpenAI shapes. The gateway minus the relay is what is ours to remove.
 2. Tokens/s of SmolLM2-135M at 1 and 8 concurrent streams: gRPC streams vs.
    the gateway's SSE streams.
 

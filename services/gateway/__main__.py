@@ -186,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     listening = Listening(
         args.host, args.port, args.max_connections, args.backlog, args.drain_s, args.http
     )
-    # uvloop and httptools take ~40% of the CPU time a 16-token completion costs
-    # here (benchmarks/gateway.py); gRPC's asyncio client runs on either loop.
+    # uvloop and httptools: the C event loop and parser (gRPC's asyncio client
+    # runs on either loop); benchmarks/gateway.py measures them beside h11 and asyncio.
     loop_factory = None
     if args.loop == "uvloop":
         import uvloop
