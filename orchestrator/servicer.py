@@ -61,6 +61,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
             check_alone(request, self._server.monitors)
             refuse_refs(request.inputs)
+            self._router.refuse_kinds(request.inputs, alone=request.stage)
             self._router.start(
                 rid,
                 single(from_client(rid, request)),
@@ -135,6 +136,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         described.CopyFrom(status)
         described.engine = description.engine
         described.output_tensors.extend(description.output_tensors)
+        described.accepts.extend(description.accepts)
         return described
 
     async def WatchStages(

@@ -29,7 +29,7 @@ from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
 from services.mesh import errors
-from services.mesh.data import chunks
+from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import DeadlineExceeded, OmniError
@@ -228,9 +228,14 @@ class RequestFlow:
         submits, ended = self._stage_submits(stage), False
         async for submit in self._inputs(stage, submits):
             ended = submit.is_last
-            for frame in chunks.split_encoded(
-                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
-            ):
+            for frame in [
+                *chunks.split_encoded(
+                    submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+                ),
+                *media_wire.split_encoded(
+                    submit.inputs, STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+                ),
+            ]:
                 await channel.write(frame)
             await channel.write(stage_pb2.StageInput(submit=submit))
         if submits.sent and not ended:  # the client stopped before its last window
