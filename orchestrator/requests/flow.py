@@ -94,7 +94,7 @@ class RequestFlow:
         # What the stages know the request by: unique in the mesh (the router's making).
         self.stage_id = stage_id or request_id
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
-        self._topology = topology
+        self.topology = topology  # the pipeline's, or one stage's alone
         self._clients = clients
         self._streams = streams
         self._sink = sink
@@ -122,7 +122,7 @@ class RequestFlow:
         try:
             async with asyncio.timeout(left):
                 async with asyncio.TaskGroup() as tasks:
-                    for stage in self._topology.order:
+                    for stage in self.topology.order:
                         tasks.create_task(self._stage(stage), name=f"{self.stage_id}@{stage}")
         except* StageFailed as group:
             first = group.exceptions[0]
@@ -143,8 +143,8 @@ class RequestFlow:
 
     def _expired(self) -> orchestrator_pb2.Done:
         """The client's deadline passed: named after the first stage still working."""
-        working = [s for s in self._topology.order if s not in self._completed] or [
-            self._topology.order[-1]
+        working = [s for s in self.topology.order if s not in self._completed] or [
+            self.topology.order[-1]
         ]
         error = DeadlineExceeded(
             f"request {self.request_id}: the deadline passed while stage {working[0]} was working"
@@ -159,7 +159,7 @@ class RequestFlow:
 
     def _stage_submits(self, stage: str) -> StageSubmits:
         # What the consumers' transforms need, the producer is asked to emit.
-        children = self._topology.children[stage]
+        children = self.topology.children[stage]
         asks = {
             _ASK_FOR[name]
             for e in children
@@ -180,11 +180,11 @@ class RequestFlow:
         return submits.outgoing(submit)
 
     async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[stage_pb2.Submit]:
-        if stage == self._topology.entry:
+        if stage == self.topology.entry:
             async for submit in self._entry_inputs:
                 yield self._outgoing(stage, submits, submit)
             return
-        edge = self._topology.incoming[stage]
+        edge = self.topology.incoming[stage]
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
@@ -242,7 +242,7 @@ class RequestFlow:
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
     async def _read(self, stage: str, channel: RequestStream) -> None:
-        lanes = [self._lane(edge) for edge in self._topology.children[stage]]
+        lanes = [self._lane(edge) for edge in self.topology.children[stage]]
         is_output = stage in self._outputs
         while True:
             output = await channel.read()
