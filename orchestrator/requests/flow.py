@@ -122,8 +122,12 @@ class RequestFlow:
         try:
             async with asyncio.timeout(left):
                 async with asyncio.TaskGroup() as tasks:
-                    for stage in self._topology.order:
+                    entry, *rest = self._topology.order
+                    for stage in rest:
                         tasks.create_task(self._stage(stage), name=f"{self.stage_id}@{stage}")
+                    # The entry stage in this task: one task fewer per request. Its
+                    # failure joins the group as a task's would (the others are cancelled).
+                    await self._stage(entry)
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
@@ -204,10 +208,22 @@ class RequestFlow:
         client = self._clients[stage]
         channel = await self._streams.join(stage, self.stage_id)
         self.active_stages.add(stage)
-        writer = asyncio.create_task(self._write(stage, channel))
+        writer: asyncio.Task[None] | None = None
         try:
+            # Until its first Submit is sent the stage has nothing to say of this
+            # request: it is sent here, and only a stage with more input to come (a
+            # GenerateStream's windows, a windowed edge) gets a writer task beside
+            # the reading (most requests: one Submit per stage, no task).
+            submits = self._stage_submits(stage)
+            inputs = self._inputs(stage, submits)
+            first = await anext(inputs, None)
+            if first is not None and await self._send(channel, first):
+                await anext(inputs, None)  # the input's end (closes its window's span)
+            else:
+                writer = asyncio.create_task(self._write(channel, submits, inputs))
             await self._read(stage, channel)
-            await writer
+            if writer is not None:
+                await writer
         except StageFailed:
             raise
         except StreamBroken as exc:
@@ -219,20 +235,41 @@ class RequestFlow:
         except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
             raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         finally:
-            writer.cancel()
             channel.close()
-            await asyncio.gather(writer, return_exceptions=True)
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
 
-    async def _write(self, stage: str, channel: RequestStream) -> None:
-        submits, ended = self._stage_submits(stage), False
-        async for submit in self._inputs(stage, submits):
-            ended = submit.is_last
-            for frame in chunks.split_encoded(
-                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
-            ):
-                await channel.write(frame)
-            await channel.write(stage_pb2.StageInput(submit=submit))
+    async def _send(self, channel: RequestStream, submit: stage_pb2.Submit) -> bool:
+        """Put ``submit`` (its large tensors first, as chunks) on the stage's stream;
+        True if it was the last. The last one, whole, is posted without waiting for
+        the write: nothing of the request follows it but a Credit or a Cancel, in
+        order behind it, and a write that fails breaks the stream, which the reading
+        side reports. Every other one is waited for: the edge's watermark counts it
+        until it is written."""
+        frames = chunks.split_encoded(
+            submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+        )
+        for frame in frames:
+            await channel.write(frame)
+        message = stage_pb2.StageInput(submit=submit)
+        if submit.is_last and not frames:
+            channel.post(message)
+        else:
+            await channel.write(message)
+        return submit.is_last
+
+    async def _write(
+        self,
+        channel: RequestStream,
+        submits: StageSubmits,
+        inputs: AsyncIterator[stage_pb2.Submit],
+    ) -> None:
+        """The Submits after the first, as they come."""
+        ended = False
+        async for submit in inputs:
+            ended = await self._send(channel, submit)
         if submits.sent and not ended:  # the client stopped before its last window
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
