@@ -33,6 +33,7 @@ from services.mesh.pb.omni.v1 import (
     stage_pb2,
     stage_pb2_grpc,
 )
+from services.mesh.rpc.server import SERVER_KEEPALIVE_OPTIONS
 
 _FINAL = ("completed", "error")
 
@@ -87,7 +88,8 @@ class RelayProcess(ServiceProcess):
 
 
 async def serve(stage_address: str, stage: str, host: str, port: int) -> None:
-    server = grpc.aio.server()
+    # The mesh's keepalive settings (options, nothing per request): its clients ping.
+    server = grpc.aio.server(options=SERVER_KEEPALIVE_OPTIONS)
     relay = Relay(stage_address, stage)
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(relay, server)
     bound = server.add_insecure_port(f"{host}:{port}")
