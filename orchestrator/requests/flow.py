@@ -28,6 +28,7 @@ from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
+from orchestrator.requests.windows import Window
 from services.mesh import errors
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # What each stage said of itself (its Describe), once it is up; None = not yet.
 Describe = Callable[[str], stage_pb2.StageDescription | None]
+# A Submit on its way to a stage, with the edge's window it carries (None: the client's).
+Sent = tuple[stage_pb2.Submit, Window | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
 _SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
@@ -183,22 +186,21 @@ class RequestFlow:
             self._may_share.add(stage)
         return submits.outgoing(submit)
 
-    async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[stage_pb2.Submit]:
+    async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[Sent]:
+        """The stage's Submits, completed for the wire, each with the window it
+        carries (None: the client's own). Nothing is held open across a yield: the
+        first is taken in the stage's task and the rest may be in a writer task."""
         if stage == self._topology.entry:
             async for submit in self._entry_inputs:
-                yield self._outgoing(stage, submits, submit)
+                yield self._outgoing(stage, submits, submit), None
             return
         edge = self._topology.incoming[stage]
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
-        name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
             submit = from_window(self.stage_id, window, edge.transform or "", params)
-            submit = self._outgoing(stage, submits, submit)
-            with observe.window_span(name, submit):
-                yield submit
-            lane.taken(window)
+            yield self._outgoing(stage, submits, submit), window
 
     async def _stage(self, stage: str) -> None:
         with observe.stage_span(self.stage_id, stage):
@@ -210,17 +212,16 @@ class RequestFlow:
         self.active_stages.add(stage)
         writer: asyncio.Task[None] | None = None
         try:
-            # Until its first Submit is sent the stage has nothing to say of this
-            # request: it is sent here, and only a stage with more input to come (a
-            # GenerateStream's windows, a windowed edge) gets a writer task beside
-            # the reading (most requests: one Submit per stage, no task).
+            # The stage says nothing of the request before its first Submit, sent
+            # here; only more input to come (a GenerateStream, a windowed edge) needs
+            # a writer task beside the reading: most requests make none.
             submits = self._stage_submits(stage)
             inputs = self._inputs(stage, submits)
             first = await anext(inputs, None)
-            if first is not None and await self._send(channel, first):
-                await anext(inputs, None)  # the input's end (closes its window's span)
+            if first is not None and await self._send(stage, channel, *first):
+                await anext(inputs, None)  # the input's end
             else:
-                writer = asyncio.create_task(self._write(channel, submits, inputs))
+                writer = asyncio.create_task(self._write(channel, submits, stage, inputs))
             await self._read(stage, channel)
             if writer is not None:
                 await writer
@@ -241,13 +242,24 @@ class RequestFlow:
                 await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
 
-    async def _send(self, channel: RequestStream, submit: stage_pb2.Submit) -> bool:
-        """Put ``submit`` (its large tensors first, as chunks) on the stage's stream;
-        True if it was the last. The last one, whole, is posted without waiting for
-        the write: nothing of the request follows it but a Credit or a Cancel, in
-        order behind it, and a write that fails breaks the stream, which the reading
-        side reports. Every other one is waited for: the edge's watermark counts it
-        until it is written."""
+    async def _send(
+        self, stage: str, channel: RequestStream, submit: stage_pb2.Submit, window: Window | None
+    ) -> bool:
+        """Send one Submit (a window's in its span, then handed back to its lane);
+        True if it was the last."""
+        if window is None:
+            return await self._put(channel, submit)
+        lane = self._lanes[stage]
+        with observe.window_span(f"{lane.edge.from_}->{stage}", submit):
+            last = await self._put(channel, submit)
+        lane.taken(window)
+        return last
+
+    async def _put(self, channel: RequestStream, submit: stage_pb2.Submit) -> bool:
+        """``submit`` on the stream, large tensors first as chunks. A last one, whole,
+        is posted, not waited for: only a Credit or Cancel follows it, in order, and
+        a failed write breaks the stream, which reading reports. Any other is waited
+        for: the edge's watermark counts it until it is written."""
         frames = chunks.split_encoded(
             submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
         )
@@ -261,15 +273,12 @@ class RequestFlow:
         return submit.is_last
 
     async def _write(
-        self,
-        channel: RequestStream,
-        submits: StageSubmits,
-        inputs: AsyncIterator[stage_pb2.Submit],
+        self, channel: RequestStream, submits: StageSubmits, stage: str, inputs: AsyncIterator[Sent]
     ) -> None:
         """The Submits after the first, as they come."""
         ended = False
-        async for submit in inputs:
-            ended = await self._send(channel, submit)
+        async for submit, window in inputs:
+            ended = await self._send(stage, channel, submit, window)
         if submits.sent and not ended:  # the client stopped before its last window
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
