@@ -16,7 +16,13 @@ import numpy as np
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import stage_pb2
 
-_SAFE = re.compile(r"[^A-Za-z0-9_.]")
+_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def file_stem(*parts: str) -> str:
+    """``<request id>-<stage>`` as a file name: characters a path could misread
+    (a slash, a space, ...) become "_"; dashes and dots in an id stay."""
+    return "-".join(_SAFE.sub("_", p) for p in parts if p)
 
 
 class GrowingWav:
@@ -59,7 +65,7 @@ class AudioFiles:
             out = self.files.get(key)
             if out is None:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                name = "-".join(_SAFE.sub("_", p) for p in key if p)
+                name = file_stem(*key)
                 out = GrowingWav(self.out_dir / f"{name}.wav", fmt.sample_rate, fmt.channels or 1)
                 self.files[key] = out
             out.append(np.frombuffer(tensor.raw, dtype="<f4"))

@@ -39,6 +39,19 @@ def _security_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-pause-s", type=float, help="longest PauseGeneration holds requests")
 
 
+def _media_flags(parser: argparse.ArgumentParser) -> None:
+    kinds = "PNG, JPEG, WebP, GIF or BMP", "WAV, MP3, FLAC or Ogg"
+    for flag, kind in zip(("--image", "--audio"), kinds, strict=True):
+        parser.add_argument(
+            flag,
+            type=Path,
+            action="append",
+            default=[],
+            metavar="FILE",
+            help=f"send this {kind} file with the prompt (repeatable; in order, before the text)",
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni", description="Omni Mesh command line.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     up.add_argument("--max-tokens", type=int, help="for the entry stage")
+    _media_flags(up)
     commands.add_parser(
         "gateway",
         help="an OpenAI-compatible HTTP API in front of an orchestrator (omni gateway --help)",
@@ -104,6 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--address", default=DEFAULT_ADDRESS if address is None else address)
     gen.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
+    _media_flags(gen)
     gen.add_argument("--seed", type=int, help="for every stage")
     gen.add_argument("--request-id", default="")
     gen.add_argument("--timeout", type=float, help="seconds; the deadline reaches the stages")
@@ -157,6 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         }
         return serve_orchestrator(args.pipeline, args.host, args.port, flags, args.health_port)
+    media = []
+    if args.command in ("up", "generate"):
+        from orchestrator.content import MediaFileError, files
+
+        if args.command == "up" and (args.image or args.audio) and args.prompt is None:
+            print("omni up: --image and --audio go with --prompt", file=sys.stderr)
+            return 2
+        try:  # before anything starts: a wrong path is told at once
+            media = files(args.image, args.audio)
+        except MediaFileError as exc:
+            print(f"omni {args.command}: {exc}", file=sys.stderr)
+            return 2
     if args.command == "up":
         from orchestrator.commands import default_pipeline
         from orchestrator.up import up
@@ -172,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_tokens=args.max_tokens,
                 tls=args.tls,
                 http=args.http,
+                media=media,
             )
         )
     from orchestrator.commands import generate
@@ -193,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             dialing=dialing,
             timeout_s=args.timeout,
+            media=media,
         )
     )
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.audio import AudioFiles
+from orchestrator.content import fill, needs_stream
+from services.mesh.data import media_wire
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
@@ -104,18 +107,39 @@ def make_request(
     params: Params = None,
     stage_params: Mapping[str, Params] | None = None,
     request_id: str = "",
+    media: Sequence[stage_pb2.ContentPart] = (),
 ) -> orchestrator_pb2.GenerateRequest:
-    """A GenerateRequest; a plain prompt is sent as one user chat message."""
+    """A GenerateRequest; a plain prompt is sent as one user chat message, with
+    ``media`` (orchestrator/content.py) as its first parts when given."""
     request = orchestrator_pb2.GenerateRequest(request_id=request_id)
     if inputs is not None:
         request.inputs.CopyFrom(inputs)
-    if prompt is not None:
-        request.inputs.messages.add(role="user", content=prompt)
+    if prompt is not None or media:
+        text = () if prompt is None else (prompt,)
+        fill(request.inputs.messages.add(role="user"), *media, *text)
     if params:
         request.params.CopyFrom(_params(params))
     for stage, values in (stage_params or {}).items():
         request.stage_params[stage].CopyFrom(_params(values))
     return request
+
+
+def stream_inputs(
+    request: orchestrator_pb2.GenerateRequest,
+) -> list[orchestrator_pb2.StreamInput]:
+    """``request`` as GenerateStream messages: its large media as TensorChunks, then
+    its one Submit (under a new id when it has none: a stream's Submit needs one).
+    The media are moved out of ``request`` (it holds chunk refs after): copying
+    them first would cost more than sending them."""
+    chunks = [orchestrator_pb2.StreamInput(chunk=c) for c in media_wire.split(request.inputs)]
+    last = orchestrator_pb2.StreamInput()
+    submit = last.submit
+    submit.request_id, submit.is_last = request.request_id or uuid.uuid4().hex, True
+    submit.inputs.CopyFrom(request.inputs)
+    submit.params.CopyFrom(request.params)
+    for stage, params in request.stage_params.items():
+        last.stage_params[stage].CopyFrom(params)
+    return [*chunks, last]
 
 
 def _params(values: Params) -> stage_pb2.GenerationParams:
@@ -133,7 +157,9 @@ class Events:
     """An async stream of one request's events, ending with its Done; ``collect()``
     gathers them, ``cancel()`` ends the call (the orchestrator cancels the request)."""
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall, request_id: str = "") -> None:
+    def __init__(
+        self, call: grpc.aio.UnaryStreamCall | grpc.aio.StreamStreamCall, request_id: str = ""
+    ) -> None:
         self._call = call
         self.request_id = request_id  # as sent ("": the orchestrator assigns one)
 
@@ -193,6 +219,10 @@ class AsyncClient:
         """``request`` as it is; ``token``: this call's bearer token instead of the
         dialing's (a gateway passing its caller's on)."""
         metadata = self.metadata if token is None else token_metadata(token)
+        if needs_stream(request.inputs):  # large media: chunks, never one large message
+            messages = stream_inputs(request)
+            stream = self.stub.GenerateStream(messages, timeout=timeout_s, metadata=metadata)
+            return Events(stream, messages[-1].submit.request_id)
         call = self.stub.Generate(request, timeout=timeout_s, metadata=metadata)
         return Events(call, request.request_id)
 
@@ -270,7 +300,11 @@ class Client:
     def generate(
         self, prompt: str | None = None, **kwargs: Any
     ) -> Iterator[orchestrator_pb2.GenerateEvent]:
-        call = self.stub.Generate(make_request(prompt, **kwargs), metadata=self.metadata)
+        request = make_request(prompt, **kwargs)
+        if needs_stream(request.inputs):  # large media: chunks, never one large message
+            call = self.stub.GenerateStream(iter(stream_inputs(request)), metadata=self.metadata)
+        else:
+            call = self.stub.Generate(request, metadata=self.metadata)
         done = None
         try:
             for event in call:

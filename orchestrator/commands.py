@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import uuid
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -126,8 +127,10 @@ async def generate(
     seed: int | None = None,
     dialing: Dialing = PLAINTEXT,
     timeout_s: float | None = None,
+    media: Sequence[stage_pb2.ContentPart] = (),
 ) -> int:
-    """omni generate: stream the output stages' text; save tensors and images."""
+    """omni generate: stream the output stages' text; save tensors and images.
+    ``media``: images and audio sent with the prompt (orchestrator/content.py)."""
     request_id = request_id or uuid.uuid4().hex[:12]
     params: dict[str, object] = {}
     if max_tokens is not None:
@@ -136,7 +139,7 @@ async def generate(
         params["seed"] = seed
     result = Result(audio_dir=out)  # <out>/<id>-<stage>.wav grows as speech arrives
     try:
-        await _stream(address, prompt, params, request_id, result, dialing, timeout_s)
+        await _stream(address, prompt, params, request_id, result, dialing, timeout_s, media)
     except grpc.aio.AioRpcError as exc:
         print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -159,11 +162,14 @@ async def _stream(
     result: Result,
     dialing: Dialing,
     timeout_s: float | None,
+    media: Sequence[stage_pb2.ContentPart] = (),
 ) -> None:
     """Print the output stages' text as it streams (status lines to stderr)."""
     async with AsyncClient(address, dialing) as client:
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
-        events = client.generate(prompt, params=params, request_id=request_id, timeout_s=timeout_s)
+        events = client.generate(
+            prompt, params=params, request_id=request_id, timeout_s=timeout_s, media=media
+        )
         async for event in events:
             result.add(event)
             kind = event.WhichOneof("kind")

@@ -7,16 +7,15 @@ dtypes numpy lacks (bfloat16, float8) fall back to torch. No pickle.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
+from orchestrator.audio import file_stem
 from orchestrator.client import Result
 from services.mesh.pb.omni.v1 import tensor_pb2
 
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _NUMPY = {
     "bool": np.bool_,
     "uint8": np.uint8,
@@ -34,10 +33,6 @@ _NUMPY = {
     "complex128": np.complex128,
 }
 _IMAGE_MODES = {1: "L", 3: "RGB", 4: "RGBA"}
-
-
-def _name(*parts: str) -> str:
-    return "-".join(_SAFE.sub("_", p) for p in parts if p)
 
 
 def _joined(pieces: list[tensor_pb2.Tensor]) -> tensor_pb2.Tensor:
@@ -64,11 +59,11 @@ def save_outputs(result: Result, request_id: str, out_dir: Path) -> list[Path]:
         written += streamed  # its audio, written as it came (orchestrator/audio.py)
         for index, blob in enumerate(produced.blobs):
             if blob.media_type == "image/png":
-                path = out_dir / f"{_name(request_id, stage, blob.name, str(index))}.png"
+                path = out_dir / f"{file_stem(request_id, stage, blob.name, str(index))}.png"
                 path.write_bytes(blob.data)
                 written.append(path)
             elif blob.media_type == "audio/wav" and not streamed:
-                path = out_dir / f"{_name(request_id, stage, blob.name)}.wav"
+                path = out_dir / f"{file_stem(request_id, stage, blob.name)}.wav"
                 path.write_bytes(blob.data)
                 written.append(path)
         others: dict[str, tensor_pb2.Tensor] = {}
@@ -81,11 +76,11 @@ def save_outputs(result: Result, request_id: str, out_dir: Path) -> list[Path]:
             elif not produced.blobs:  # the PNG blob, when sent, is the same image
                 height, width, channels = tensor.shape
                 image = Image.frombytes(_IMAGE_MODES[channels], (width, height), tensor.raw)
-                path = out_dir / f"{_name(request_id, stage, name)}.png"
+                path = out_dir / f"{file_stem(request_id, stage, name)}.png"
                 image.save(path)
                 written.append(path)
         if others:
-            path = out_dir / f"{_name(request_id, stage)}.safetensors"
+            path = out_dir / f"{file_stem(request_id, stage)}.safetensors"
             _save_tensors(others, path)
             written.append(path)
     return written

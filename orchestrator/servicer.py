@@ -59,6 +59,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_request_id(rid, "request_id")
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
             refuse_refs(request.inputs)
+            self._router.refuse_kinds(request.inputs)
             self._router.start(
                 rid,
                 single(from_client(rid, request)),
@@ -132,6 +133,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         described.CopyFrom(status)
         described.engine = description.engine
         described.output_tensors.extend(description.output_tensors)
+        described.accepts.extend(description.accepts)
         return described
 
     async def WatchStages(

@@ -11,13 +11,14 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.commands import generate
 from orchestrator.stages.processes import GatewayProcess
 from services.mesh.config_files import ConfigError
-from services.mesh.pb.omni.v1 import orchestrator_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import stop_on_signals
 from services.mesh.security import PLAINTEXT, Dialing, client_dialing
 from services.mesh.telemetry import tracing
@@ -37,6 +38,7 @@ async def up(
     max_tokens: int | None,
     tls: bool = False,
     http: int | None = None,
+    media: Sequence[stage_pb2.ContentPart] = (),
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
     then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. A tokens file
@@ -94,6 +96,7 @@ async def up(
             dialing,
             http=http,
             ca=trust.ca if trust is not None else None,
+            media=media,
         )
         return code
     finally:
@@ -113,6 +116,7 @@ async def _run_up(
     *,
     http: int | None = None,
     ca: Path | None = None,
+    media: Sequence[stage_pb2.ContentPart] = (),
 ) -> int:
     from orchestrator.stages.processes import ServiceExited
     from orchestrator.stages.progress import ProgressView
@@ -160,7 +164,7 @@ async def _run_up(
         print(f"ready in {elapsed:.1f}s: orchestrator at {launcher.address}", flush=True)
         if prompt is not None:
             return await generate(
-                launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing
+                launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing, media=media
             )
         if http is not None:
             gateway = await _start_gateway(launcher.address, launcher.host, http, ca, run_dir)

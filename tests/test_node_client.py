@@ -6,6 +6,7 @@ receives for the same request (greedy: the same tokens, in order)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import AsyncClient
+from orchestrator.pipeline import parse_pipeline
+from services.stage.config import parse_stage_config
+from services.stage.server import StageServer
 from tests.helpers.node import node_client as node_example
 from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
@@ -86,3 +90,39 @@ async def test_node_client_sees_a_refusal_as_a_done_naming_the_field(
         # The mesh goes on: the Python client is served after the refusal.
         async with AsyncClient(address) as python:
             assert (await python.generate("hi", params={"max_tokens": 2}).collect()).ok
+
+
+async def test_node_client_sends_an_image_part(node_client: Path, tmp_path: Path) -> None:
+    """--image: the stage's engine gets the file's bytes as an image part, then the text
+    (tests/helpers/media_engine.py answers with what it got)."""
+    png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64
+    image = tmp_path / "dot.png"
+    image.write_bytes(png)
+    config = {
+        "name": "thinker",
+        "engine": "tests.helpers.media_engine:MediaEngine",
+        "load_format": "dummy",
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    stage = StageServer(parse_stage_config(config))
+    stage_port = await stage.start("127.0.0.1", 0)
+    config = parse_pipeline(
+        {"name": "node", "stages": [{"name": "thinker", "address": f"127.0.0.1:{stage_port}"}]},
+        "node.yaml",
+    )
+    try:
+        async with orchestrator(config) as (server, _client):
+            address = f"127.0.0.1:{server.port}"
+            code, out, err = await _node(
+                node_client, "--json", "--address", address, "--image", str(image), "What?"
+            )
+    finally:
+        await stage.stop(1.0)
+    assert code == 0, err
+    text = json.loads(out.strip().splitlines()[-1])["stages"]["thinker"]["text"]
+    parts = json.loads(text)["turns"][0]["parts"]
+    assert parts == [
+        {"kind": "image", "media_type": "image/png", "nbytes": len(png),
+         "sha256": hashlib.sha256(png).hexdigest()},
+        {"text": "What?"},
+    ]  # fmt: skip

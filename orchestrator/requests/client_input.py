@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from orchestrator.requests.router import Router
 from orchestrator.requests.sink import EventSink
 from services.mesh import errors
+from services.mesh.data import media_wire
 from services.mesh.data.byte_budget import InputBudget, StreamAccount
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, NotFound, OmniError, ResourceExhausted
@@ -30,6 +31,14 @@ def refuse_refs(inputs: stage_pb2.StageInputs, field: str = "inputs") -> None:
                 f"{name}: tensor refs are only accepted from inside the mesh; send bytes",
                 field=name,
             )
+    for item in media_wire.media_fields(inputs, field):
+        if item.media.WhichOneof("payload") == "pcm":
+            if item.media.pcm.WhichOneof("data") in ("shm", "cuda_ipc"):
+                name = f"{item.where}.pcm"
+                raise InvalidArgument(
+                    f"{name}: tensor refs are only accepted from inside the mesh; send bytes",
+                    field=name,
+                )
 
 
 MAX_ABORT_IDS = 256  # ids one Abort may name (its reply names each once)
@@ -137,7 +146,9 @@ class _StreamReader:
                     field="submit.request_id",
                 )
             refuse_refs(submit.inputs, "submit.inputs")
+            self._router.refuse_kinds(submit.inputs, "submit.inputs")
             self._chunks.resolve(submit.inputs.tensors, "submit.inputs.tensors")
+            media_wire.resolve(self._chunks, submit.inputs, "submit.inputs")
             if not started:
                 check_stage_params(params, self._stages, "stage_params")
                 feed: Feed = asyncio.Queue()

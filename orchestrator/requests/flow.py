@@ -30,7 +30,7 @@ from orchestrator.requests.stage_mux import RequestStream, StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
 from orchestrator.requests.windows import Window
 from services.mesh import errors
-from services.mesh.data import chunks
+from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import DeadlineExceeded, OmniError
@@ -256,13 +256,18 @@ class RequestFlow:
         return last
 
     async def _put(self, channel: RequestStream, submit: stage_pb2.Submit) -> bool:
-        """``submit`` on the stream, large tensors first as chunks. A last one, whole,
+        """``submit`` on the stream, large tensors and media first as chunks. A last one, whole,
         is posted, not waited for: only a Credit or Cancel follows it, in order, and
         a failed write breaks the stream, which reading reports. Any other is waited
         for: the edge's watermark counts it until it is written."""
-        frames = chunks.split_encoded(
-            submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
-        )
+        frames = [
+            *chunks.split_encoded(
+                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+            ),
+            *media_wire.split_encoded(
+                submit.inputs, STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+            ),
+        ]
         for frame in frames:
             await channel.write(frame)
         message = stage_pb2.StageInput(submit=submit)

@@ -27,7 +27,7 @@ from orchestrator.requests.errors import NotStarted
 from orchestrator.requests.flow import Describe, RequestFlow, unoffered
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
-from services.mesh import errors
+from services.mesh import errors, media_types
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import (
@@ -214,6 +214,15 @@ class Router:
             done.message,
         )
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
+
+    def refuse_kinds(self, inputs: stage_pb2.StageInputs, prefix: str = "inputs") -> None:
+        """A content part the entry stage does not take (its Describe's ``accepts``) is
+        refused here, in the stage's words, before its media travel on; the stage
+        checks again (it may not be described yet, or have restarted)."""
+        entry = self._topology.entry
+        description = self._describe(entry)
+        if description is not None and description.accepts:
+            media_types.refuse_kinds(inputs.messages, description.accepts, entry, prefix)
 
     def _check_transforms(self) -> None:
         """Every edge's transform must be one its consuming stage offers (the server

@@ -22,6 +22,7 @@ from typing import TextIO
 from urllib.parse import urlsplit
 
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.units import format_bytes
 
 BAR = 20
 SPEED_WINDOW_S = 5.0  # bytes over this many seconds make the speed
@@ -38,14 +39,6 @@ def short_source(source: str) -> str:
         return f"{parts.netloc}{parts.path}".rsplit("/", 1)[-1]
     name = parts.path.rstrip("/").rsplit("/", 1)[-1] if parts.scheme else os.path.basename(source)
     return name or parts.netloc or source
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"
 
 
 def human_seconds(s: float) -> str:
@@ -121,14 +114,14 @@ def render(status: orchestrator_pb2.StageStatus, speed: float | None = None) -> 
 
 def _download(status: orchestrator_pb2.StageStatus, speed: float | None) -> str:
     done, total = status.bytes_done, status.bytes_total
-    rate = f"{human_bytes(speed)}/s" if speed else "-/s"
+    rate = f"{format_bytes(speed)}/s" if speed else "-/s"
     if not total:
-        return f"{human_bytes(done)}  {rate}"
+        return f"{format_bytes(done)}  {rate}"
     share = min(done / total, 1.0)
     filled = int(share * BAR)
     eta = f"eta {human_seconds((total - done) / speed)}" if speed else "eta -"
     bar = f"[{'#' * filled}{'.' * (BAR - filled)}]"
-    return f"{bar} {share * 100:3.0f}%  {human_bytes(done)}/{human_bytes(total)}  {rate}  {eta}"
+    return f"{bar} {share * 100:3.0f}%  {format_bytes(done)}/{format_bytes(total)}  {rate}  {eta}"
 
 
 def _fit(line: str, width: int) -> str:

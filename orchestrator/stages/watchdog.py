@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from orchestrator.stages.init_clock import InitClock
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.units import format_bytes
 
 PAUSABLE = frozenset({"download", "load"})
 
@@ -91,13 +92,6 @@ class WatchdogSettings:
     @property
     def stall_limit_s(self) -> float | None:
         return self.stall_timeout_s if 0 < self.stall_timeout_s < float("inf") else None
-
-
-def format_bytes(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"
 
 
 class Watchdog:

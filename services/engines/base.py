@@ -329,6 +329,19 @@ class PreparesModel(Protocol):
     def prepare(self, model_path: Path) -> None: ...
 
 
+@runtime_checkable
+class FetchesFiles(Protocol):
+    """An engine that needs files besides its model (a voice by URL). The stage
+    fetches each source as it fetches the model (DOWNLOAD_* events, paused by the
+    init watchdog) and hands the paths over before ``load``."""
+
+    def sources(self) -> dict[str, str]:
+        """What to fetch: a name the engine knows it by, and its source."""
+        ...
+
+    def use_files(self, paths: dict[str, Path]) -> None: ...
+
+
 TEXT_ONLY: frozenset[str] = frozenset({"text"})
 
 

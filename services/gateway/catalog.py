@@ -51,6 +51,7 @@ class Pipeline:
                     "engine": stage.engine,
                     "state": orchestrator_pb2.StageState.Name(stage.state),
                     "output_tensors": list(stage.output_tensors),
+                    "accepts": list(stage.accepts),
                 }
                 for stage in self.stages
             ],

@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from services.gateway import content
 from services.gateway.errors import ApiError
 from services.gateway.schema import ChatRequest
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -34,7 +35,7 @@ def generate_request(chat: ChatRequest) -> tuple[orchestrator_pb2.GenerateReques
     request = orchestrator_pb2.GenerateRequest(request_id=f"chatcmpl-{uuid.uuid4().hex}")
     for index, message in enumerate(chat.messages):
         role = _ROLES.get(message.role, message.role)
-        request.inputs.messages.add(role=role, content=message.text(index))
+        request.inputs.messages.add().CopyFrom(content.chat_message(role, message, index))
     params = request.params
     max_tokens = chat.max_completion_tokens or chat.max_tokens
     if max_tokens is not None:
@@ -54,6 +55,7 @@ def generate_request(chat: ChatRequest) -> tuple[orchestrator_pb2.GenerateReques
         "params.seed": "seed",
         "params.stop": "stop",
         "request_id": "",  # ours, not the caller's
+        **content.fields(chat),  # a content part's field, as the request spelt it
     }
     return request, fields
 

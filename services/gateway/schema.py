@@ -34,26 +34,9 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
+    # Text, or a list of content parts (services/gateway/content.py maps them).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None  # accepted; a chat template has nowhere to put it
-
-    def text(self, index: int) -> str:
-        """The content as text: a string, or the text parts joined by newlines."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        texts = []
-        for part_index, part in enumerate(self.content):
-            where = f"messages[{index}].content[{part_index}]"
-            if part.get("type") != "text":
-                raise ApiError(
-                    400,
-                    f"{where}.type: only text parts are supported (got {part.get('type')!r}; "
-                    "images and audio wait for stages that take them)",
-                    param=f"{where}.type",
-                    code="unsupported_content",
-                )
-            texts.append(validate(TextPart, part, prefix=where).text)
-        return "\n".join(texts)
 
 
 class StreamOptions(BaseModel):

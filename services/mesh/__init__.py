@@ -14,6 +14,7 @@ and, at this level, what every layer uses:
                      file and key; the ``Frozen`` base every config model derives from
     environment.py   every OMNI_* environment variable, read in one place
     process.py       process helpers: logging, signals, death with the parent, binding
+    media_types.py   the media types a chat content part may carry; a file's type
 
 Nothing here imports the stage, the engines or the orchestrator, and ``data/``
 never imports torch (import-linter contracts in pyproject.toml).

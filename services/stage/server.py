@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from services.engines.base import WritesIntoBlocks
+from services.engines.base import WritesIntoBlocks, accepted_kinds
 from services.engines.registry import engine_class
 from services.mesh.data.chunk_wire import EncodedChunk, serializer
 from services.mesh.data.node import node_identity
@@ -102,6 +102,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             node=node_identity(),
             load_format=config.load_format,
             transforms=[t.info() for t in TRANSFORMS.values()],
+            accepts=sorted(accepted_kinds(engine)),
         )
 
     async def ReleaseTensors(

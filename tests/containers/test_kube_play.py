@@ -1,20 +1,23 @@
 """The rendered chart, run for real: charts/ rendered with real Helm and the
 local-play values (host network, distinct ports), played with `podman kube play`
-on the CPU image; a prompt through the orchestrator Pod comes back with text and
-an image, and a stage container answers grpcurl's health and InitStatus."""
+on the CPU image; a prompt through the orchestrator Pod comes back with text, an
+image and the speaker's speech (a WAV of non-silent audio, from the voice inside
+the image), and a stage container answers grpcurl's health and InitStatus."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
+import wave
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from PIL import Image
 
-from orchestrator.client import AsyncClient
+from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
 from tests.containers import podman
 from tests.deploy.chart import CHART_DIR, load_values, merge, render
@@ -67,7 +70,7 @@ def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
     return path, ports
 
 
-async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podman(
+async def test_rendered_chart_answers_a_prompt_with_text_an_image_and_speech_under_podman(
     cpu_image: podman.Image, figures: dict[str, object], tmp_path: Path
 ) -> None:
     manifests, ports = _manifests(cpu_image.ref, tmp_path)
@@ -81,18 +84,27 @@ async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podm
                 await client.wait_ready(timeout_s=900)
                 ready_s = time.monotonic() - began
                 asked = time.monotonic()
-                result = await client.generate(
+                result = Result(audio_dir=tmp_path / "out")  # the speech, as it comes
+                async for event in client.generate(
                     "Describe a red apple.", params={"max_tokens": 16}, request_id="podman-1"
-                ).collect()
+                ):
+                    result.add(event)
                 answer_s = time.monotonic() - asked
             assert result.ok, result.done
-            assert "speaker" in result.stages  # the packaged voice, inside the image
             thinker = result.stages["thinker"]
             assert len(thinker.token_ids) == 16 and thinker.text.strip()
             saved = save_outputs(result, "podman-1", tmp_path / "out")
             (png,) = [path for path in saved if path.suffix == ".png"]
             with Image.open(png) as image:
                 assert image.size == (64, 64) and image.mode == "RGB"
+            # The speaker said the answer with the packaged voice, inside the image.
+            (spoken,) = [path for path in saved if path.suffix == ".wav"]
+            assert spoken.name.endswith("-speaker.wav"), spoken
+            with wave.open(str(spoken)) as w:
+                assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (24000, 1, 2)
+                pcm = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
+            speech_s = len(pcm) / 24000
+            assert speech_s > 0.5 and np.abs(pcm).max() > 3000, speech_s  # speech, not silence
 
             orchestrator = f"127.0.0.1:{ports['orchestrator']}"
             assert (
@@ -124,5 +136,6 @@ async def test_rendered_chart_answers_a_prompt_with_text_and_an_image_under_podm
         image_build_s=None if cpu_image.build_s is None else round(cpu_image.build_s, 1),
         kube_play_to_ready_s=round(ready_s, 1),
         first_answer_s=round(answer_s, 2),
+        speech_s=round(speech_s, 2),
     )
     print(f"\nkube play to READY: {ready_s:.1f}s, first answer {answer_s:.2f}s")

@@ -5,7 +5,11 @@ answers through the orchestrator Pod (on the CPU image)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +28,7 @@ EXAMPLE = podman.REPO / "examples" / "stages" / "vllm-cpu.yaml"
 RELEASE = "omni-vllm-ci"
 
 
-def _manifests(cpu: str, vllm: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
+def _manifests(cpu: str, vllm: str, tmp_path: Path, dev_shm: Path) -> tuple[Path, dict[str, int]]:
     example = yaml.safe_load(EXAMPLE.read_text())
     orchestrator, thinker = _free_ports(2)
     repository, tag = cpu.rsplit(":", 1)
@@ -54,24 +58,42 @@ def _manifests(cpu: str, vllm: str, tmp_path: Path) -> tuple[Path, dict[str, int
             },
         },
     )
-    docs = [_podman_dev_shm(doc) for doc in podman.podman_compatible(render(values, name=RELEASE))]
+    docs = [
+        _podman_dev_shm(doc, dev_shm)
+        for doc in podman.podman_compatible(render(values, name=RELEASE))
+    ]
     path = tmp_path / "rendered.yaml"
     path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
     return path, {"orchestrator": orchestrator, "thinker": thinker}
 
 
-def _podman_dev_shm(doc: dict[str, Any]) -> dict[str, Any]:
-    """The chart's Memory emptyDir at /dev/shm made the host's /dev/shm: podman 4.3
-    mounts that emptyDir owned by root, mode 0755 (Kubernetes makes emptyDirs
-    world-writable), so vLLM, as uid 10001, could not create its shared-memory queues
-    there, and podman's own /dev/shm is 64 MiB where vLLM wants 160. The host's is
-    mode 1777 and large; vLLM's names are random, so runs do not collide."""
+def _podman_dev_shm(doc: dict[str, Any], dev_shm: Path) -> dict[str, Any]:
+    """The chart's Memory emptyDir at /dev/shm made a host folder on the host's
+    tmpfs: podman 4.3 mounts that emptyDir owned by root, mode 0755 (Kubernetes
+    makes emptyDirs world-writable), so vLLM, as uid 10001, could not create its
+    shared-memory queues there, and podman's own /dev/shm is 64 MiB where vLLM
+    wants 160. A folder of this test's own (``dev_shm``, mode 1777) rather than the
+    host's /dev/shm itself: vLLM leaves its queues (160-250 MB each) behind when
+    its pod is stopped, which Kubernetes' emptyDir would drop with the pod, and so
+    does removing the folder here."""
     if doc["kind"] == "Deployment":
         for volume in doc["spec"]["template"]["spec"]["volumes"]:
             if volume["name"] == "dshm":
                 volume.pop("emptyDir")
-                volume["hostPath"] = {"path": "/dev/shm", "type": "Directory"}
+                volume["hostPath"] = {"path": str(dev_shm), "type": "Directory"}
     return doc
+
+
+@pytest.fixture
+def dev_shm() -> Iterator[Path]:
+    """A fresh world-writable folder on the host's /dev/shm, removed with all
+    that the pod left in it."""
+    path = Path(tempfile.mkdtemp(prefix="omni-vllm-ci-", dir="/dev/shm"))
+    os.chmod(path, 0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 async def test_a_vllm_stage_answers_from_its_image_under_podman(
@@ -79,8 +101,9 @@ async def test_a_vllm_stage_answers_from_its_image_under_podman(
     vllm_cpu_image: podman.Image,
     figures: dict[str, object],
     tmp_path: Path,
+    dev_shm: Path,
 ) -> None:
-    manifests, ports = _manifests(cpu_image.ref, vllm_cpu_image.ref, tmp_path)
+    manifests, ports = _manifests(cpu_image.ref, vllm_cpu_image.ref, tmp_path, dev_shm)
     with podman.machine_lock():
         began = time.monotonic()
         with podman.kube_played(manifests) as pods:

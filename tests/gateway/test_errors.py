@@ -86,9 +86,9 @@ async def test_a_stage_refusal_is_a_400_naming_the_requests_field(mesh: Mesh) ->
         ({"n": 2}, "n", "only n=1 is supported"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role", "Input should"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]},
             "messages[0].content[0].type",
-            "only text parts are supported",
+            "expected text, image_url or input_audio",
         ),
         ({"messages": []}, "messages", "at least 1 item"),
         ({"tools": [{"type": "function"}]}, "tools", "Extra inputs are not permitted"),

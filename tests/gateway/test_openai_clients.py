@@ -57,6 +57,7 @@ async def test_models_lists_the_pipeline_with_its_stages(mesh: Mesh) -> None:
             "engine": "transformers",
             "state": "STAGE_READY",
             "output_tensors": ["hidden_states"],
+            "accepts": ["text"],
         }
     ]
     retrieved = await asyncio.to_thread(lambda: _sdk(mesh).models.retrieve(MODEL))

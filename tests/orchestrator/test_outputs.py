@@ -42,3 +42,27 @@ def test_bfloat16_goes_through_torch(tmp_path: Path) -> None:
     result = Result(stages={"thinker": StageResult(tensors={"h": [codec.to_proto(hidden, "h")]})})
     (path,) = save_outputs(result, "bf", tmp_path)
     assert torch.equal(load_torch(str(path))["h"], hidden)
+
+
+def test_audio_segments_grow_one_wav_named_by_request_and_stage(tmp_path: Path) -> None:
+    """``<id>-<stage>.wav``: an id's dashes and dots stay, a slash cannot leave the
+    folder; the pieces join in order into one valid WAV."""
+    import wave
+
+    from orchestrator.audio import AudioFiles
+    from services.mesh.pb.omni.v1 import stage_pb2
+
+    files = AudioFiles(tmp_path)
+    pieces = [np.linspace(-0.5, 0.5, n, dtype=np.float32) for n in (100, 37)]
+    for request_id in ("sea-1.a", "../up"):
+        for piece in pieces:
+            segment = stage_pb2.Segment(request_id=request_id)
+            segment.audio_format.sample_rate = 24_000
+            segment.audio_format.channels = 1
+            segment.tensors.append(codec.to_proto(torch.from_numpy(piece), "audio"))
+            files.add("speaker", segment)
+    files.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [".._up-speaker.wav", "sea-1.a-speaker.wav"]
+    with wave.open(str(tmp_path / "sea-1.a-speaker.wav")) as wav:
+        assert (wav.getframerate(), wav.getnchannels(), wav.getnframes()) == (24_000, 1, 137)

@@ -1,7 +1,13 @@
 // Omni Mesh from Node.js: ask the orchestrator one prompt and print what each
 // output stage streams back, using the repository's .proto files as they are.
 //
-//   npm install && node generate.mjs [--address 127.0.0.1:50050] [--max-tokens N] PROMPT
+//   npm install && node generate.mjs [--address 127.0.0.1:50050] [--max-tokens N]
+//       [--image FILE] PROMPT
+//
+// --image sends a PNG, JPEG, WebP or GIF with the prompt (a ContentPart before the
+// text, see ChatMessage in stage.proto). It goes in the one Generate message, so it
+// must fit the orchestrator's runtime.max_message_bytes (64 MiB by default);
+// larger media go as TensorChunks on GenerateStream, as the Python client sends them.
 //
 // Env: OMNI_TOKEN (a bearer token), OMNI_CACERT (a CA file: TLS). With --json the
 // last line of stdout is the whole result as JSON (status, then per stage its
@@ -35,6 +41,7 @@ const { values, positionals } = parseArgs({
     temperature: { type: "string" },
     json: { type: "boolean", default: false },
     out: { type: "string", default: "omni-out" },
+    image: { type: "string" },
   },
   allowPositionals: true,
 });
@@ -69,7 +76,25 @@ if (readiness !== "SERVING") {
 const params = {};
 if (values["max-tokens"] !== undefined) params.max_tokens = Number(values["max-tokens"]);
 if (values.temperature !== undefined) params.temperature = Number(values.temperature);
-const request = { inputs: { messages: [{ role: "user", content: prompt }] }, params };
+const IMAGE_TYPES = { ".png": "image/png", ".jpg": "image/jpeg", ".jpeg": "image/jpeg",
+  ".webp": "image/webp", ".gif": "image/gif" };
+function userMessage() {
+  if (values.image === undefined) return { role: "user", content: prompt };
+  const media_type = IMAGE_TYPES[path.extname(values.image).toLowerCase()];
+  if (!media_type) {
+    console.error(`${values.image}: not a PNG, JPEG, WebP or GIF file (by its suffix)`);
+    process.exit(2);
+  }
+  let data;
+  try {
+    data = fs.readFileSync(values.image);
+  } catch (err) {
+    console.error(`${values.image}: cannot read it (${err.code ?? err.message})`);
+    process.exit(2);
+  }
+  return { role: "user", parts: [{ image: { media_type, data } }, { text: prompt }] };
+}
+const request = { inputs: { messages: [userMessage()] }, params };
 
 // A 16-bit PCM WAV header for `bytes` of samples (RIFF sizes rewritten after each piece).
 function wavHeader(rate, channels, bytes) {

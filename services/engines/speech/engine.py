@@ -8,6 +8,8 @@ with ``runtime.streaming_input`` over a windowed edge each window speaks the
 sentences it completes, and the end of the text is spoken when the input ends
 (``HoldsInputBack``). Parameters: ``seed``, ``extra.voice``, ``extra.speed``,
 ``extra.return_wav`` (the whole audio as an audio/wav Blob at the end).
+Voices are hibari names or files given by source (``VoiceSource``), which the
+stage fetches in its download phase (``FetchesFiles``) and hands over before load.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from services.engines.speech.config import MAX_SPEED, MIN_SPEED, SpeechArgs
 from services.engines.speech.text import Decoder, Sentences, TokenText
 from services.engines.speech.voice import Voice
 from services.mesh import wav
+from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +89,31 @@ class SpeechEngine:
         self._voices: dict[str, Voice] = {}
         self._decoder: Decoder | None = None
         self._requests: OrderedDict[str, _Spoken] = OrderedDict()
+        self._files: dict[str, Path] = {}
+
+    def sources(self) -> dict[str, str]:
+        """The voices given by source, fetched by the stage in its download phase."""
+        return {name: v.source for name, v in self.args.fetched_voices.items()}
+
+    def use_files(self, paths: dict[str, Path]) -> None:
+        self._files = dict(paths)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         """The voices, and the tokenizer ``model_path`` names (a .gguf file or a folder)."""
-        self._voices = {name: Voice(name, self.args.threads) for name in self.args.voices}
+        threads, fetched = self.args.threads, self.args.fetched_voices
+        missing = set(fetched) - set(self._files)
+        if missing:
+            raise InitFailed(
+                f"engine_args.voices: {sorted(missing)} not fetched (the stage fetches them "
+                "before load: FetchesFiles)",
+                field="engine_args.voices",
+            )
+        self._voices = {
+            name: Voice.from_file(name, self._files[name], fetched[name].british, threads)
+            if name in fetched
+            else Voice.named(name, threads)
+            for name in self.args.voice_names
+        }
         if model_path is not None:
             self._decoder = _tokenizer(model_path)
         what = f"hibari voices {', '.join(self._voices)}"
@@ -165,7 +189,7 @@ class SpeechEngine:
         params = resolve(request.params, self._defaults)
         check_seed(params.seed)
         extra: dict[str, Any] = dict(params.extra)
-        voice = extra.get("voice", self.args.voices[0])
+        voice = extra.get("voice", self.args.voice_names[0])
         if voice not in self._voices:
             refuse("params.extra.voice", f"unknown voice {voice!r} (offered: {list(self._voices)})")
         speed = extra.get("speed", self.args.speed)

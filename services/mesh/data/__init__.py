@@ -5,6 +5,7 @@ in pyproject.toml holds this).
     wire.py         dtype names and sizes, byte sizes, joining inline pieces
     chunk_wire.py   TensorChunk frames of Generate encoded and read by hand
     chunks.py       large inline tensors and blobs as chunks, and their assembly
+    media_wire.py   a chat's media (content parts) chunked and put back like tensors
     byte_budget.py  input held in memory: a cap per stream and per process
     node.py         node identity (boot, namespaces, GPUs) and the mesh id
     shm_names.py    what a shared block's name says: mesh, producer, request, secret

@@ -4,6 +4,7 @@
     frames.py        one Generate frame read (chunks by hand)
     convert.py       a Submit read: its fields, size and parameters
     inputs.py        decode, and join pieces/windows into whole tensors
+    content.py       chat content parts: kinds the engine takes, ChatTurns and MediaParts
     transforms.py    input processors on whole inputs (named in Describe)
     requests.py      the one registry of requests in flight
     runtime.py       plan (the engine's check), start, engine drive, the final event

@@ -143,6 +143,7 @@ def engine_request(request_id: str, inputs: Inputs, params: SamplingParams) -> E
         request_id=request_id,
         text=inputs.text or None,
         messages=inputs.messages,
+        turns=inputs.turns,
         token_ids=inputs.token_ids,
         tensors=inputs.tensors,
         params=params,

@@ -26,7 +26,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from services.engines.base import EngineRequest, SamplingParams
+from services.engines.base import EngineRequest, SamplingParams, accepted_kinds
 from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import (
@@ -40,6 +40,7 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.decoding import UndecodableFrame
 from services.mesh.rpc.request_ids import check_request_id
 from services.stage.serving import convert
+from services.stage.serving.content import Intake
 from services.stage.serving.convert import SubmitIn
 from services.stage.serving.frames import InputFrame
 from services.stage.serving.inputs import Inputs, InputWindows, decode, input_bytes
@@ -62,6 +63,7 @@ class GenerateStream:
         self._account = runtime.budget.account(limits.max_input_bytes)
         self._chunks = ChunkAssembler(limits.max_input_bytes, self._account)
         self._emitter = StreamEmitter(runtime, tensors)
+        self._intake = Intake(runtime.config.name, accepted_kinds(runtime.engine))
         self._fatal: OmniError | None = None
         self._expiring: set[asyncio.Task[None]] = set()
 
@@ -86,9 +88,7 @@ class GenerateStream:
         if self._fatal is not None:
             raise self._fatal
 
-    async def _read(
-        self, inputs: AsyncIterator[InputFrame]
-    ) -> None:
+    async def _read(self, inputs: AsyncIterator[InputFrame]) -> None:
         try:
             async for message in inputs:
                 try:
@@ -307,10 +307,14 @@ class GenerateStream:
 
         def run() -> Inputs:
             return decode(
-                submit.inputs, self._tensors.receiver, self._chunks, request_id=submit.request_id
+                submit.inputs,
+                self._tensors.receiver,
+                self._chunks,
+                request_id=submit.request_id,
+                intake=self._intake,
             )
 
-        if not submit.inputs.tensors:
+        if not submit.inputs.tensors and not any(m.parts for m in submit.inputs.messages):
             return run()  # text, messages, ids (at most max_prompt_tokens): no thread needed
         return await asyncio.to_thread(run)
 

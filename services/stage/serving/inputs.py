@@ -10,7 +10,8 @@ concatenated along their first dim, so transforms and engines only ever see
 whole tensors.
 
 Windows of one request are merged in order: text concatenated, chat messages
-and token ids appended, tensors of one name joined as above.
+and token ids appended, tensors of one name joined as above. A chat's content
+parts (images, audio, video) are read and checked in ``content.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.engines.base import ChatTurn
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.transport import TensorReceiver
+from services.stage.serving.content import Intake, check_kinds, read_messages
 
 _MAX_ROWS = (1 << 63) - 1  # a first dim must fit the int64 of a wire shape
 # What one window costs beyond its payload (its Inputs, dicts, tensor objects):
@@ -39,6 +42,8 @@ class Inputs:
 
     text: str = ""
     messages: tuple[tuple[str, str], ...] = ()  # (role, content)
+    # The chat with its content parts, when any message has media (EngineRequest.turns).
+    turns: tuple[ChatTurn, ...] = ()
     token_ids: tuple[int, ...] = ()
     tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
@@ -51,6 +56,8 @@ def input_bytes(inputs: Inputs) -> int:
     """What ``inputs`` takes in memory, near enough to budget by (O(fields), no copy)."""
     size = WINDOW_OVERHEAD + sys.getsizeof(inputs.text) + _ID_BYTES * len(inputs.token_ids)
     size += sum(sys.getsizeof(role) + sys.getsizeof(text) for role, text in inputs.messages)
+    size += sum(len(m.data) + (m.pcm.nbytes if m.pcm is not None else 0)
+                for turn in inputs.turns for m in turn.media)  # fmt: skip
     return size + sum(tensor.nbytes for tensor in inputs.tensors.values())
 
 
@@ -60,10 +67,14 @@ def decode(
     chunks: ChunkAssembler | None = None,
     *,
     request_id: str,
+    intake: Intake | None = None,
 ) -> Inputs:
     """``inputs`` of request ``request_id`` decoded by whatever transport each tensor
     came (chunked ones from ``chunks``, where their stream assembled them; shared
-    blocks only if made for this request), pieces of one name joined."""
+    blocks only if made for this request), pieces of one name joined. With
+    ``intake``, a content part of a kind its engine does not take is refused first."""
+    if intake is not None:
+        check_kinds(inputs.messages, intake)
     pieces: dict[str, list[torch.Tensor]] = {}
     for index, tensor in enumerate(inputs.tensors):
         where = f"inputs.tensors[{index}]"
@@ -78,13 +89,11 @@ def decode(
                 field=f"{where}.shape",
             ) from None
         pieces.setdefault(tensor.name, []).append(decoded)
-    for index, message in enumerate(inputs.messages):
-        if not message.role:
-            where = f"inputs.messages[{index}].role"
-            raise InvalidArgument(f"{where}: must not be empty", field=where)
+    messages, turns = read_messages(inputs.messages, receiver, chunks, request_id=request_id)
     return Inputs(
         text=inputs.text,
-        messages=tuple((m.role, m.content) for m in inputs.messages),
+        messages=messages,
+        turns=turns,
         token_ids=tuple(inputs.token_ids),
         tensors={name: join(name, parts) for name, parts in pieces.items()},
     )
@@ -101,8 +110,18 @@ def merge(windows: Sequence[Inputs]) -> Inputs:
     return Inputs(
         text="".join(w.text for w in windows),
         messages=tuple(m for w in windows for m in w.messages),
+        turns=_turns(windows),
         token_ids=tuple(t for w in windows for t in w.token_ids),
         tensors={name: join(name, parts) for name, parts in pieces.items()},
+    )
+
+
+def _turns(windows: Sequence[Inputs]) -> tuple[ChatTurn, ...]:
+    """Every window's chat as turns when any window has media, else none."""
+    if not any(w.turns for w in windows):
+        return ()
+    return tuple(
+        turn for w in windows for turn in (w.turns or tuple(ChatTurn(r, c) for r, c in w.messages))
     )
 
 

@@ -16,12 +16,12 @@ import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine, PlansKvCache, PreparesModel, SizesKvCache
-from services.mesh.errors import OmniError
+from services.engines.base import Engine, FetchesFiles, PlansKvCache, PreparesModel, SizesKvCache
+from services.mesh.errors import InitFailed, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
 from services.stage.startup.device_lock import DeviceLock
-from services.stage.startup.fetch import FetchCancel, FetchResult, fetch_model
+from services.stage.startup.fetch import FetchCancel, FetchCancelled, FetchResult, fetch_model
 from services.stage.startup.init_bus import InitBus
 from services.stage.startup.memory import engine_sized, free_device_memory, plan_memory
 
@@ -76,13 +76,13 @@ def _failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:1000]
 
 
-async def _fetch(config: StageConfig, bus: InitBus) -> FetchResult:
-    """The model on local disk; cancelling this stops the fetching thread too
-    (it keeps a partial download for the next start)."""
+async def _fetch(config: StageConfig, bus: InitBus, source: str) -> FetchResult:
+    """The model (or an engine's other file) on local disk; cancelling this stops
+    the fetching thread too (it keeps a partial download for the next start)."""
     cancel = FetchCancel()
     fetch = functools.partial(
         fetch_model,
-        config.model or "",
+        source,
         config.resolved_cache_dir,
         BusDownloadHook(bus),
         stall_timeout_s=config.runtime.download_stall_timeout_s,
@@ -98,6 +98,15 @@ async def _fetch(config: StageConfig, bus: InitBus) -> FetchResult:
         raise
 
 
+async def _fetch_file(config: StageConfig, bus: InitBus, name: str, source: str) -> Path:
+    try:
+        return (await _fetch(config, bus, source)).path
+    except FetchCancelled:
+        raise
+    except InitFailed as exc:  # which of the engine's files (the message names the source)
+        raise InitFailed(f"{config.engine} file {name!r}: {exc.message}", field=exc.field) from exc
+
+
 async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     """Bring the engine up. True on READY; False after publishing FAILED."""
     began = time.monotonic()
@@ -110,7 +119,13 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     try:
         model_path: Path | None = None
         if config.model is not None:
-            model_path = (await _fetch(config, bus)).path
+            model_path = (await _fetch(config, bus, config.model)).path
+        if isinstance(engine, FetchesFiles):
+            files = {
+                name: await _fetch_file(config, bus, name, source)
+                for name, source in engine.sources().items()
+            }
+            engine.use_files(files)
         if runtime.uses_device_lock:
             lock = DeviceLock(runtime.device, owner=config.name, lock_dir=runtime.lock_dir)
 

@@ -25,13 +25,13 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 from urllib.request import Request, urlopen
 
 from services.mesh.errors import InitFailed
+from services.mesh.units import format_bytes
 from services.stage.startup.fetch.archive import archive_suffix, extract_archive
 from services.stage.startup.fetch.hook import (
     DownloadHook,
     FetchCancel,
     FetchResult,
     ProgressFeed,
-    format_bytes,
     path_size,
 )
 

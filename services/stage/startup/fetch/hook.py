@@ -133,17 +133,3 @@ def path_size(path: Path) -> int:
             except OSError:  # a dangling link counts for nothing rather than failing the fetch
                 continue
     return total
-
-
-def format_bytes(n: int | None) -> str:
-    """Decimal units, as download tools show them: "1.2 MB"."""
-    if n is None:
-        return "an unknown size"
-    if n < 1000:
-        return f"{n} B"
-    size = n / 1000
-    for unit in ("KB", "MB", "GB"):
-        if size < 1000:
-            return f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{size:.1f} TB"

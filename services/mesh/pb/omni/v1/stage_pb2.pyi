@@ -45,12 +45,40 @@ FAILED: InitPhase
 PREPARE: InitPhase
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image", "audio", "video")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Media
+    audio: Media
+    video: Media
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Media, _Mapping]] = ..., audio: _Optional[_Union[Media, _Mapping]] = ..., video: _Optional[_Union[Media, _Mapping]] = ...) -> None: ...
+
+class Media(_message.Message):
+    __slots__ = ("media_type", "data", "chunked", "pcm", "sample_rate")
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    PCM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    media_type: str
+    data: bytes
+    chunked: _tensor_pb2.ChunkRef
+    pcm: _tensor_pb2.Tensor
+    sample_rate: int
+    def __init__(self, media_type: _Optional[str] = ..., data: _Optional[bytes] = ..., chunked: _Optional[_Union[_tensor_pb2.ChunkRef, _Mapping]] = ..., pcm: _Optional[_Union[_tensor_pb2.Tensor, _Mapping]] = ..., sample_rate: _Optional[int] = ...) -> None: ...
 
 class StageInputs(_message.Message):
     __slots__ = ("text", "messages", "token_ids", "tensors")
@@ -312,7 +340,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms")
+    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms", "accepts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +352,7 @@ class StageDescription(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     engine: str
     model: str
@@ -335,7 +364,8 @@ class StageDescription(_message.Message):
     node: _tensor_pb2.NodeIdentity
     load_format: str
     transforms: _containers.RepeatedCompositeFieldContainer[TransformInfo]
-    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ...) -> None: ...
+    accepts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ..., accepts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransformInfo(_message.Message):
     __slots__ = ("name", "needs_tensors", "description")
