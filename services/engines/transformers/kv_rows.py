@@ -53,21 +53,27 @@ class KvRows:
         token. Returns float32 logits [rows, vocab] of that column and, when
         ``hidden``, the last layer's hidden state there [rows, hidden].
         """
-        positions = (self.next_pos[:, None] + valid.cumsum(1) - 1).clamp(min=0)
-        mask = torch.cat([self.mask, valid], dim=1)
         out = self._model(
             inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=positions,
+            attention_mask=torch.cat([self.mask, valid], dim=1),
+            position_ids=self.positions(valid),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
             logits_to_keep=1,  # the other columns need no logits
         )
-        self.mask = mask
-        self.next_pos = self.next_pos + valid.sum(1)
+        self.advance(valid)
         states = out.hidden_states[-1][:, -1] if hidden else None
         return out.logits[:, -1].float(), states
+
+    def positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """Each row's rotary positions for the next W columns (``valid`` [rows, W])."""
+        return (self.next_pos[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+
+    def advance(self, valid: torch.Tensor) -> None:
+        """After a forward over the next W columns: they are part of every row now."""
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        self.next_pos = self.next_pos + valid.sum(1)
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` rows with no tokens yet (padding in every column so far)."""
