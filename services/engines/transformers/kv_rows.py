@@ -160,8 +160,8 @@ class KvRows:
 
 class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys``/``values`` are views of larger buffers: ``update``
-    appends in place, and copies into new buffers (with headroom of half the width,
-    so a copy comes once every width/2 steps) only when the room runs out or when
+    appends in place, and copies into new buffers (with headroom of a quarter of the width,
+    so a copy comes once every width/4 steps) only when the room runs out or when
     ``keys``/``values`` were replaced by other tensors (KvRows joins and drops rows)."""
 
     _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -176,7 +176,7 @@ class GrowingLayer(DynamicLayer):
         new = key_states.shape[2]
         buffers = self._buffers
         if buffers is None or not _views_of(keys, buffers[0]) or width + new > buffers[0].shape[2]:
-            room = width + new + max(16, (width + new) // 2)
+            room = width + new + max(16, (width + new) // 4)
             buffers = (
                 _grown(keys, key_states, width, room),
                 _grown(values, value_states, width, room),
