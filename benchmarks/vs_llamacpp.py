@@ -225,7 +225,10 @@ async def main() -> int:
             procs.append(proc := StageProcess(path, env={"PYTHONPATH": str(ROOT)}))
             clients[f"ours {dtype}"] = StageClient(await proc.start(timeout_s=300))
             await clients[f"ours {dtype}"].wait_ready(timeout_s=600)
-        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+        # No kept-alive connections: llama-server drops idle ones while our side is
+        # measured, and a request on a dropped one fails (RemoteProtocolError).
+        no_reuse = httpx.Limits(max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=no_reuse) as http:
 
             def asker(name: str) -> Any:
                 if name == LLAMA:
