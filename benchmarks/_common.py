@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 import platform
 import statistics
 import time
@@ -47,8 +49,36 @@ def write_json(name: str, payload: dict[str, Any], out: Path | None = None) -> P
     payload = {
         "benchmark": name,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or "?"},
+        "machine": {
+            "python": platform.python_version(),
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()],
+        },
         **payload,
     }
-    path.write_text(json.dumps(payload, indent=2))
+    # Strict JSON: a figure that could not be measured (NaN, inf) is null, not NaN.
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False))
     return path
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _cpu_model() -> str:
+    """/proc/cpuinfo's model name (platform.processor() is empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"

@@ -16,6 +16,7 @@ from typing import IO
 import grpc
 import yaml
 
+from benchmarks._mesh_relay import RelayProcess
 from benchmarks._mesh_report import HOP_TOKENS, STAGES
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
@@ -99,6 +100,17 @@ class Mesh:
         try:
             async with AsyncClient(await process.start()) as client:
                 await client.wait_ready(timeout_s=60)
+                yield client, process.pid
+        finally:
+            await process.stop()
+
+    @contextlib.asynccontextmanager
+    async def relay(self) -> AsyncIterator[tuple[AsyncClient, int]]:
+        """The bare relay over the first stage (``_mesh_relay``): (a client of it, its pid)."""
+        first = STAGES[0]
+        process = RelayProcess(self.stages[first].address, first, log=self._log("relay"))
+        try:
+            async with AsyncClient(await process.start()) as client:
                 yield client, process.pid
         finally:
             await process.stop()

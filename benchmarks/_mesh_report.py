@@ -30,11 +30,17 @@ class HopResult:
     burst_s: dict[str, list[float]]  # RATE_REQUESTS with CONCURRENCY in flight, by round
     same_tokens: bool
     bare_rpc_ms: list[float]  # ListStages round trips: the orchestrator answers from memory
-    orch_cpu_ms: float  # orchestrator CPU per orchestrated request
+    # CPU per request of the process in the middle, by path: "orchestrated" (the
+    # orchestrator), "relay" (the bare relay, chain 1 only).
+    cpu_ms: dict[str, float]
+
+    def added(self, side: str = "orchestrated") -> float:
+        """p50 of ``side`` less the direct p50: what the process in the middle adds."""
+        return median(self.latency_ms[side]) - median(self.latency_ms["direct"])
 
     @property
     def added_ms(self) -> float:
-        return median(self.latency_ms["orchestrated"]) - median(self.latency_ms["direct"])
+        return self.added()
 
     @property
     def paired_added_ms(self) -> float:
@@ -86,6 +92,7 @@ def hop_report(results: list[HopResult], requests: int) -> dict[str, Any]:
     )
     rows: list[dict[str, Any]] = []
     costs: list[dict[str, Any]] = []
+    floors: list[dict[str, Any]] = []
     for r in results:
         for side, samples in r.latency_ms.items():
             rows.append(
@@ -108,13 +115,30 @@ def hop_report(results: list[HopResult], requests: int) -> dict[str, Any]:
                 "p50 vs direct": p50["orchestrated"] / p50["direct"],
                 "req/s vs direct (range)": spread(speed_vs_direct(r.burst_s)),
                 "bare RPC p50 ms": median(r.bare_rpc_ms),
-                "orch CPU ms/req": r.orch_cpu_ms,
+                "orch CPU ms/req": r.cpu_ms["orchestrated"],
                 "same tokens": "yes" if r.same_tokens else "NO",
             }
         )
+        if "relay" in r.latency_ms:
+            floors.append(
+                {
+                    "stages": r.k,
+                    "relay added ms": r.added("relay"),
+                    "orch added ms": r.added(),
+                    "orch - relay ms": r.added() - r.added("relay"),
+                    "relay CPU ms/req": r.cpu_ms["relay"],
+                    "orch CPU ms/req": r.cpu_ms["orchestrated"],
+                    "CPU orch/relay": r.cpu_ms["orchestrated"] / r.cpu_ms["relay"],
+                }
+            )
     print(table(rows, list(rows[0])))
     print()
     print(table(costs, list(costs[0])))
+    print(
+        "\nThe floor: a bare grpc.aio relay (benchmarks/_mesh_relay.py) over stage 1, "
+        "in the same rounds: what one more Python gRPC process on the path costs."
+    )
+    print(table(floors, list(floors[0])))
     worst = max(c["added/hop ms"] for c in costs)
     added = {r.k: r.added_ms for r in results}
     further = (added[3] - added[1]) / 2
@@ -134,6 +158,7 @@ def hop_report(results: list[HopResult], requests: int) -> dict[str, Any]:
         "concurrency": CONCURRENCY,
         "rows": rows,
         "costs": costs,
+        "relay": floors,
         "first_hop_ms": added[1],
         "further_hop_ms": further,
         "latency_ms": {str(r.k): r.latency_ms for r in results},

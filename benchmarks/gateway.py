@@ -13,6 +13,11 @@ processes, as `omni up --http` runs them; this process is the client.
    of the p99s, and the median of each round's back-to-back difference); and the
    CPU time a request costs this process plus the gateway's (the gRPC path
    spends none in the gateway), which a busy shared machine disturbs least.
+   Beside the gateway as shipped (uvicorn on httptools and uvloop): the same
+   gateway on the stack it had before (h11, asyncio's loop), and the floor, a
+   bare ASGI app on the shipped stack that relays one Generate and answers the
+   least it can (benchmarks/_bare_relay.py): no FastAPI, no validation, no
+   OpenAI shapes. The gateway minus the relay is what is ours to remove.
 2. Tokens/s of SmolLM2-135M at 1 and 8 concurrent streams: gRPC streams vs.
    the gateway's SSE streams.
 
@@ -44,9 +49,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
 from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import GatewayProcess, OrchestratorProcess, StageProcess
+from orchestrator.stages.processes import (
+    GatewayProcess,
+    OrchestratorProcess,
+    ServiceProcess,
+    StageProcess,
+)
 
 PROMPT = "Tell me a long story about a dragon."
+OLD_STACK = "gateway on h11+asyncio"
+BARE = "bare relay"
 
 
 def _stage(name: str, **extra: Any) -> dict[str, Any]:
@@ -62,16 +74,33 @@ def _stage(name: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-class Mesh:
-    """A stage, an orchestrator and a gateway, each its own process."""
+class BareRelay(ServiceProcess):
+    """benchmarks/_bare_relay.py: the HTTP + ASGI + one gRPC call floor."""
 
-    def __init__(self, folder: Path, stage: dict[str, Any]) -> None:
+    def __init__(self, orchestrator: str, **kwargs: Any) -> None:
+        super().__init__(Path("bare relay"), **kwargs)
+        self.orchestrator = orchestrator
+
+    def command(self) -> list[str]:
+        relay = Path(__file__).resolve().parent / "_bare_relay.py"
+        return [sys.executable, str(relay), "--orchestrator", self.orchestrator]
+
+
+class Mesh:
+    """A stage, an orchestrator and the HTTP fronts, each its own process: the
+    gateway as shipped, the gateway on the stack it had before (h11, asyncio's
+    loop), and the bare relay."""
+
+    def __init__(self, folder: Path, stage: dict[str, Any], *, fronts: bool = True) -> None:
         self.folder = folder
         self.stage_file = folder / f"{stage['name']}.yaml"
         self.stage_file.write_text(yaml.safe_dump(stage))
-        self.processes: list[StageProcess | OrchestratorProcess | GatewayProcess] = []
+        self.processes: list[ServiceProcess] = []
         self.grpc = ""
         self.http = ""
+        self.fronts = fronts
+        self.urls: dict[str, str] = {}  # the other fronts' chat URLs
+        self.pids: dict[str, int] = {}
 
     async def __aenter__(self) -> Mesh:
         log = (self.folder / "mesh.log").open("ab")
@@ -91,11 +120,19 @@ class Mesh:
         gateway = GatewayProcess(self.grpc, log=log)
         self.processes.append(gateway)
         self.http = f"http://{await gateway.start()}/v1/chat/completions"
+        self.pids["gateway"] = gateway.pid
+        if self.fronts:
+            old = GatewayProcess(self.grpc, args=["--http", "h11", "--loop", "asyncio"], log=log)
+            bare = BareRelay(self.grpc, log=log)
+            for name, front in ((OLD_STACK, old), (BARE, bare)):
+                self.processes.append(front)
+                self.urls[name] = f"http://{await front.start()}/v1/chat/completions"
+                self.pids[name] = front.pid
         return self
 
     @property
     def gateway_pid(self) -> int:
-        return self.processes[-1].pid
+        return self.pids["gateway"]
 
     async def __aexit__(self, *exc: object) -> None:
         for process in reversed(self.processes):
@@ -153,14 +190,31 @@ async def _timed(call: Callable[[], Awaitable[int]]) -> float:
     return (time.perf_counter() - began) * 1e3
 
 
+def _http_paths(
+    mesh: Mesh, http: httpx.AsyncClient
+) -> dict[str, tuple[Callable[[], Awaitable[int]], int]]:
+    """Each HTTP front, non-streamed and streamed: (the call, the front's pid)."""
+    fronts = {"gateway": mesh.http, **mesh.urls}
+    paths: dict[str, tuple[Callable[[], Awaitable[int]], int]] = {}
+    for name, url in fronts.items():
+        for stream in (False, True):
+
+            def call(url: str = url, stream: bool = stream) -> Awaitable[int]:
+                return http_call(http, url, 16, stream)
+
+            paths[f"{name}, streamed" if stream else name] = (call, mesh.pids[name])
+    return paths
+
+
 async def latency(mesh: Mesh, rounds: int) -> list[dict[str, Any]]:
-    paths: dict[str, list[float]] = {"gRPC client": [], "gateway": [], "gateway, streamed": []}
     async with AsyncClient(mesh.grpc) as client, httpx.AsyncClient(timeout=60) as http:
+        fronts = _http_paths(mesh, http)
         calls: dict[str, Callable[[], Awaitable[int]]] = {
             "gRPC client": lambda: grpc_call(client, 16),
-            "gateway": lambda: http_call(http, mesh.http, 16, False),
-            "gateway, streamed": lambda: http_call(http, mesh.http, 16, True),
+            **{path: call for path, (call, _pid) in fronts.items()},
         }
+        pids = {path: pid for path, (_call, pid) in fronts.items()}
+        paths: dict[str, list[float]] = {path: [] for path in calls}
         for call in calls.values():  # connections, first-call warm-up
             await call()
         for _ in range(rounds):
@@ -170,11 +224,12 @@ async def latency(mesh: Mesh, rounds: int) -> list[dict[str, Any]]:
         # what other work on a shared machine changes least.
         cpu: dict[str, float] = {}
         for path, call in calls.items():
-            began = time.process_time(), _cpu_s(mesh.gateway_pid)
+            pid = pids.get(path)  # the front's process (the gRPC path has none)
+            began = time.process_time(), _cpu_s(pid) if pid else 0.0
             for _ in range(rounds):
                 await call()
-            ours, gateway = time.process_time() - began[0], _cpu_s(mesh.gateway_pid) - began[1]
-            cpu[path] = (ours + gateway) * 1e3 / rounds
+            front = _cpu_s(pid) - began[1] if pid else 0.0
+            cpu[path] = (time.process_time() - began[0] + front) * 1e3 / rounds
     base = paths["gRPC client"]
     rows = []
     for path, ms in paths.items():
@@ -239,7 +294,7 @@ async def main() -> int:
         async with Mesh(folder / "tiny", tiny) as mesh:
             latencies = await latency(mesh, args.rounds)
         (folder / "smollm2").mkdir()
-        async with Mesh(folder / "smollm2", _stage("smollm2")) as mesh:
+        async with Mesh(folder / "smollm2", _stage("smollm2"), fronts=False) as mesh:
             rates = await throughput(mesh, args.stream_rounds, args.stream_tokens)
     print("16-token chat completion, tiny model (ms)")
     columns = ["path", "p50 ms", "p99 ms", "added p50 ms", "added p99 ms", "paired median ms"]

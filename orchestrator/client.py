@@ -108,10 +108,12 @@ def make_request(
     stage_params: Mapping[str, Params] | None = None,
     request_id: str = "",
     media: Sequence[stage_pb2.ContentPart] = (),
+    stage: str = "",
 ) -> orchestrator_pb2.GenerateRequest:
     """A GenerateRequest; a plain prompt is sent as one user chat message, with
-    ``media`` (orchestrator/content.py) as its first parts when given."""
-    request = orchestrator_pb2.GenerateRequest(request_id=request_id)
+    ``media`` (orchestrator/content.py) as its first parts when given. ``stage``:
+    run that stage alone (its inputs and ``params`` are the request's)."""
+    request = orchestrator_pb2.GenerateRequest(request_id=request_id, stage=stage)
     if inputs is not None:
         request.inputs.CopyFrom(inputs)
     if prompt is not None or media:

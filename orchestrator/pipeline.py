@@ -348,3 +348,7 @@ class Topology:
             children={name: pipeline.children(name) for name in pipeline.names},
             incoming={name: pipeline.incoming(name) for name in pipeline.names},
         )
+
+    def alone(self, stage: str) -> Topology:
+        """``stage`` as a pipeline of its own: its entry, its only stage and output."""
+        return Topology(stage, (stage,), frozenset({stage}), {stage: ()}, {stage: None})

@@ -18,6 +18,7 @@ import grpc
 
 from orchestrator.requests.client_input import (
     check_abort_ids,
+    check_alone,
     check_stage_params,
     refusal,
     refuse_refs,
@@ -58,8 +59,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         try:
             check_request_id(rid, "request_id")
             check_stage_params(request.stage_params, self._server.monitors, "stage_params")
+            check_alone(request, self._server.monitors)
             refuse_refs(request.inputs)
-            self._router.refuse_kinds(request.inputs)
+            self._router.refuse_kinds(request.inputs, alone=request.stage)
             self._router.start(
                 rid,
                 single(from_client(rid, request)),
@@ -67,6 +69,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 sink,
                 owner=caller,
                 timeout_s=context.time_remaining(),
+                alone=request.stage,
             )
         except OmniError as exc:
             logger.info("request %s refused: %s", rid, exc.message)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.commands import generate
-from orchestrator.stages.processes import GatewayProcess
+from orchestrator.stages.processes import GatewayProcess, Kept
 from services.mesh.config_files import ConfigError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.process import stop_on_signals
@@ -126,7 +126,7 @@ async def _run_up(
     view = ProgressView(list(pipeline.names))
     print(f"omni up: {pipeline.name}, stage logs in {run_dir}", file=sys.stderr, flush=True)
     began = time.monotonic()
-    gateway: GatewayProcess | None = None
+    gateway: Kept | None = None
     try:
         try:
             server = await launcher.start()
@@ -181,15 +181,16 @@ async def _run_up(
 
 async def _start_gateway(
     orchestrator: str, host: str, port: int, ca: Path | None, run_dir: Path
-) -> GatewayProcess | None:
-    """`omni gateway` in front of the orchestrator; prints its base URL once bound."""
-    # The child keeps its own descriptor of the log: ours is closed once it started.
-    with (run_dir / "gateway.log").open("ab") as log:
-        gateway = GatewayProcess(orchestrator, cacert=ca, host=host, port=port, log=log)
-        try:
-            address = await gateway.start()
-        except RuntimeError as exc:
-            print(f"omni up: gateway: {exc}", file=sys.stderr)
-            return None
+) -> Kept | None:
+    """`omni gateway` in front of the orchestrator, restarted (on its port) if it
+    dies, as the stages are; prints its base URL once bound."""
+    log = (run_dir / "gateway.log").open("ab")  # each restart appends; closed with the gateway
+    gateway = Kept(GatewayProcess(orchestrator, cacert=ca, host=host, port=port, log=log), log)
+    try:
+        address = await gateway.start()
+    except RuntimeError as exc:
+        print(f"omni up: gateway: {exc}", file=sys.stderr)
+        await gateway.stop()
+        return None
     print(f"gateway at http://{address}/v1 (OpenAI-compatible)", flush=True)
     return gateway

@@ -72,7 +72,7 @@ def test_bad_engine_settings(tmp_path: Path, good_stage: dict, change: dict, exp
     assert "Traceback" not in done.stderr
 
 
-TRANSFORMERS_KEYS = "dtype, defaults, config_overrides, prefill_tokens, gather_ms, packed_weights"
+TRANSFORMERS_KEYS = "defaults, config_overrides, prefill_tokens, gather_ms, packed_weights"
 
 
 @pytest.mark.parametrize(

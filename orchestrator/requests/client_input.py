@@ -63,6 +63,22 @@ def check_stage_params(params: Params, stages: Collection[str], field: str) -> N
             )
 
 
+def check_alone(request: orchestrator_pb2.GenerateRequest, stages: Collection[str]) -> None:
+    """A request for one stage alone names a known stage and gives its params in
+    ``params`` (there are no other stages to give any to)."""
+    if not request.stage:
+        return
+    if request.stage not in stages:
+        raise InvalidArgument(
+            f"stage: unknown stage {request.stage!r} (stages: {', '.join(stages)})", field="stage"
+        )
+    if request.stage_params:
+        raise InvalidArgument(
+            "stage_params: a request for one stage alone takes its params in params",
+            field="stage_params",
+        )
+
+
 def refusal(request_id: str, error: OmniError) -> orchestrator_pb2.GenerateEvent:
     return orchestrator_pb2.GenerateEvent(done=errors.done(request_id, error))
 

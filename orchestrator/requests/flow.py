@@ -28,6 +28,7 @@ from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
+from orchestrator.requests.windows import Window
 from services.mesh import errors
 from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # What each stage said of itself (its Describe), once it is up; None = not yet.
 Describe = Callable[[str], stage_pb2.StageDescription | None]
+# A Submit on its way to a stage, with the edge's window it carries (None: the client's).
+Sent = tuple[stage_pb2.Submit, Window | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
 _SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
@@ -94,7 +97,7 @@ class RequestFlow:
         # What the stages know the request by: unique in the mesh (the router's making).
         self.stage_id = stage_id or request_id
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
-        self._topology = topology
+        self.topology = topology  # the pipeline's, or one stage's alone
         self._clients = clients
         self._streams = streams
         self._sink = sink
@@ -122,8 +125,12 @@ class RequestFlow:
         try:
             async with asyncio.timeout(left):
                 async with asyncio.TaskGroup() as tasks:
-                    for stage in self._topology.order:
+                    entry, *rest = self.topology.order
+                    for stage in rest:
                         tasks.create_task(self._stage(stage), name=f"{self.stage_id}@{stage}")
+                    # The entry stage in this task: one task fewer per request. Its
+                    # failure joins the group as a task's would (the others are cancelled).
+                    await self._stage(entry)
         except* StageFailed as group:
             first = group.exceptions[0]
             assert isinstance(first, StageFailed)
@@ -143,8 +150,8 @@ class RequestFlow:
 
     def _expired(self) -> orchestrator_pb2.Done:
         """The client's deadline passed: named after the first stage still working."""
-        working = [s for s in self._topology.order if s not in self._completed] or [
-            self._topology.order[-1]
+        working = [s for s in self.topology.order if s not in self._completed] or [
+            self.topology.order[-1]
         ]
         error = DeadlineExceeded(
             f"request {self.request_id}: the deadline passed while stage {working[0]} was working"
@@ -159,7 +166,7 @@ class RequestFlow:
 
     def _stage_submits(self, stage: str) -> StageSubmits:
         # What the consumers' transforms need, the producer is asked to emit.
-        children = self._topology.children[stage]
+        children = self.topology.children[stage]
         asks = {
             _ASK_FOR[name]
             for e in children
@@ -179,22 +186,21 @@ class RequestFlow:
             self._may_share.add(stage)
         return submits.outgoing(submit)
 
-    async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[stage_pb2.Submit]:
-        if stage == self._topology.entry:
+    async def _inputs(self, stage: str, submits: StageSubmits) -> AsyncIterator[Sent]:
+        """The stage's Submits, completed for the wire, each with the window it
+        carries (None: the client's own). Nothing is held open across a yield: the
+        first is taken in the stage's task and the rest may be in a writer task."""
+        if stage == self.topology.entry:
             async for submit in self._entry_inputs:
-                yield self._outgoing(stage, submits, submit)
+                yield self._outgoing(stage, submits, submit), None
             return
-        edge = self._topology.incoming[stage]
+        edge = self.topology.incoming[stage]
         assert edge is not None
         lane = self._lane(edge)
         params = self._params.get(stage)
-        name = f"{edge.from_}->{stage}"
         while (window := await lane.take()) is not None:
             submit = from_window(self.stage_id, window, edge.transform or "", params)
-            submit = self._outgoing(stage, submits, submit)
-            with observe.window_span(name, submit):
-                yield submit
-            lane.taken(window)
+            yield self._outgoing(stage, submits, submit), window
 
     async def _stage(self, stage: str) -> None:
         with observe.stage_span(self.stage_id, stage):
@@ -204,10 +210,21 @@ class RequestFlow:
         client = self._clients[stage]
         channel = await self._streams.join(stage, self.stage_id)
         self.active_stages.add(stage)
-        writer = asyncio.create_task(self._write(stage, channel))
+        writer: asyncio.Task[None] | None = None
         try:
+            # The stage says nothing of the request before its first Submit, sent
+            # here; only more input to come (a GenerateStream, a windowed edge) needs
+            # a writer task beside the reading: most requests make none.
+            submits = self._stage_submits(stage)
+            inputs = self._inputs(stage, submits)
+            first = await anext(inputs, None)
+            if first is not None and await self._send(stage, channel, *first):
+                await anext(inputs, None)  # the input's end
+            else:
+                writer = asyncio.create_task(self._write(channel, submits, stage, inputs))
             await self._read(stage, channel)
-            await writer
+            if writer is not None:
+                await writer
         except StageFailed:
             raise
         except StreamBroken as exc:
@@ -219,30 +236,59 @@ class RequestFlow:
         except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
             raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         finally:
-            writer.cancel()
             channel.close()
-            await asyncio.gather(writer, return_exceptions=True)
+            if writer is not None:
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
 
-    async def _write(self, stage: str, channel: RequestStream) -> None:
-        submits, ended = self._stage_submits(stage), False
-        async for submit in self._inputs(stage, submits):
-            ended = submit.is_last
-            for frame in [
-                *chunks.split_encoded(
-                    submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
-                ),
-                *media_wire.split_encoded(
-                    submit.inputs, STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
-                ),
-            ]:
-                await channel.write(frame)
-            await channel.write(stage_pb2.StageInput(submit=submit))
+    async def _send(
+        self, stage: str, channel: RequestStream, submit: stage_pb2.Submit, window: Window | None
+    ) -> bool:
+        """Send one Submit (a window's in its span, then handed back to its lane);
+        True if it was the last."""
+        if window is None:
+            return await self._put(channel, submit)
+        lane = self._lanes[stage]
+        with observe.window_span(f"{lane.edge.from_}->{stage}", submit):
+            last = await self._put(channel, submit)
+        lane.taken(window)
+        return last
+
+    async def _put(self, channel: RequestStream, submit: stage_pb2.Submit) -> bool:
+        """``submit`` on the stream, large tensors and media first as chunks. A last one, whole,
+        is posted, not waited for: only a Credit or Cancel follows it, in order, and
+        a failed write breaks the stream, which reading reports. Any other is waited
+        for: the edge's watermark counts it until it is written."""
+        frames = [
+            *chunks.split_encoded(
+                submit.inputs.tensors, [], STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+            ),
+            *media_wire.split_encoded(
+                submit.inputs, STAGE_INPUT_CHUNK, threshold=self._chunk_bytes
+            ),
+        ]
+        for frame in frames:
+            await channel.write(frame)
+        message = stage_pb2.StageInput(submit=submit)
+        if submit.is_last and not frames:
+            channel.post(message)
+        else:
+            await channel.write(message)
+        return submit.is_last
+
+    async def _write(
+        self, channel: RequestStream, submits: StageSubmits, stage: str, inputs: AsyncIterator[Sent]
+    ) -> None:
+        """The Submits after the first, as they come."""
+        ended = False
+        async for submit, window in inputs:
+            ended = await self._send(stage, channel, submit, window)
         if submits.sent and not ended:  # the client stopped before its last window
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
     async def _read(self, stage: str, channel: RequestStream) -> None:
-        lanes = [self._lane(edge) for edge in self._topology.children[stage]]
+        lanes = [self._lane(edge) for edge in self.topology.children[stage]]
         is_output = stage in self._outputs
         while True:
             output = await channel.read()

@@ -141,10 +141,12 @@ class Router:
         owner: Principal = ANONYMOUS,
         timeout_s: float | None = None,
         id_field: str = "request_id",
+        alone: str = "",
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
         ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
-        ``id_field``: where the client's message holds the id (named if refused)."""
+        ``id_field``: where the client's message holds the id (named if refused);
+        ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline."""
         key = (owner.name, request_id)
         if key in self._running:
             # Only the caller's own ids can collide: this tells it nothing of others'.
@@ -154,7 +156,7 @@ class Router:
         prefix = f"{self._tag}{next(self._serial):x}-"
         flow = RequestFlow(
             request_id,
-            self._topology,
+            self._topology.alone(alone) if alone else self._topology,
             self._clients,
             self.streams,
             sink,
@@ -180,11 +182,11 @@ class Router:
         client_blocked = sink.blocked_s
         try:
             await self._wait_resumed()
-            for stage in self._topology.order:
+            for stage in flow.topology.order:
                 reason = self._readiness(stage)
                 if reason is not None:
                     raise NotStarted(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
-            self._check_transforms()
+            self._check_transforms(flow.topology)
             done = await flow.run()
             for edge, seconds in flow.blocked_s.items():
                 self.blocked_s[edge] = self.blocked_s.get(edge, 0.0) + seconds
@@ -215,20 +217,23 @@ class Router:
         )
         await sink.put(orchestrator_pb2.GenerateEvent(done=done))
 
-    def refuse_kinds(self, inputs: stage_pb2.StageInputs, prefix: str = "inputs") -> None:
-        """A content part the entry stage does not take (its Describe's ``accepts``) is
-        refused here, in the stage's words, before its media travel on; the stage
-        checks again (it may not be described yet, or have restarted)."""
-        entry = self._topology.entry
+    def refuse_kinds(
+        self, inputs: stage_pb2.StageInputs, prefix: str = "inputs", alone: str = ""
+    ) -> None:
+        """A content part the entry stage (``alone``: the stage a request runs alone)
+        does not take (its Describe's ``accepts``) is refused here, in the stage's
+        words, before its media travel on; the stage checks again (it may not be
+        described yet, or have restarted)."""
+        entry = alone or self._topology.entry
         description = self._describe(entry)
         if description is not None and description.accepts:
             media_types.refuse_kinds(inputs.messages, description.accepts, entry, prefix)
 
-    def _check_transforms(self) -> None:
+    def _check_transforms(self, topology: Topology) -> None:
         """Every edge's transform must be one its consuming stage offers (the server
         fails such a stage at start-up; this covers a request that raced it)."""
-        for stage in self._topology.order:
-            for edge in self._topology.children[stage]:
+        for stage in topology.order:
+            for edge in topology.children[stage]:
                 problem = unoffered(edge, self._describe(edge.to))
                 if problem is not None:
                     raise NotStarted(edge.to, FailedPrecondition(problem))

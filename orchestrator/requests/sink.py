@@ -17,6 +17,11 @@ from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 
 class EventSink:
+    """One reader (the client's RPC), any number of writers (one request's flow;
+    every request of a GenerateStream). Two events, not a Condition: an event
+    that finds room and a reader that finds one waiting take no lock and make no
+    future, and this is on the way of every event a client gets."""
+
     def __init__(
         self, high: int = 256, low: int = 64, clock: Callable[[], float] = time.monotonic
     ) -> None:
@@ -26,7 +31,9 @@ class EventSink:
         self._high = high
         self._low = low
         self._events: deque[orchestrator_pb2.GenerateEvent] = deque()
-        self._changed = asyncio.Condition()
+        self._readable = asyncio.Event()  # set while events wait (or once closed)
+        self._room = asyncio.Event()  # set while writers may add (at or under low)
+        self._room.set()
         self._closed = False
         self.blocked_s = 0.0
         self.coalesced = 0
@@ -35,15 +42,15 @@ class EventSink:
         return len(self._events)
 
     async def put(self, event: orchestrator_pb2.GenerateEvent) -> None:
-        async with self._changed:
-            if len(self._events) >= self._high:
-                if event.WhichOneof("kind") == "progress" and self._replace_preview(event):
-                    return
-                began = self._clock()
-                await self._changed.wait_for(lambda: len(self._events) <= self._low or self._closed)
-                self.blocked_s += self._clock() - began
-            self._events.append(event)
-            self._changed.notify_all()
+        if len(self._events) >= self._high:
+            if event.WhichOneof("kind") == "progress" and self._replace_preview(event):
+                return
+            began = self._clock()
+            self._room.clear()
+            await self._room.wait()
+            self.blocked_s += self._clock() - began
+        self._events.append(event)
+        self._readable.set()
 
     def _replace_preview(self, event: orchestrator_pb2.GenerateEvent) -> bool:
         key = (event.stage, event.progress.request_id)
@@ -64,15 +71,17 @@ class EventSink:
 
     async def get(self) -> orchestrator_pb2.GenerateEvent | None:
         """The next event; None once closed and drained."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: bool(self._events) or self._closed)
-            if not self._events:
+        while not self._events:
+            if self._closed:
                 return None
-            event = self._events.popleft()
-            self._changed.notify_all()
-            return event
+            self._readable.clear()
+            await self._readable.wait()
+        event = self._events.popleft()
+        if len(self._events) <= self._low:
+            self._room.set()
+        return event
 
     async def close(self) -> None:
-        async with self._changed:
-            self._closed = True
-            self._changed.notify_all()
+        self._closed = True
+        self._readable.set()
+        self._room.set()

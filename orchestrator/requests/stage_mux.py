@@ -82,6 +82,12 @@ class RequestStream:
         self._sent = True
         await self._stream.write(message)
 
+    def post(self, message: stage_pb2.StageInput) -> None:
+        """Send without waiting for the write (a request's last Submit, whole): in
+        order after what came before; if the stream breaks, ``read`` says so."""
+        self._sent = True
+        self._stream.post(message)
+
     async def read(self) -> stage_pb2.StageOutput:
         """The request's next output; raises StreamBroken (or an OmniError from
         assembling its chunks) when there will be no more."""

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -154,11 +157,93 @@ class GatewayProcess(ServiceProcess):
     """``python -m services.gateway`` (``omni gateway``): the HTTP front door to
     the orchestrator at ``orchestrator`` (TLS verified with ``cacert`` when given)."""
 
-    def __init__(self, orchestrator: str, *, cacert: Path | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        orchestrator: str,
+        *,
+        cacert: Path | None = None,
+        args: Sequence[str] = (),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(Path("omni gateway"), **kwargs)
         self.orchestrator = orchestrator
         self.cacert = cacert
+        self.args = tuple(args)  # more of its flags (--max-connections, --backlog)
 
     def command(self) -> list[str]:
         cli = [sys.executable, "-m", "services.gateway", "--orchestrator", self.orchestrator]
-        return [*cli, "--cacert", str(self.cacert)] if self.cacert else cli
+        cli += ["--cacert", str(self.cacert)] if self.cacert else []
+        return [*cli, *self.args]
+
+    def again(self) -> GatewayProcess:
+        """A new process like this one, on the port this one had."""
+        return GatewayProcess(
+            self.orchestrator,
+            cacert=self.cacert,
+            args=self.args,
+            host=self.host,
+            port=self.port,
+            log=self._log,
+            env=self._env,
+        )
+
+
+class Kept:
+    """A gateway kept running: restarted on its port whenever it exits (backoff
+    from ``initial_s`` doubling to ``max_s``; back to ``initial_s`` after a run of
+    ``healthy_after_s``), as the launcher keeps its stages, until ``stop()``.
+    ``log``: the file its processes write to, owned (closed) here."""
+
+    def __init__(
+        self,
+        process: GatewayProcess,
+        log: IO[bytes] | None = None,
+        *,
+        initial_s: float = 1.0,
+        max_s: float = 30.0,
+        healthy_after_s: float = 60.0,
+    ) -> None:
+        self.process = process
+        self._log = log  # the processes' log: closed by stop()
+        self.restarts = 0
+        self._initial_s, self._max_s, self._healthy_after_s = initial_s, max_s, healthy_after_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> str:
+        """Start it (an error if the first start fails), then watch it."""
+        address = await self.process.start()
+        self._task = asyncio.create_task(self._supervise(), name="keep-gateway")
+        return address
+
+    async def _supervise(self) -> None:
+        delay = self._initial_s
+        while True:
+            began = time.monotonic()
+            code = await self.process.wait()
+            if time.monotonic() - began >= self._healthy_after_s:
+                delay = self._initial_s
+            self.restarts += 1
+            logger.warning(
+                "the gateway exited with code %s; restarting in %.1fs (restart %d)",
+                code,
+                delay,
+                self.restarts,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self._max_s)
+            self.process = self.process.again()
+            try:
+                await self.process.start()
+            except (RuntimeError, OSError) as exc:  # its port not free yet: the next try waits
+                logger.warning("the gateway did not restart: %s", exc)
+
+    async def stop(self, grace_s: float = 10.0) -> int:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        try:
+            return await self.process.stop(grace_s)
+        finally:
+            if self._log is not None:
+                self._log.close()

@@ -10,6 +10,9 @@ gRPC): it never imports torch, the engines or the stage (import-linter).
     chat.py      /v1/chat/completions: messages to a GenerateRequest, events to
                  a completion or to server-sent chunks
     images.py    /v1/images/generations: a diffusion stage's PNG as b64_json
+    audio_out.py a speech stage's audio segments as WAV or PCM: chat's
+                 message.audio and delta.audio pieces
+    speech.py    /v1/audio/speech: the input spoken by the speech stage alone
     http_io.py   the HTTP side of a call: body limit, bearer token, disconnects
     app.py       the FastAPI application: routes, probes, the orchestrator client
 """

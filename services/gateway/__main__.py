@@ -9,8 +9,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -29,13 +31,15 @@ from services.mesh.process import (
 )
 
 DEFAULT_ORCHESTRATOR = "127.0.0.1:50050"
+DEFAULT_MAX_CONNECTIONS = 512
+DEFAULT_BACKLOG = 2048
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="omni gateway",
         description="An OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, "
-        "/v1/images/generations) in front of an orchestrator.",
+        "/v1/images/generations, /v1/audio/speech) in front of an orchestrator.",
     )
     address = environment.ADDRESS.get()
     parser.add_argument(
@@ -59,9 +63,39 @@ def _parser() -> argparse.ArgumentParser:
         help="larger request bodies are refused with 413",
     )
     parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections (and requests in flight) served at once; past it a request is "
+        "answered 503 at once, so a flood costs the mesh nothing and a client after it is "
+        f"served (default {DEFAULT_MAX_CONNECTIONS}; keep it under the descriptor limit)",
+    )
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=DEFAULT_BACKLOG,
+        help=f"connections the kernel queues before accept (default {DEFAULT_BACKLOG})",
+    )
+    parser.add_argument(
+        "--http",
+        choices=("httptools", "h11"),
+        default="httptools" if _installed("httptools") else "h11",
+        help="uvicorn's HTTP/1.1 parser: httptools (C; the default when installed) or h11",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio"),
+        default="uvloop" if _installed("uvloop") else "asyncio",
+        help="the event loop: uvloop (the default when installed) or the standard library's",
+    )
+    parser.add_argument(
         "--drain-s", type=float, default=10.0, help="how long responses in flight get on SIGTERM"
     )
     return parser
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
 
 
 class _Server(uvicorn.Server):
@@ -74,7 +108,7 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def _listen(host: str, port: int, backlog: int = DEFAULT_BACKLOG) -> socket.socket:
     """A listening TCP socket, bound now (so --port 0 is known at once). Made with
     proto IPPROTO_TCP: asyncio sets TCP_NODELAY only on connections whose socket
     says so, and without it each small SSE chunk waits out a delayed ACK (~40 ms)."""
@@ -83,16 +117,29 @@ def _listen(host: str, port: int) -> socket.socket:
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, port))
-        listener.listen(2048)
+        listener.listen(backlog)
     except OSError:
         listener.close()
         raise
     return listener
 
 
-async def serve(config: GatewayConfig, host: str, port: int, drain_s: float) -> int:
+@dataclass(frozen=True)
+class Listening:
+    """How the HTTP server takes connections (uvicorn's settings of the same names)."""
+
+    host: str
+    port: int
+    limit_concurrency: int
+    backlog: int
+    drain_s: float
+    http: str = "httptools"
+
+
+async def serve(config: GatewayConfig, listening: Listening) -> int:
+    host, port = listening.host, listening.port
     try:
-        listener = _listen(host, port)
+        listener = _listen(host, port, listening.backlog)
     except OSError as exc:
         print(f"omni gateway: {host}:{port}: {exc.strerror}", file=sys.stderr)
         return 1
@@ -101,7 +148,10 @@ async def serve(config: GatewayConfig, host: str, port: int, drain_s: float) -> 
             create_app(config),
             log_config=None,  # ours (configure_logging)
             access_log=False,
-            timeout_graceful_shutdown=max(1, round(drain_s)),
+            timeout_graceful_shutdown=max(1, round(listening.drain_s)),
+            limit_concurrency=listening.limit_concurrency,
+            backlog=listening.backlog,
+            http=listening.http,
         )
     )
     stop = stop_on_signals()
@@ -130,7 +180,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ConfigError) as exc:
         print(f"omni gateway: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config, args.host, args.port, args.drain_s))
+    if args.max_connections < 1 or args.backlog < 1:
+        print("omni gateway: --max-connections and --backlog: expected >= 1", file=sys.stderr)
+        return 2
+    listening = Listening(
+        args.host, args.port, args.max_connections, args.backlog, args.drain_s, args.http
+    )
+    # uvloop and httptools: the C event loop and parser (gRPC's asyncio client
+    # runs on either loop); benchmarks/gateway.py measures them beside h11 and asyncio.
+    loop_factory = None
+    if args.loop == "uvloop":
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(serve(config, listening))
 
 
 if __name__ == "__main__":

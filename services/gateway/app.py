@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
 
 import grpc
@@ -16,12 +16,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from orchestrator.client import AsyncClient, Events, Result
-from services.gateway import chat, images
+from services.gateway import chat, images, speech
+from services.gateway.audio_out import Speech, chat_speech, speech_stage
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.http_io import bearer_token, cancelled_on_disconnect, read_body
-from services.gateway.schema import ChatRequest, ImageRequest, parse
+from services.gateway.schema import ChatRequest, ImageRequest, SpeechRequest, parse
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 logger = logging.getLogger(__name__)
@@ -99,16 +100,23 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gateway, body, token = await _intake(request, ChatRequest)
         pipeline = await gateway.catalog.model(body.model, token)
         generate, fields = chat.generate_request(body)
+        speech = chat_speech(body, pipeline, generate, fields)
         events = gateway.client.send(generate, token=token)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             stream = chat.ChunkStream(
-                generate.request_id, pipeline.name, fields, include_usage=include_usage
+                generate.request_id,
+                pipeline.name,
+                fields,
+                include_usage=include_usage,
+                speech=speech,
             )
-            return await _streamed(request, events, stream, fields)
-        answer = chat.Answer()
+            return await _streamed(request, events, stream.sse, fields)
+        answer = chat.Answer(speech=speech)
         await _gather(request, events, answer, fields)
-        return JSONResponse(chat.completion(generate.request_id, pipeline.name, answer))
+        return JSONResponse(
+            chat.completion(generate.request_id, pipeline.name, answer, body.audio_format)
+        )
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
@@ -118,6 +126,19 @@ def create_app(config: GatewayConfig) -> FastAPI:
         result = Result()
         await _gather(request, gateway.client.send(generate, token=token), result, fields)
         return JSONResponse(images.images_response(result, stage))
+
+    @app.post("/v1/audio/speech")
+    async def audio_speech(request: Request) -> Response:
+        gateway, body, token = await _intake(request, SpeechRequest)
+        stage = speech_stage(await gateway.catalog.model(body.model, token), "model")
+        generate, fields = speech.generate_request(body, stage)
+        events = gateway.client.send(generate, token=token)
+        said = Speech(stage)
+        media_type = speech.MEDIA_TYPES[body.response_format]
+        if body.response_format == "pcm":
+            return await _streamed(request, events, speech.pcm_stream(said), fields, media_type)
+        await _gather(request, events, said, fields)
+        return Response(said.wav(), media_type=media_type)
 
     return app
 
@@ -171,11 +192,16 @@ def _raise_failed(done: orchestrator_pb2.Done | None, fields: dict[str, str]) ->
 
 
 async def _streamed(
-    request: Request, events: Events, stream: chat.ChunkStream, fields: dict[str, str]
+    request: Request,
+    events: Events,
+    body: Callable[[AsyncIterator[orchestrator_pb2.GenerateEvent]], AsyncIterator[bytes]],
+    fields: dict[str, str],
+    media_type: str = "text/event-stream",
 ) -> Response:
     """A refusal before the first event is an HTTP error (the SDKs raise it at
-    once); after it, the answer streams. Once streaming, a client that goes away
-    cancels the stream's task, and with it the call."""
+    once); after it, the answer streams (``body`` makes it of the events). Once
+    streaming, a client that goes away cancels the stream's task, and with it the
+    call."""
     iterator = aiter(events)
     async with cancelled_on_disconnect(request, events.cancel) as disconnected:
         try:
@@ -196,4 +222,4 @@ async def _streamed(
             events.cancel()  # a no-op once the call has ended
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(stream.sse(chained()), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(body(chained()), media_type=media_type, headers=headers)

@@ -28,6 +28,11 @@ class Pipeline:
         """The first stage that outputs images (a diffusion stage), if any."""
         return next((s.name for s in self.stages if "image" in s.output_tensors), None)
 
+    @property
+    def audio_stage(self) -> str | None:
+        """The first stage that outputs audio (a speech stage), if any."""
+        return next((s.name for s in self.stages if "audio" in s.output_tensors), None)
+
     def check_model(self, model: str | None) -> None:
         """404 for a model this mesh does not serve (None: the pipeline itself)."""
         if model is not None and model != self.name:

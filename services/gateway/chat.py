@@ -5,12 +5,13 @@ events become a completion, or OpenAI's ``chat.completion.chunk`` stream.
 The answer's text is that of the first stage to stream text (the thinker of the
 default pipeline), and ``usage`` and ``finish_reason`` come from that stage's
 Completed. Other stages still run (a renderer draws its image); their outputs
-are not part of a chat completion.
+are not part of a chat completion, except a speech stage's audio when
+``modalities`` asks for it (audio_out.py): then the text is the audio's
+transcript, as OpenAI gives it.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import orjson
 
 from services.gateway import content
+from services.gateway.audio_out import Speech, audio_deltas, audio_end, message_audio
 from services.gateway.errors import ApiError
 from services.gateway.schema import ChatRequest
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
@@ -68,9 +71,12 @@ class Answer:
     text: list[str] = field(default_factory=list)
     completions: dict[str, stage_pb2.Completed] = field(default_factory=dict)
     done: orchestrator_pb2.Done | None = None
+    speech: Speech | None = None  # the speech stage's audio, when asked for
 
     def add(self, event: orchestrator_pb2.GenerateEvent) -> str:
         """Take one event; returns the answer's new text in it ("" if none)."""
+        if self.speech is not None:
+            self.speech.add(event)
         kind = event.WhichOneof("kind")
         if kind == "segment":
             delta = event.segment.text_delta
@@ -108,8 +114,18 @@ class Answer:
         }
 
 
-def completion(request_id: str, model: str, answer: Answer) -> dict[str, Any]:
+def completion(
+    request_id: str, model: str, answer: Answer, audio_format: str = "wav"
+) -> dict[str, Any]:
     """The ``chat.completion`` object of a request that succeeded."""
+    text = "".join(answer.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if answer.speech is not None:
+        message = {
+            "role": "assistant",
+            "content": None,
+            "audio": message_audio(request_id, answer.speech, audio_format, text),
+        }
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -118,7 +134,7 @@ def completion(request_id: str, model: str, answer: Answer) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": "".join(answer.text)},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": answer.finish_reason,
             }
@@ -141,8 +157,9 @@ class ChunkStream:
         fields: dict[str, str],
         *,
         include_usage: bool,
+        speech: Speech | None = None,
     ) -> None:
-        self.answer = Answer()
+        self.answer = Answer(speech=speech)
         self._fields = fields
         self._include_usage = include_usage
         self._head = {"id": request_id, "object": "chat.completion.chunk", "model": model}
@@ -151,11 +168,15 @@ class ChunkStream:
     async def sse(
         self, events: AsyncIterator[orchestrator_pb2.GenerateEvent]
     ) -> AsyncIterator[bytes]:
-        yield self._chunk({"role": "assistant", "content": ""})
+        speech = self.answer.speech
+        yield self._chunk({"role": "assistant", "content": None if speech else ""})
         try:
             async for event in events:
                 delta = self.answer.add(event)
-                if delta:
+                if speech is not None:
+                    for piece in audio_deltas(self._head["id"], speech, delta):
+                        yield self._chunk({"audio": piece})
+                elif delta:
                     yield self._chunk({"content": delta})
         except grpc.aio.AioRpcError as exc:  # ended without a Done: the orchestrator went away
             yield _event(ApiError.from_rpc(exc).body)
@@ -165,6 +186,8 @@ class ChunkStream:
         if done is not None and done.code != 0:
             yield _event(ApiError.from_done(done, self._fields).body)
         elif done is not None:
+            if speech is not None:
+                yield self._chunk({"audio": audio_end()})
             yield self._chunk({}, self.answer.finish_reason)
             if self._include_usage:
                 yield _event({**self._base(), "choices": [], "usage": self.answer.usage})
@@ -173,10 +196,11 @@ class ChunkStream:
     def _base(self) -> dict[str, Any]:
         return {**self._head, "created": self._created}
 
-    def _chunk(self, delta: dict[str, str], finish: str | None = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> bytes:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         return _event({**self._base(), "choices": [choice]})
 
 
 def _event(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+    # orjson: ~0.5 µs a chunk here against the standard json's ~11, once per text piece
+    return b"data: " + orjson.dumps(data) + b"\n\n"

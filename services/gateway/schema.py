@@ -2,15 +2,23 @@
 
 Unknown fields are refused by name rather than ignored, so a client never
 believes a setting took effect when it did not; a few fields OpenAI's SDKs and
-frameworks send are accepted at their neutral values only. Audio (modalities,
-input_audio parts, /v1/audio/speech) waits for a speech stage.
+frameworks send are accepted at their neutral values only. Audio out (chat's
+``modalities``/``audio``, /v1/audio/speech) needs the pipeline's speech stage;
+its formats are wav and 16-bit PCM (audio_out.py says why).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from services.gateway.errors import ApiError
 
@@ -44,6 +52,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ChatAudio(_Body):
+    """``audio`` of a chat request: the speech stage's voice (it refuses one it
+    lacks), and the format of ``message.audio.data``."""
+
+    voice: str | None = None  # None: the stage's default voice
+    format: Literal["wav", "pcm16"] = "wav"
+
+
 class ChatRequest(_Body):
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -61,9 +77,28 @@ class ChatRequest(_Body):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: bool | None = None
-    modalities: list[Literal["text"]] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: ChatAudio | None = None
 
     _n = field_validator("n")(_only_one)
+
+    @model_validator(mode="after")
+    def _audio_asked_for(self) -> ChatRequest:
+        # An ApiError passes through pydantic as it is: these name their field.
+        if self.audio is not None and not self.speaks:
+            raise _bad("audio", "given, but modalities does not include 'audio'")
+        if self.speaks and self.stream and self.audio_format != "pcm16":
+            raise _bad("audio.format", "a streamed answer's audio is pcm16 (as OpenAI's)")
+        return self
+
+    @property
+    def speaks(self) -> bool:
+        """Audio out asked for (``modalities`` includes "audio")."""
+        return "audio" in (self.modalities or ())
+
+    @property
+    def audio_format(self) -> str:
+        return self.audio.format if self.audio is not None else "wav"
 
     @field_validator("frequency_penalty", "presence_penalty")
     @classmethod
@@ -106,6 +141,30 @@ class ImageRequest(_Body):
             return None
         width, height = (int(x) for x in self.size.split("x"))
         return height, width
+
+
+class SpeechRequest(_Body):
+    """/v1/audio/speech. ``response_format`` ``pcm`` is raw 16-bit little-endian
+    at the stage's rate (24 kHz for hibari), as OpenAI's; unset means wav (OpenAI's
+    default, mp3, needs an encoder the mesh does not ship)."""
+
+    model: str
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str
+    response_format: Literal["wav", "pcm"] = "wav"
+    speed: float | None = None  # the stage checks its range and names it
+    stream_format: Literal["audio"] | None = None  # the body is the audio itself
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_name(cls, value: Any) -> Any:
+        if isinstance(value, dict) and set(value) == {"id"}:
+            return value["id"]  # the SDK's {"id": ...} form of a voice
+        return value
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, f"{param}: {message}", param=param)
 
 
 def validate(model: type[M], data: Any, *, prefix: str = "") -> M:

@@ -47,6 +47,7 @@ def test_it_dials_the_orchestrators_service_and_is_served_by_its_own() -> None:
     assert flag(gateway, "--orchestrator") == f"omni-orchestrator.default.svc.cluster.local:{port}"
     assert (flag(gateway, "--host"), flag(gateway, "--port")) == ("0.0.0.0", "8080")
     assert "--cacert" not in gateway["args"]
+    assert (flag(gateway, "--max-connections"), flag(gateway, "--backlog")) == ("512", "2048")
     service = by_kind(docs, "Service")["omni-gateway"]
     assert service["spec"]["ports"] == [
         {
@@ -105,6 +106,7 @@ def test_on_the_host_network_it_dials_loopback() -> None:
         ),
         ({"gateway": {"port": 0}}, "/gateway/port"),
         ({"gateway": {"tls": True}}, "'tls'"),
+        ({"gateway": {"maxConnections": 0}}, "/gateway/maxConnections"),
     ],
 )
 def test_bad_gateway_values_are_refused_naming_the_value(

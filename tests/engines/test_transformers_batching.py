@@ -51,11 +51,14 @@ class Forwards:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.shapes: list[tuple[int, int]] = []
+        self.mixed = 0
         self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, _module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
         embeds = kwargs["inputs_embeds"]
         self.shapes.append((int(embeds.shape[0]), int(embeds.shape[1])))
+        if kwargs.get("omni_mixed") is not None:  # prefill and decode in one forward
+            self.mixed += 1
 
     @property
     def decode_rows(self) -> list[int]:
@@ -129,6 +132,53 @@ async def test_requests_join_and_leave_a_running_batch(
     assert 1 in rows[:joined] and rows[joined:].count(2) >= 2, rows  # alone, then together
     assert rows[-1] == 1  # the short one left; the long one went on alone
     assert engine.active_requests == frozenset()
+
+
+async def test_a_mixed_step_gives_the_tokens_of_separate_prefill_and_decode(
+    engine: TransformersEngine, forwards: Forwards, exact: torch.nn.Module
+) -> None:
+    """Prompts arriving while others decode are read in the decoders' forward (one
+    flat sequence, attention per part): each request's greedy tokens are its solo
+    ones, its hidden states too (float32 rounding apart), and its prefill shared a
+    forward with a decode step."""
+    requests = [
+        chat(f"m{i}", p, max_tokens=10, return_hidden_states=i < 2)
+        for i, p in enumerate(PROMPTS[:4])
+    ]
+    solo = [await alone(engine, r) for r in requests]
+    forwards.shapes.clear()
+    first = generate(engine, requests[0])
+    head = await anext(first)  # decoding alone now
+    assert isinstance(head, TokenOutput)
+    late = [asyncio.create_task(collect(generate(engine, r))) for r in requests[1:]]
+    rest = await collect(first, taken=len(head.token_ids))
+    results = await asyncio.gather(*late)
+    assert [*head.token_ids, *rest.tokens] == solo[0].tokens
+    assert [r.tokens for r in results] == [r.tokens for r in solo[1:]]
+    assert forwards.mixed >= 1, forwards.shapes
+    mixed_hidden = [[head.hidden_states, *rest.hidden], results[0].hidden]
+    for request, alone_run, hidden in zip(requests, solo, mixed_hidden, strict=False):
+        reference = _exact_states(engine, exact, request, alone_run.tokens)
+        mine = torch.cat([h for h in hidden if h is not None])[None]
+        single = torch.cat([h for h in alone_run.hidden if h is not None])[None]
+        assert_float32_close(mine, single, reference)
+
+
+def _exact_states(
+    engine: TransformersEngine, exact: torch.nn.Module, request: EngineRequest, tokens: list[int]
+) -> torch.Tensor:
+    """The float64 model's last-layer states where each of ``tokens`` was chosen."""
+    encoded = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": request.messages[0][1]}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
+    prompt = cast(BatchEncoding, encoded)["input_ids"]
+    ids = torch.tensor([[*prompt, *tokens[:-1]]])
+    with torch.inference_mode():
+        states = exact(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+    return states[:, len(prompt) - 1 :]
 
 
 async def test_a_cancel_mid_batch_leaves_the_others_unchanged(

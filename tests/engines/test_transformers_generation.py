@@ -165,8 +165,8 @@ async def test_aclose_stops_one_request_while_the_other_completes(
     smollm2_engine: TransformersEngine,
 ) -> None:
     engine = smollm2_engine
-    long = generate(engine,
-        req("long", text="Count: one, two,", params=SamplingParams(max_tokens=64))
+    long = generate(
+        engine, req("long", text="Count: one, two,", params=SamplingParams(max_tokens=64))
     )
     other = asyncio.create_task(
         collect(generate(engine, req("other", text="Hello", params=SamplingParams(max_tokens=8))))

@@ -64,7 +64,7 @@ async def test_dummy_weights_give_a_tiny_model_with_the_real_tokenizer(
         (
             EngineSettings(engine_args={"dtyp": "float32"}),
             "engine_args.dtyp",
-            "unknown key; expected one of dtype, defaults,",
+            "unknown key; expected one of defaults,",
         ),
         (EngineSettings(dtype="float64"), "dtype", "'float64' is not one of"),
         (

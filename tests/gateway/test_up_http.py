@@ -1,5 +1,6 @@
 """`omni up --http PORT` as a user runs it: the mesh and a gateway come up, the
-OpenAI SDK gets an answer, and Ctrl-C stops every process, the gateway too.
+OpenAI SDK gets an answer, a gateway killed is started again on its port, and
+Ctrl-C stops every process, the gateway too.
 With --tls the gateway speaks TLS to the orchestrator, and callers need the
 admin token as their API key."""
 
@@ -53,6 +54,14 @@ async def test_up_with_http_serves_the_openai_api_until_ctrl_c(
             stranger = OpenAI(base_url=base_url, api_key="x" * 20, max_retries=0)
             with pytest.raises(openai.AuthenticationError):
                 await asyncio.to_thread(lambda: stranger.models.list())
+        else:
+            # A crashed gateway is started again on its port, as a stage would be.
+            (gateway,) = [c for c in children if "services.gateway" in c.cmdline()]
+            gateway.kill()
+            await _answers_again(sdk, question, 60)
+            children = psutil.Process(up.pid).children(recursive=True)
+            (again,) = [c for c in children if "services.gateway" in c.cmdline()]
+            assert again.pid != gateway.pid
 
         up.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(up.wait(), 60) == 0
@@ -61,3 +70,18 @@ async def test_up_with_http_serves_the_openai_api_until_ctrl_c(
         if up.returncode is None:
             up.kill()
             await up.wait()
+
+
+async def _answers_again(sdk: OpenAI, question: list[dict[str, str]], timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            reply = await asyncio.to_thread(
+                lambda: sdk.chat.completions.create(model="chat", messages=question)
+            )
+            assert "Paris" in (reply.choices[0].message.content or "")
+            return
+        except openai.APIConnectionError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)

@@ -238,3 +238,18 @@ async def test_an_oversized_message_is_refused_at_the_door_and_others_go_on(stag
             await client.generate(huge, params={"max_tokens": 2}).collect()
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert (await client.generate("Hi", params={"max_tokens": 2}).collect()).ok
+
+
+async def test_small_unary_calls_free_no_memory_to_trim(stages) -> None:
+    """Each unary call reserves the largest message it may be, then hands the unused
+    part back: bookkeeping, not freed memory. Only the bytes messages really held
+    count toward trimming the heap (issue 24's profile: a timer every 2 s and a
+    malloc_trim every 10 s under steady small traffic)."""
+    config = pipeline(stages, ["thinker"], [])
+    async with orchestrator(config) as (server, client):
+        assert server.max_message_bytes > 1 << 20  # reserves far beyond the messages
+        for n in range(8):
+            result = await client.generate(f"hello {n}", params={"max_tokens": 1}).collect()
+            assert result.ok, result.done
+        assert 0 < server.freed.pending_bytes < 8 * 4096, server.freed.pending_bytes
+        assert server.freed.trims == 0

@@ -68,3 +68,20 @@ async def test_previews_coalesce_when_full_but_segments_never_drop() -> None:
 def test_watermarks_must_make_sense() -> None:
     with pytest.raises(ValueError, match="low < high"):
         EventSink(high=2, low=2)
+
+
+async def test_close_wakes_the_reader_and_every_waiting_producer() -> None:
+    sink = EventSink(high=1, low=0)
+    reader = asyncio.create_task(sink.get())
+    await settle()
+    assert not reader.done()  # nothing yet: it waits
+    await sink.put(segment(0))
+    assert (await asyncio.wait_for(reader, 1)).segment.sequence == 0
+    await sink.put(segment(1))
+    waiting = [asyncio.create_task(sink.put(segment(i))) for i in (2, 3)]
+    await settle()
+    assert not any(task.done() for task in waiting)
+    await sink.close()
+    await asyncio.wait_for(asyncio.gather(*waiting), 1)  # nobody is left hanging
+    assert [(await sink.get()).segment.sequence for _ in range(3)] == [1, 2, 3]
+    assert await sink.get() is None

@@ -1,19 +1,38 @@
 """``engine_args`` of the transformers engine (its settings model), and the torch
-dtype it runs in."""
+dtype it runs in.
+
+The dtype is one setting, the stage file's ``dtype:`` (``auto`` or null, float32,
+bfloat16, float16). ``auto`` picks the fastest precision whose greedy answers are
+float32's on the fixed prompt set (tests/helpers/chat_prompts.py, 32 prompts x 32
+greedy tokens, ``benchmarks/precision_agreement.py`` measures it): 0 of 32 may
+differ. On a CPU no lower precision meets that bar (bfloat16: 15 of 32 differ on
+SmolLM2-135M, AVX-512 BF16), so ``auto`` is float32 there and bfloat16 (1.4-2x the
+tokens/s here, oneDNN-packed) runs only when the stage file names it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from services.engines.base import EngineSettings
 from services.engines.defaults import TextDefaults
 from services.engines.engine_args import EngineArgs, StageFacts
+from services.engines.transformers.packed_linear import bfloat16_supported
 from services.mesh.errors import InitFailed
+
+# Greedy answers (of the 32 fixed prompts, 32 tokens each) that differ from
+# float32's, per CPU precision, measured with benchmarks/precision_agreement.py on
+# SmolLM2-135M (AMD EPYC, AVX-512 BF16, torch 2.13): 15/32 for the whole model in
+# bfloat16, 13/32 with float32 activations and only the linears in bfloat16.
+# ``auto`` takes a precision only at 0.
+CPU_DIFFERING: dict[str, int] = {"bfloat16": 15}
+# Fastest first: bfloat16 halves the bytes each token reads (memory-bound decode).
+_CPU_CANDIDATES = ("bfloat16",)
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -25,8 +44,6 @@ _DTYPES: dict[str, torch.dtype] = {
 class TransformersArgs(EngineArgs):
     """``engine_args`` keys this engine honours; anything else is refused."""
 
-    # The stage file's own `dtype:` wins over this one (torch_dtype).
-    dtype: Literal["float32", "float16", "bfloat16"] | None = None
     defaults: TextDefaults = TextDefaults()
     # Applied to the model config before building it; only with load_format "dummy",
     # so tests and benchmarks get a tiny model that still uses the real tokenizer.
@@ -37,9 +54,16 @@ class TransformersArgs(EngineArgs):
     # How long an idle engine waits after a request arrives for others sent with
     # it, so that they share their first step (costs a lone request this much TTFT).
     gather_ms: float = Field(10.0, ge=0, allow_inf_nan=False)
-    # Pack the linear weights for oneDNN once at load (CPU, float32 only): batched
+    # Pack the linear weights for oneDNN once at load (CPU, float32 or bfloat16): batched
     # decode steps then cost far less than one step per request (packed_linear.py).
     packed_weights: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _dtype_is_the_stage_files(cls, raw: Any) -> Any:
+        if isinstance(raw, Mapping) and "dtype" in raw:
+            raise ValueError("dtype is set by the stage file's own dtype:, not in engine_args")
+        return raw
 
     @field_validator("config_overrides")
     @classmethod
@@ -50,13 +74,27 @@ class TransformersArgs(EngineArgs):
         return MappingProxyType(dict(overrides))
 
     def torch_dtype(self, settings: EngineSettings) -> torch.dtype:
-        """The stage's ``dtype``, else ours, else the device's default."""
-        name = settings.dtype or self.dtype or _default_dtype(settings.device)
+        """The stage's ``dtype``; ``auto`` (or none) resolved for this device."""
+        name = settings.dtype or "auto"
+        if name == "auto":
+            name = auto_dtype(settings.device, bfloat16_supported())
         if name not in _DTYPES:
-            raise InitFailed(f"dtype: {name!r} is not one of {sorted(_DTYPES)}", field="dtype")
+            allowed = ["auto", *sorted(_DTYPES)]
+            raise InitFailed(f"dtype: {name!r} is not one of {allowed}", field="dtype")
         return _DTYPES[name]
 
 
-def _default_dtype(device: str) -> str:
-    # CPUs lack fast half-precision matmuls; GPUs all have bf16 now.
-    return "float32" if device == "cpu" else "bfloat16"
+def auto_dtype(
+    device: str, cpu_bfloat16: bool, differing: Mapping[str, int] = CPU_DIFFERING
+) -> str:
+    """What ``dtype: auto`` runs in. On a CPU: the fastest precision this CPU runs
+    natively (``cpu_bfloat16``: oneDNN has bfloat16 kernels for it) whose greedy
+    answers matched float32's on every prompt (``differing``), else float32. GPUs
+    all have bfloat16 now."""
+    if device != "cpu":
+        return "bfloat16"
+    native = {"bfloat16": cpu_bfloat16}
+    for name in _CPU_CANDIDATES:
+        if native[name] and differing.get(name, 1) == 0:
+            return name
+    return "float32"

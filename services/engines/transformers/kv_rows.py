@@ -7,6 +7,11 @@ step appends the same number of columns to every row (a decode step: one), so
 the cache does not move while the batch is unchanged. Rows join (``concat``)
 and leave (``select``) only between steps, and both drop the columns no
 remaining row uses, so padding does not outlive the sequence that caused it.
+
+Each layer keeps its keys and values in buffers with room to grow (``GrowingLayer``):
+a decode step writes its column in place. transformers' own ``DynamicLayer``
+concatenates, copying the whole cache every step: 7% of a batch-8 step's time on
+SmolLM2 (py-spy), growing with the length.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class KvRows:
         if any(type(layer) is not DynamicLayer for layer in self.cache.layers):
             # A sliding-window layer drops columns itself, which the mask cannot follow.
             raise ValueError("only models with full-attention caches can be batched")
+        self.cache.layers = [GrowingLayer() for _ in self.cache.layers]
         device = model.device
         self.mask = torch.zeros((rows, 0), dtype=torch.long, device=device)
         self.next_pos = torch.zeros(rows, dtype=torch.long, device=device)
@@ -47,21 +53,27 @@ class KvRows:
         token. Returns float32 logits [rows, vocab] of that column and, when
         ``hidden``, the last layer's hidden state there [rows, hidden].
         """
-        positions = (self.next_pos[:, None] + valid.cumsum(1) - 1).clamp(min=0)
-        mask = torch.cat([self.mask, valid], dim=1)
         out = self._model(
             inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=positions,
+            attention_mask=torch.cat([self.mask, valid], dim=1),
+            position_ids=self.positions(valid),
             past_key_values=self.cache,
             use_cache=True,
             output_hidden_states=hidden,
             logits_to_keep=1,  # the other columns need no logits
         )
-        self.mask = mask
-        self.next_pos = self.next_pos + valid.sum(1)
+        self.advance(valid)
         states = out.hidden_states[-1][:, -1] if hidden else None
         return out.logits[:, -1].float(), states
+
+    def positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """Each row's rotary positions for the next W columns (``valid`` [rows, W])."""
+        return (self.next_pos[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+
+    def advance(self, valid: torch.Tensor) -> None:
+        """After a forward over the next W columns: they are part of every row now."""
+        self.mask = torch.cat([self.mask, valid], dim=1)
+        self.next_pos = self.next_pos + valid.sum(1)
 
     def add_rows(self, count: int) -> None:
         """Append ``count`` rows with no tokens yet (padding in every column so far)."""
@@ -144,6 +156,57 @@ class KvRows:
     def _layers(self) -> list[DynamicLayer]:
         """The layers holding tensors (all of them once a forward has run)."""
         return [layer for layer in self._all_layers() if layer.is_initialized]
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``keys``/``values`` are views of larger buffers: ``update``
+    appends in place, and copies into new buffers (with headroom of a quarter of the width,
+    so a copy comes once every width/4 steps) only when the room runs out or when
+    ``keys``/``values`` were replaced by other tensors (KvRows joins and drops rows)."""
+
+    _buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys, values = _tensors(self)
+        width = keys.shape[2] if keys.dim() == 4 else 0
+        new = key_states.shape[2]
+        buffers = self._buffers
+        if buffers is None or not _views_of(keys, buffers[0]) or width + new > buffers[0].shape[2]:
+            room = width + new + max(16, (width + new) // 4)
+            buffers = (
+                _grown(keys, key_states, width, room),
+                _grown(values, value_states, width, room),
+            )
+            self._buffers = buffers
+        buffers[0][:, :, width : width + new] = key_states
+        buffers[1][:, :, width : width + new] = value_states
+        self.keys, self.values = buffers[0][:, :, : width + new], buffers[1][:, :, : width + new]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._buffers = None
+        super().reset()
+
+
+def _views_of(tensor: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the leading columns of ``buffer`` (what update left)."""
+    return (
+        tensor.data_ptr() == buffer.data_ptr()
+        and tensor.stride() == buffer.stride()
+        and tensor.shape[:2] == buffer.shape[:2]
+    )
+
+
+def _grown(old: torch.Tensor, like: torch.Tensor, width: int, room: int) -> torch.Tensor:
+    rows, heads, _new, dim = like.shape
+    buffer = like.new_empty(rows, heads, room, dim)
+    if width:
+        buffer[:, :, :width] = old
+    return buffer
 
 
 def _tensors(layer: DynamicLayer) -> tuple[torch.Tensor, torch.Tensor]:

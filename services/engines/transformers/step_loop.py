@@ -13,11 +13,12 @@ Each step (the nano-vllm / mini-sglang shape):
    short prompt finishes in its first step and a long one cannot hold it back;
    the oldest always advances, so none starves); a request whose prompt is done
    gets its first token and moves to the decode batch;
-4. decode: one forward over every running request, one token each;
+4. decode: every running request, one token each;
 5. hand each request its events and drop the finished rows.
 
-Prefill and decode are two forwards, not one padded one: on a CPU every padded
-position costs as much as a real one.
+When both prefill and decode have work they share one forward (mixed_step.py: one
+flat sequence, no padding of the decode rows, attention per part), so a step reads
+the weights once; a request whose prompt completes in it decodes from the next step.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from transformers import PreTrainedModel
 
 from services.engines.base import EngineEvent
+from services.engines.transformers import mixed_step
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.sequence import Sequence
@@ -76,6 +78,7 @@ class StepLoop:
         self._prefill_kv = KvRows(model)
         self._running: list[Sequence] = []
         self._running_kv = KvRows(model)
+        self._mixed = mixed_step.enable(model)
         self._thread = threading.Thread(target=self._loop, name="transformers-steps", daemon=True)
         self._thread.start()
 
@@ -139,10 +142,13 @@ class StepLoop:
         outbox: dict[Sequence, list[EngineEvent]] = {}
         self._retire()
         self._admit()
-        if self._prefilling:
-            self._prefill(outbox)
-        if self._running:
-            self._decode(outbox)
+        if self._prefilling and self._running and self._mixed:
+            self._mixed_step(outbox)
+        else:
+            if self._prefilling:
+                self._prefill(outbox)
+            if self._running:
+                self._decode(outbox)
         for sequence, events in outbox.items():
             sequence.deliver(events)
 
@@ -198,7 +204,33 @@ class StepLoop:
         widest = max(s.pages(self.limits.page_size) for s in members)
         return len(members) * widest <= self.limits.kv_pages
 
+    def _mixed_step(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
+        prefilling, running = self._prefilling, self._running
+        embeds_p, valid, done = self._prefill_inputs()
+        hidden = any(s.plan.return_hidden_states for s in running) or any(
+            prefilling[i].plan.return_hidden_states for i in done
+        )
+        logits, states = mixed_step.mixed_forward(
+            self._model,
+            (self._prefill_kv, embeds_p, valid),
+            (self._running_kv, self._decode_inputs()),
+            hidden,
+        )
+        split = len(prefilling)
+        self._after_decode(logits[split:], None if states is None else states[split:], outbox)
+        self._after_prefill(
+            done, logits[:split], None if states is None else states[:split], outbox
+        )
+
     def _prefill(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
+        embeds, valid, done = self._prefill_inputs()
+        hidden = any(self._prefilling[i].plan.return_hidden_states for i in done)
+        logits, states = self._prefill_kv.forward(embeds, valid, hidden)
+        self._after_prefill(done, logits, states, outbox)
+
+    def _prefill_inputs(self) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """The next chunk of every prefilling row: embeds [rows, W, hidden], valid
+        [rows, W] (left padding), and which rows read their last prompt token in it."""
         rows = self._prefilling
         width = self._chunk_width([s.remaining_prompt for s in rows])
         embeds = torch.zeros(
@@ -209,9 +241,16 @@ class StepLoop:
             count = min(sequence.remaining_prompt, width)
             embeds[i, width - count :] = sequence.prompt_chunk(count, self._embed)
             valid[i, width - count :] = 1
-        done = [i for i, s in enumerate(rows) if s.remaining_prompt == 0]
-        hidden = any(rows[i].plan.return_hidden_states for i in done)
-        logits, states = self._prefill_kv.forward(embeds, valid, hidden)
+        return embeds, valid, [i for i, s in enumerate(rows) if s.remaining_prompt == 0]
+
+    def _after_prefill(
+        self,
+        done: list[int],
+        logits: torch.Tensor,
+        states: torch.Tensor | None,
+        outbox: dict[Sequence, list[EngineEvent]],
+    ) -> None:
+        rows = self._prefilling
         if not done:
             return
         self._emit(rows, done, logits, states, outbox)
@@ -231,11 +270,24 @@ class StepLoop:
         return max(1, min(width, budget))
 
     def _decode(self, outbox: dict[Sequence, list[EngineEvent]]) -> None:
+        embeds = self._decode_inputs()
+        valid = torch.ones(embeds.shape[:2], dtype=torch.long, device=self._device)
+        hidden = any(s.plan.return_hidden_states for s in self._running)
+        logits, states = self._running_kv.forward(embeds, valid, hidden)
+        self._after_decode(logits, states, outbox)
+
+    def _decode_inputs(self) -> torch.Tensor:
+        """Each running row's last token, embedded: [rows, 1, hidden]."""
+        ids = torch.tensor([[s.last_token] for s in self._running], device=self._device)
+        return self._embed(ids)
+
+    def _after_decode(
+        self,
+        logits: torch.Tensor,
+        states: torch.Tensor | None,
+        outbox: dict[Sequence, list[EngineEvent]],
+    ) -> None:
         rows = self._running
-        ids = torch.tensor([[s.last_token] for s in rows], device=self._device)
-        valid = torch.ones(len(rows), 1, dtype=torch.long, device=self._device)
-        hidden = any(s.plan.return_hidden_states for s in rows)
-        logits, states = self._running_kv.forward(self._embed(ids), valid, hidden)
         self._emit(rows, list(range(len(rows))), logits, states, outbox)
         self._running = _keep(rows, self._running_kv)
 

@@ -15,8 +15,9 @@ The stage charges chunks, windows and running requests' inputs
 chunks, and both servers every unary request message while it is read and held
 (services/mesh/rpc/reads.py). Charges come from the event loop and from threads
 that decode inputs, so the counters are guarded by one lock. ``on_release`` hears
-of every byte given back (the orchestrator then returns freed memory to the
-system after a burst: services/mesh/data/malloc.py).
+of every byte given back that held memory (the orchestrator then returns freed
+memory to the system after a burst: services/mesh/data/malloc.py); a reservation
+handed back unused (``release(..., freed=False)``) is bookkeeping, not memory.
 """
 
 from __future__ import annotations
@@ -68,12 +69,12 @@ class InputBudget:
             account.held += nbytes
             self.held += nbytes
 
-    def _give(self, account: StreamAccount, nbytes: int) -> None:
+    def _give(self, account: StreamAccount, nbytes: int, freed: bool = True) -> None:
         with self._lock:
             nbytes = min(nbytes, account.held)
             account.held -= nbytes
             self.held -= nbytes
-        if self._on_release is not None and nbytes > 0:
+        if freed and self._on_release is not None and nbytes > 0:
             self._on_release(nbytes)
 
 
@@ -91,8 +92,10 @@ class StreamAccount:
         """Charge ``nbytes`` or raise ResourceExhausted naming ``field`` (nothing charged)."""
         self._budget._take(self, nbytes, field)
 
-    def release(self, nbytes: int) -> None:
-        self._budget._give(self, nbytes)
+    def release(self, nbytes: int, *, freed: bool = True) -> None:
+        """Give ``nbytes`` back; ``freed=False``: they were reserved but never held
+        memory (the unused part of a reservation), so no memory was freed."""
+        self._budget._give(self, nbytes, freed=freed)
 
     def hold(self) -> Hold:
         """A request's share of this account, given back at once when it ends."""

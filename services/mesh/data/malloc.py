@@ -75,6 +75,12 @@ class FreedMemory:
         self._lock = threading.Lock()
         self.trims = 0
 
+    @property
+    def pending_bytes(self) -> int:
+        """Freed since the last trim: what the next trim is for."""
+        with self._lock:
+            return self._freed
+
     def released(self, nbytes: int) -> None:
         with self._lock:
             now = time.monotonic()

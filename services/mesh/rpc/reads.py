@@ -114,7 +114,10 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
         loop = asyncio.get_running_loop()
         left = self._timeout_s if deadline is None else max(deadline - loop.time(), 0.0)
         try:
-            return await asyncio.wait_for(anext(aiter(requests)), left)
+            # A timeout scope, not wait_for: wait_for (3.11) runs the read in a task
+            # of its own, two per unary call.
+            async with asyncio.timeout(left):
+                return await anext(aiter(requests))
         except StopAsyncIteration:
             return END
         except TimeoutError:
@@ -139,8 +142,10 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
             account = self._callers[caller] = self._budget.account(share, key, "caller")
         return caller, account
 
-    def _release(self, caller: str, account: StreamAccount, nbytes: int) -> None:
-        account.release(nbytes)
+    def _release(
+        self, caller: str, account: StreamAccount, nbytes: int, freed: bool = True
+    ) -> None:
+        account.release(nbytes, freed=freed)
         if nbytes:
             self._freed.set()
         if caller and not account.held:  # a caller holding nothing is forgotten
@@ -187,7 +192,8 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
         if account is None:
             return request, None
         size = min(request.ByteSize(), reserve)
-        self._release(caller, account, reserve - size)
+        # The reservation's unused part held no memory: not a reason to trim the heap.
+        self._release(caller, account, reserve - size, freed=False)
         return request, lambda: self._release(caller, account, size)
 
 

@@ -24,7 +24,7 @@ STAGE_FAILED: StageState
 STAGE_DOWN: StageState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "stage_params")
+    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,11 +36,13 @@ class GenerateRequest(_message.Message):
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _stage_pb2.StageInputs
     params: _stage_pb2.GenerationParams
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
+    stage: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ...) -> None: ...
 
 class StreamInput(_message.Message):
     __slots__ = ("submit", "cancel", "chunk", "stage_params")

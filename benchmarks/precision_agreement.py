@@ -1,0 +1,85 @@
+"""How often a lower precision changes the transformers engine's greedy answers.
+
+    python benchmarks/precision_agreement.py [--dtype bfloat16 ...] [--out FILE]
+
+``dtype: auto`` takes a precision only if its greedy answers equal float32's on
+every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
+each, on SmolLM2-135M (services/engines/transformers/config.py, CPU_DIFFERING).
+This measures that: per precision, how many of the 32 answers differ and at which
+token each first does, and the wall time of the 32 (8 at a time) beside float32's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import table, write_json
+from benchmarks.vs_llamacpp import gguf_path
+from services.engines.base import EngineRequest, EngineSettings, SamplingParams
+from services.engines.transformers import TransformersEngine
+from services.mesh import environment
+from tests.helpers.chat_prompts import CHAT_PROMPTS
+from tests.helpers.engine_runs import collect, generate, tokens_of
+
+
+async def answers(engine: TransformersEngine, max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+    async def answer(i: int, prompt: str) -> list[int]:
+        request = EngineRequest(f"p{i}", messages=(("user", prompt),), params=params)
+        return tokens_of(await collect(generate(engine, request)))
+
+    return list(await asyncio.gather(*(answer(i, p) for i, p in enumerate(CHAT_PROMPTS))))
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    cache = environment.CACHE_DIR.get().expanduser()
+    got: dict[str, tuple[float, list[list[int]]]] = {}
+    for dtype in ["float32", *args.dtype]:
+        engine = TransformersEngine(EngineSettings(cache_dir=cache, max_batch_size=8, dtype=dtype))
+        engine.load(gguf_path())
+        engine.warmup()
+        start = time.perf_counter()
+        ids = await answers(engine, args.max_tokens)
+        got[dtype] = (time.perf_counter() - start, ids)
+        engine.close()
+    base_s, base = got["float32"]
+    rows: list[dict[str, Any]] = []
+    for dtype, (seconds, ids) in got.items():
+        firsts = [first_difference(a, b) for a, b in zip(base, ids, strict=True)]
+        differing = [f for f in firsts if f is not None]
+        rows.append(
+            {
+                "dtype": dtype,
+                "differ (of 32)": len(differing),
+                "first differing token": " ".join(map(str, differing)) or "-",
+                "seconds": seconds,
+                "speed vs float32": base_s / seconds,
+            }
+        )
+    print(table(rows, list(rows[0])))
+    print(f"\nwrote {write_json('precision_agreement', {'rows': rows}, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(asyncio.run(main()))
