@@ -9,9 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engines.base import ChatTurn, EngineRequest, MediaPart, SamplingParams
+from services.engines.base import (
+    ChatTurn,
+    EngineRequest,
+    EngineSettings,
+    MediaPart,
+    SamplingParams,
+)
 from services.engines.qwen_omni import QwenOmniTalker, QwenOmniThinker
-from services.mesh.errors import InvalidArgument
+from services.engines.qwen_omni.loading import torch_dtype
+from services.mesh.errors import InitFailed, InvalidArgument
 from tests.qwen_omni import parts
 from tests.qwen_omni.reference import request
 
@@ -71,3 +78,16 @@ async def test_a_handoff_that_does_not_fit_is_refused(thinker, talker) -> None: 
     )  # fmt: skip
     with pytest.raises(InvalidArgument, match=r"params\.extra\.speaker"):
         talker.check(unknown)
+
+
+def test_the_stage_dtype_auto_and_a_bad_one_refused_by_name() -> None:
+    """`dtype: auto` (or none) is float32 on a CPU, bfloat16 on a GPU; a name torch
+    has but the engines do not take is refused naming `dtype`, not an AttributeError."""
+    assert torch_dtype(EngineSettings()) is torch.float32
+    assert torch_dtype(EngineSettings(dtype="auto")) is torch.float32
+    assert torch_dtype(EngineSettings(device="cuda:0", dtype="auto")) is torch.bfloat16
+    assert torch_dtype(EngineSettings(dtype="bfloat16")) is torch.bfloat16
+    for bad in ("int8", "float64x"):
+        with pytest.raises(InitFailed, match="dtype") as caught:
+            torch_dtype(EngineSettings(dtype=bad))
+        assert caught.value.field == "dtype"

@@ -75,7 +75,7 @@ class QwenOmniCode2Wav:
 
     def load(self, model_path: Path | None) -> ModelInfo:
         model_path = loading.checkpoint(model_path, self.settings, self.name)
-        dtype = getattr(torch, self.settings.dtype or "float32")
+        dtype = loading.torch_dtype(self.settings)
         self._model, config = loading.load_part(model_path, "code2wav", dtype, self.settings.device)
         self._groups = config.code2wav_config.num_quantizers
         self._codebook = config.code2wav_config.codebook_size

@@ -14,9 +14,27 @@ from typing import Any, Literal
 import torch
 
 from services.engines.base import EngineSettings
+from services.mesh.errors import InitFailed
 
 Role = Literal["thinker", "talker", "code2wav"]
 ROLES: tuple[Role, ...] = ("thinker", "talker", "code2wav")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(settings: EngineSettings) -> torch.dtype:
+    """The stage file's ``dtype``: a name in ``_DTYPES``; unset or "auto" is float32
+    on a CPU (the reference the equivalence tests hold) and bfloat16 on a GPU (the
+    released checkpoint's own dtype)."""
+    name = settings.dtype
+    if name in (None, "auto"):
+        return torch.float32 if settings.device == "cpu" else torch.bfloat16
+    if name not in _DTYPES:
+        raise InitFailed(
+            f"dtype: {name!r} is not one of {['auto', *sorted(_DTYPES)]}", field="dtype"
+        )
+    return _DTYPES[name]
 
 
 def checkpoint(model_path: Path | None, settings: EngineSettings, engine: str) -> Path:

@@ -80,7 +80,7 @@ class QwenOmniTalker:
 
     def load(self, model_path: Path | None) -> ModelInfo:
         model_path = loading.checkpoint(model_path, self.settings, self.name)
-        dtype = getattr(torch, self.settings.dtype or "float32")
+        dtype = loading.torch_dtype(self.settings)
         self._model, self._config = loading.load_part(
             model_path, "talker", dtype, self.settings.device
         )
