@@ -91,3 +91,15 @@ def test_the_stage_dtype_auto_and_a_bad_one_refused_by_name() -> None:
         with pytest.raises(InitFailed, match="dtype") as caught:
             torch_dtype(EngineSettings(dtype=bad))
         assert caught.value.field == "dtype"
+
+
+def test_an_unknown_speaker_or_a_missing_folder_fails_the_load_by_name(
+    tiny_omni: Path, tmp_path: Path
+) -> None:
+    talker = QwenOmniTalker(EngineSettings(engine_args={"speaker": "nobody"}))
+    with pytest.raises(InitFailed, match="nobody") as caught:
+        talker.load(tiny_omni)
+    assert caught.value.field == "engine_args.speaker"
+    with pytest.raises(InitFailed, match="checkpoint folder") as caught:
+        QwenOmniTalker(EngineSettings()).load(tmp_path / "absent")
+    assert caught.value.field == "model"

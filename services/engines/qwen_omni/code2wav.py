@@ -74,13 +74,11 @@ class QwenOmniCode2Wav:
         self._requests: OrderedDict[str, _Codes] = OrderedDict()
 
     def load(self, model_path: Path | None) -> ModelInfo:
-        model_path = loading.checkpoint(model_path, self.settings, self.name)
-        dtype = loading.torch_dtype(self.settings)
-        self._model, config = loading.load_part(model_path, "code2wav", dtype, self.settings.device)
-        self._groups = config.code2wav_config.num_quantizers
-        self._codebook = config.code2wav_config.codebook_size
-        size = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        return ModelInfo(model_bytes=size, description=f"Qwen3-Omni code2wav of {model_path.name}")
+        part = loading.load_engine_part(model_path, self.settings, self.name, "code2wav")
+        self._model = part.model
+        self._groups = part.config.code2wav_config.num_quantizers
+        self._codebook = part.config.code2wav_config.codebook_size
+        return part.info
 
     def warmup(self) -> None:
         return None

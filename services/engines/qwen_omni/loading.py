@@ -8,12 +8,13 @@ safetensors, under their prefix in the whole model (``thinker.``, ``talker.``,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
-from services.engines.base import EngineSettings
+from services.engines.base import EngineSettings, ModelInfo
 from services.mesh.errors import InitFailed
 
 Role = Literal["thinker", "talker", "code2wav"]
@@ -45,7 +46,9 @@ def checkpoint(model_path: Path | None, settings: EngineSettings, engine: str) -
 
         return tiny.ensure(settings.cache_dir)
     if model_path is None or not model_path.is_dir():
-        raise ValueError(f"{engine} needs a Qwen3-Omni checkpoint folder as its model")
+        raise InitFailed(
+            f"model: {engine} needs a Qwen3-Omni checkpoint folder as its model", field="model"
+        )
     return model_path
 
 
@@ -92,3 +95,26 @@ def load_part(folder: Path, role: Role, dtype: torch.dtype, device: str) -> tupl
             folder, config=config.code2wav_config, key_mapping={r"^code2wav\.": ""}, **common
         )
     return part.to(device).eval(), config
+
+
+@dataclass(frozen=True)
+class Part:
+    """One engine's part as it loaded: the module, the whole checkpoint's config,
+    and what ``load`` reports."""
+
+    folder: Path
+    model: Any
+    config: Any
+    info: ModelInfo
+
+
+def load_engine_part(
+    model_path: Path | None, settings: EngineSettings, engine: str, role: Role
+) -> Part:
+    """What each of the three engines' ``load`` does: find the checkpoint, load
+    just ``role``'s weights in the stage's dtype on its device, and size them."""
+    folder = checkpoint(model_path, settings, engine)
+    model, config = load_part(folder, role, torch_dtype(settings), settings.device)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    info = ModelInfo(size, description=f"Qwen3-Omni {role} of {folder.name}")
+    return Part(folder, model, config, info)

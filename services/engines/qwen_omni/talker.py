@@ -48,6 +48,7 @@ from services.engines.request_checks import (
     refuse_unknown_tensors,
     tensor_field,
 )
+from services.mesh.errors import InitFailed
 
 
 @dataclass(frozen=True)
@@ -79,15 +80,16 @@ class QwenOmniTalker:
         self._lock = asyncio.Lock()  # generate keeps per-call state (rope deltas) on the model
 
     def load(self, model_path: Path | None) -> ModelInfo:
-        model_path = loading.checkpoint(model_path, self.settings, self.name)
-        dtype = loading.torch_dtype(self.settings)
-        self._model, self._config = loading.load_part(
-            model_path, "talker", dtype, self.settings.device
-        )
-        if self.args.speaker not in self._config.talker_config.speaker_id:
-            raise ValueError(f"engine_args.speaker: unknown speaker {self.args.speaker!r}")
-        size = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        return ModelInfo(model_bytes=size, description=f"Qwen3-Omni talker of {model_path.name}")
+        part = loading.load_engine_part(model_path, self.settings, self.name, "talker")
+        self._model, self._config = part.model, part.config
+        speakers = self._config.talker_config.speaker_id
+        if self.args.speaker not in speakers:
+            raise InitFailed(
+                f"engine_args.speaker: unknown speaker {self.args.speaker!r} "
+                f"(offered: {sorted(speakers)})",
+                field="engine_args.speaker",
+            )
+        return part.info
 
     def warmup(self) -> None:
         return None

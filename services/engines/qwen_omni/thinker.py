@@ -66,14 +66,10 @@ class QwenOmniThinker:
         self._lock = asyncio.Lock()  # generate keeps per-call state (rope deltas) on the model
 
     def load(self, model_path: Path | None) -> ModelInfo:
-        model_path = loading.checkpoint(model_path, self.settings, self.name)
-        dtype = loading.torch_dtype(self.settings)
-        self._model, self._config = loading.load_part(
-            model_path, "thinker", dtype, self.settings.device
-        )
-        self._processor = processors.load(model_path)
-        size = sum(p.numel() * p.element_size() for p in self._model.parameters())
-        return ModelInfo(model_bytes=size, description=f"Qwen3-Omni thinker of {model_path.name}")
+        part = loading.load_engine_part(model_path, self.settings, self.name, "thinker")
+        self._model, self._config = part.model, part.config
+        self._processor = processors.load(part.folder)
+        return part.info
 
     def warmup(self) -> None:
         return None
