@@ -6,6 +6,7 @@ import pytest
 
 from services.engines.base import KvGeometry, SamplingParams
 from services.engines.defaults import DefaultLayers, resolve
+from services.engines.registry import ENGINES
 from services.engines.transformers.config import TransformersArgs
 from services.mesh.config_files import ConfigError
 from services.stage.config import load_stage_config
@@ -37,7 +38,7 @@ def test_valid_file_with_defaults(tmp_path: Path) -> None:
     [
         (
             "name: a\nengine: nope\nmodel: m\n",
-            "engine: expected one of diffusers, speech, transformers",
+            f"engine: expected one of {', '.join(sorted(ENGINES))}, or a plug-in",
         ),
         (
             "name: a\nengine: transformers\nmodel: m\nruntime: {max_batch_size: 0}\n",
