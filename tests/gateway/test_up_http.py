@@ -17,7 +17,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from tests.orchestrator.test_up import read_until
+from tests.orchestrator.cli.test_up import read_until
 
 REPO = Path(__file__).resolve().parents[2]
 OMNI = str(Path(sys.executable).parent / "omni")

@@ -39,7 +39,7 @@ from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import client_dialing
 from tests.helpers.stage import tiny_config, write_config
 from tests.hostile.idle_flood import IdleFlood
-from tests.orchestrator.test_up import read_until
+from tests.orchestrator.cli.test_up import read_until
 
 OMNI = str(Path(sys.executable).parent / "omni")
 MB = 1_000_000

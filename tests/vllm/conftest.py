@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cpu_vllm() -> None:
-    """vLLM here is the CPU build (a CUDA image runs tests/engines/test_vllm_gpu.py)."""
+    """vLLM here is the CPU build (a CUDA image runs tests/engines/vllm/test_vllm_gpu.py)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

@@ -8,7 +8,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import load_pipeline
 from orchestrator.stages.launcher import Launcher
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "pipelines"
 
 
 async def run_example(name: str, tmp_path: Path, mesh: str, **params: object):

@@ -17,7 +17,7 @@ from services.stage.startup.fetch import fetch_model
 from tests.helpers.http_server import FileServer
 from tests.helpers.stage import write_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 SIZE = 8 << 20
 GRACE_S = 10.0  # the download alone would take 30 s (slow) or forever (silent)
 

@@ -14,7 +14,7 @@ from orchestrator.stages.launcher import Launcher
 from services.engines.video.source import pattern_frames
 from services.mesh.tensors import codec
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "pipelines"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "pipelines"
 
 
 async def test_video_example_upscales_every_frame(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
 from services.mesh.errors import InitFailed
 from services.stage.startup.fetch import fetch_model
 from tests.helpers.http_server import FileServer
-from tests.stage.fetch_recording import RecordingHook, fetch
+from tests.stage.startup.fetch.fetch_recording import RecordingHook, fetch
 
 
 def cached_files(cache: Path) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 
 from services.mesh.errors import InitFailed
 from services.stage.startup.fetch import FetchResult, fetch_model
-from tests.stage.fetch_recording import RecordingHook, fetch
+from tests.stage.startup.fetch.fetch_recording import RecordingHook, fetch
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from orchestrator.client import AsyncClient, Result
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from tests.helpers.shm_blocks import blocks_of
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 OMNI = str(Path(sys.executable).parent / "omni")
 
 

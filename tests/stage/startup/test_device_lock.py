@@ -15,7 +15,7 @@ import pytest
 from services.mesh.errors import InitFailed
 from services.stage.startup.device_lock import DeviceLock, lock_file_name
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 HOLDER = """
 import asyncio, sys, time

@@ -15,9 +15,9 @@ import pytest
 from services.mesh.errors import InitFailed
 from services.stage.startup.fetch import fetch_model
 from tests.helpers.fake_hub import FakeHub
-from tests.stage.fetch_recording import RecordingHook, fetch
+from tests.stage.startup.fetch.fetch_recording import RecordingHook, fetch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[4]
 COMMIT = "0123456789abcdef" * 2 + "01234567"
 
 

@@ -16,7 +16,7 @@ import yaml
 from orchestrator.client import AsyncClient
 from services.mesh.security import client_dialing
 from tests.helpers.stage import tiny_config, write_config
-from tests.orchestrator.test_up_trust import omni_up, tiny_pipeline, up_to_the_end
+from tests.orchestrator.cli.test_up_trust import omni_up, tiny_pipeline, up_to_the_end
 
 
 def tokens_file(folder: Path, **tokens: str) -> Path:

@@ -1,0 +1,1 @@
+"""Tests of the diffusers engine (services/engines/diffusers/)."""

@@ -1,0 +1,1 @@
+"""Tests of the transformers engine (services/engines/transformers/)."""

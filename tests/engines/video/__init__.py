@@ -1,0 +1,1 @@
+"""Tests of the video engine (services/engines/video/)."""

@@ -1,0 +1,2 @@
+"""Tests of a stage's start-up (services/stage/startup/): device lock, init bus,
+InitStatus events."""
