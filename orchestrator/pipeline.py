@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -327,28 +326,3 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     path = Path(path)
     data = config_files.read_yaml(path)
     return parse_pipeline(data, str(path), base_dir=path.parent)
-
-
-@dataclass(frozen=True)
-class Topology:
-    """The pipeline's graph, derived once (requests look it up on every message)."""
-
-    entry: str
-    order: tuple[str, ...]
-    outputs: frozenset[str]
-    children: Mapping[str, tuple[Edge, ...]]
-    incoming: Mapping[str, Edge | None]
-
-    @classmethod
-    def of(cls, pipeline: PipelineConfig) -> Topology:
-        return cls(
-            entry=pipeline.entry,
-            order=pipeline.order,
-            outputs=frozenset(pipeline.outputs),
-            children={name: pipeline.children(name) for name in pipeline.names},
-            incoming={name: pipeline.incoming(name) for name in pipeline.names},
-        )
-
-    def alone(self, stage: str) -> Topology:
-        """``stage`` as a pipeline of its own: its entry, its only stage and output."""
-        return Topology(stage, (stage,), frozenset({stage}), {stage: ()}, {stage: None})

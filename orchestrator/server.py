@@ -16,8 +16,8 @@ from typing import Any
 import grpc
 
 from orchestrator.pipeline import PipelineConfig
-from orchestrator.requests.flow import unoffered
 from orchestrator.requests.router import Router
+from orchestrator.requests.topology import unoffered
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.watchdog import WatchdogSettings

@@ -21,13 +21,14 @@ from collections.abc import AsyncIterator, Callable, Mapping
 
 import grpc
 
-from orchestrator.pipeline import Edge, Topology
+from orchestrator.pipeline import Edge
 from orchestrator.requests import observe
 from orchestrator.requests.errors import StageFailed, StreamBroken
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
+from orchestrator.requests.topology import Topology, transform_needs
 from orchestrator.requests.windows import Window
 from services.mesh import errors
 from services.mesh.data import chunks, media_wire
@@ -46,33 +47,6 @@ Sent = tuple[stage_pb2.Submit, Window | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
 _SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
-
-
-def transform_needs(
-    description: stage_pb2.StageDescription | None, transform: str
-) -> frozenset[str] | None:
-    """The tensors ``transform`` needs from the producer, as the consuming stage
-    advertises them; None when that stage does not offer it (or is not described)."""
-    if not transform:
-        return frozenset()
-    if description is None:
-        return None
-    for offered in description.transforms:
-        if offered.name == transform:
-            return frozenset(offered.needs_tensors)
-    return None
-
-
-def unoffered(edge: Edge, description: stage_pb2.StageDescription | None) -> str | None:
-    """Why ``edge`` cannot carry requests into its stage (``description``: what that
-    stage says of itself): a transform it does not offer; None when it can."""
-    if transform_needs(description, edge.transform) is not None:
-        return None
-    offered = sorted(t.name for t in description.transforms) if description else []
-    return (
-        f"edge {edge.from_} -> {edge.to}: stage {edge.to} does not offer transform "
-        f"{edge.transform!r} (it offers: {', '.join(offered) or 'none'})"
-    )
 
 
 class RequestFlow:

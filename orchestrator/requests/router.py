@@ -21,12 +21,13 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
-from orchestrator.pipeline import PipelineConfig, Topology
+from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests import observe
 from orchestrator.requests.errors import NotStarted
-from orchestrator.requests.flow import Describe, RequestFlow, unoffered
+from orchestrator.requests.flow import Describe, RequestFlow
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
+from orchestrator.requests.topology import Topology, unoffered
 from services.mesh import errors, media_types
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.ref_reader import RefReader

@@ -221,10 +221,8 @@ class Engine(Protocol[PlanT]):
     supported_params: ClassVar[frozenset[str]]
     # Names of the tensors this engine can emit.
     output_tensors: ClassVar[tuple[str, ...]]
-    # The content kinds a chat message may carry into this engine: "text" plus any
-    # of "image", "audio", "video". A request with another kind is refused by name
-    # ("stage thinker takes text and image, not audio"). Engines without the
-    # attribute take text only (see ``accepted_kinds``).
+    # Optional ``accepts``: the content kinds ("text", "image", "audio", "video") a
+    # message may carry in; others are refused by name. Default text only (accepted_kinds).
 
     def __init__(self, settings: EngineSettings) -> None: ...
 
