@@ -1,6 +1,9 @@
 """How often a lower precision changes the transformers engine's greedy answers.
 
-    python benchmarks/precision_agreement.py [--dtype bfloat16 ...] [--out FILE]
+    python benchmarks/precision_agreement.py [--modes bfloat16 float32/gguf_blocks ...] [--out FILE]
+
+A mode is a stage ``dtype`` with an optional ``engine_args.weights`` after a slash;
+the reference is float32 with oneDNN-packed float32 weights (``float32/packed``).
 
 ``dtype: auto`` takes a precision only if its greedy answers equal float32's on
 every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
@@ -48,28 +51,35 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", nargs="+", default=["bfloat16"])
+    parser.add_argument("--modes", nargs="+", default=["float32/gguf_blocks", "bfloat16"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cache = environment.CACHE_DIR.get().expanduser()
     got: dict[str, tuple[float, list[list[int]]]] = {}
-    for dtype in ["float32", *args.dtype]:
-        engine = TransformersEngine(EngineSettings(cache_dir=cache, max_batch_size=8, dtype=dtype))
+    for mode in ["float32/packed", *args.modes]:
+        dtype, _, weights = mode.partition("/")
+        settings = EngineSettings(
+            cache_dir=cache,
+            max_batch_size=8,
+            dtype=dtype,
+            engine_args={"weights": weights or "packed"},
+        )
+        engine = TransformersEngine(settings)
         engine.load(gguf_path())
         engine.warmup()
         start = time.perf_counter()
         ids = await answers(engine, args.max_tokens)
-        got[dtype] = (time.perf_counter() - start, ids)
+        got[mode] = (time.perf_counter() - start, ids)
         engine.close()
-    base_s, base = got["float32"]
+    base_s, base = got["float32/packed"]
     rows: list[dict[str, Any]] = []
-    for dtype, (seconds, ids) in got.items():
+    for mode, (seconds, ids) in got.items():
         firsts = [first_difference(a, b) for a, b in zip(base, ids, strict=True)]
         differing = [f for f in firsts if f is not None]
         rows.append(
             {
-                "dtype": dtype,
+                "mode": mode,
                 "differ (of 32)": len(differing),
                 "first differing token": " ".join(map(str, differing)) or "-",
                 "seconds": seconds,

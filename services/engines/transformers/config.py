@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -54,9 +54,15 @@ class TransformersArgs(EngineArgs):
     # How long an idle engine waits after a request arrives for others sent with
     # it, so that they share their first step (costs a lone request this much TTFT).
     gather_ms: float = Field(10.0, ge=0, allow_inf_nan=False)
-    # Pack the linear weights for oneDNN once at load (CPU, float32 or bfloat16): batched
-    # decode steps then cost far less than one step per request (packed_linear.py).
-    packed_weights: bool = True
+    # How the linear weights are held (CPU):
+    #   gguf_blocks: the GGUF file's own Q4_1 / Q8_0 blocks, float32 activations
+    #     (block_linear.py): about a sixth of float32's bytes per token; layers whose
+    #     weight is in no such block stay packed. Needs a .gguf model, dtype float32.
+    #   packed: float32 or bfloat16 packed once for oneDNN (packed_linear.py), so a
+    #     batched step costs far less than one step per request.
+    #   plain: as loaded (torch's default linear).
+    #   auto: gguf_blocks where it applies, else packed.
+    weights: Literal["auto", "gguf_blocks", "packed", "plain"] = "auto"
 
     @model_validator(mode="before")
     @classmethod

@@ -27,6 +27,8 @@ from transformers import (
 )
 
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
+from services.engines.transformers import block_linear
+from services.engines.transformers.block_linear import gguf_block_linears
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.packed_linear import pack_linears
 from services.mesh.errors import InitFailed
@@ -68,8 +70,7 @@ def load_model(
             folder, dtype=dtype, device_map=settings.device
         )
     model.eval()
-    if args.packed_weights:
-        pack_linears(model)
+    _place_weights(model, model_path, settings, args, dtype)
     info = model_info(model, description=f"{type(model).__name__} from {model_path.name}")
     logger.info(
         "loaded %s (%s, %s, %.1f MiB)",
@@ -79,6 +80,38 @@ def load_model(
         info.model_bytes / 2**20,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+
+
+def _place_weights(
+    model: PreTrainedModel,
+    model_path: Path,
+    settings: EngineSettings,
+    args: TransformersArgs,
+    dtype: torch.dtype,
+) -> None:
+    """Hold the linear weights as ``engine_args.weights`` says (see config.py)."""
+    if args.weights in ("auto", "gguf_blocks"):
+        why = blocks_refused(model_path, settings, dtype)
+        if why is None:
+            count = gguf_block_linears(model, model_path)
+            logger.info("%d linear layers run on %s's own weight blocks", count, model_path.name)
+        elif args.weights == "gguf_blocks":
+            raise InitFailed(f"engine_args.weights: gguf_blocks {why}", field="engine_args.weights")
+    if args.weights != "plain":
+        pack_linears(model)
+
+
+def blocks_refused(model_path: Path, settings: EngineSettings, dtype: torch.dtype) -> str | None:
+    """Why ``weights: gguf_blocks`` cannot run for this stage, or None."""
+    if model_path.suffix != ".gguf":
+        return f"needs a .gguf model file, not {model_path.name}"
+    if settings.load_format == "dummy":
+        return "needs the file's weights (load_format is dummy)"
+    if settings.device != "cpu":
+        return f"runs on the CPU, not {settings.device}"
+    if dtype != torch.float32:
+        return f"runs float32 activations (dtype is {str(dtype).removeprefix('torch.')})"
+    return block_linear.unavailable()
 
 
 def _dummy_model(

@@ -1,0 +1,341 @@
+/* Linear layers straight from GGUF weight blocks, float32 activations.
+ *
+ * y[b][n] = sum_k W[n][k] * x[b][k], where W is held in llama.cpp's block formats
+ * (32 weights per block) instead of float32: Q4_1 (w = d * q + m, q in 0..15) and
+ * Q8_0 (w = d * q, q in -128..127). Each block's scale (and min) is stored as
+ * float32 here, converted once at load from the file's float16, so a weight
+ * dequantised by this kernel is exactly the float32 the plain path loads. Only the
+ * order of the additions differs from a float32 matmul: the activations are never
+ * quantised, unlike llama.cpp's own kernels (which round them to 8 bits).
+ *
+ * Decoding is memory-bound: a Q4_1 weight is 5 bits where float32 is 32, so one
+ * token reads about a sixth of the bytes. With several rows (a batched decode step)
+ * each block is dequantised once into registers and used for every row.
+ *
+ * Layout, for a weight of n rows and k columns (k a multiple of 32):
+ *   Q4_1: qs uint8 [n][k/32][16]: byte j holds weight j (low nibble) and j+16 (high);
+ *         d, m float32 [n][k/32].
+ *   Q8_0: qs int8 [n][k/32][32]; d float32 [n][k/32].
+ * x is float32 [rows][k], y float32 [rows][n], both contiguous.
+ *
+ * Threads: OpenMP over output rows. Built against the libgomp that torch loads
+ * (same soname), so these loops share torch's thread pool instead of fighting it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_X86 1
+#else
+#define HAVE_X86 0
+#endif
+
+#define QK 32
+#define ROW_TILE 8 /* activation rows per pass over a weight row */
+
+/* ---------------------------------------------------------------- portable path */
+
+static void q4_1_rows_generic(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
+                              const float *d, const float *m, int64_t n0, int64_t n1,
+                              float *y, int64_t n) {
+    const int64_t nb = k / QK;
+    float w[QK];
+    for (int64_t r = n0; r < n1; r++) {
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {
+            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;
+            float acc[ROW_TILE] = {0};
+            for (int64_t j = 0; j < nb; j++) {
+                const uint8_t *q = qs + (r * nb + j) * (QK / 2);
+                const float dj = d[r * nb + j], mj = m[r * nb + j];
+                for (int i = 0; i < QK / 2; i++) {
+                    w[i] = dj * (float)(q[i] & 0x0F) + mj;
+                    w[i + QK / 2] = dj * (float)(q[i] >> 4) + mj;
+                }
+                for (int64_t b = 0; b < bt; b++) {
+                    const float *xb = x + (b0 + b) * k + j * QK;
+                    float s = 0.0f;
+                    for (int i = 0; i < QK; i++) s += w[i] * xb[i];
+                    acc[b] += s;
+                }
+            }
+            for (int64_t b = 0; b < bt; b++) y[(b0 + b) * n + r] = acc[b];
+        }
+    }
+}
+
+static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int8_t *qs,
+                              const float *d, int64_t n0, int64_t n1, float *y, int64_t n) {
+    const int64_t nb = k / QK;
+    float w[QK];
+    for (int64_t r = n0; r < n1; r++) {
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {
+            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;
+            float acc[ROW_TILE] = {0};
+            for (int64_t j = 0; j < nb; j++) {
+                const int8_t *q = qs + (r * nb + j) * QK;
+                const float dj = d[r * nb + j];
+                for (int i = 0; i < QK; i++) w[i] = dj * (float)q[i];
+                for (int64_t b = 0; b < bt; b++) {
+                    const float *xb = x + (b0 + b) * k + j * QK;
+                    float s = 0.0f;
+                    for (int i = 0; i < QK; i++) s += w[i] * xb[i];
+                    acc[b] += s;
+                }
+            }
+            for (int64_t b = 0; b < bt; b++) y[(b0 + b) * n + r] = acc[b];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX-512 path */
+
+#if HAVE_X86
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void q4_1_rows_avx512(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
+                             const float *d, const float *m, int64_t n0, int64_t n1,
+                             float *y, int64_t n) {
+    const int64_t nb = k / QK;
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int64_t r = n0; r < n1; r++) {
+        const uint8_t *qr = qs + r * nb * (QK / 2);
+        const float *dr = d + r * nb, *mr = m + r * nb;
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {
+            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;
+            __m512 acc[ROW_TILE];
+            for (int b = 0; b < ROW_TILE; b++) acc[b] = _mm512_setzero_ps();
+            const float *xt = x + b0 * k;
+            for (int64_t j = 0; j < nb; j++) {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(qr + j * (QK / 2)));
+                const __m128i qlo = _mm_and_si128(q, low);
+                const __m128i qhi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+                const __m512 dj = _mm512_set1_ps(dr[j]), mj = _mm512_set1_ps(mr[j]);
+                const __m512 wlo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qlo)), dj), mj);
+                const __m512 whi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qhi)), dj), mj);
+                const float *xj = xt + j * QK;
+                switch (bt) { /* unrolled so that the accumulators stay in registers */
+#define ROW(b)                                                                           \
+    acc[b] = _mm512_fmadd_ps(wlo, _mm512_loadu_ps(xj + (b) * k), acc[b]);                \
+    acc[b] = _mm512_fmadd_ps(whi, _mm512_loadu_ps(xj + (b) * k + 16), acc[b]);
+                case 8: ROW(7) /* fall through */
+                case 7: ROW(6) /* fall through */
+                case 6: ROW(5) /* fall through */
+                case 5: ROW(4) /* fall through */
+                case 4: ROW(3) /* fall through */
+                case 3: ROW(2) /* fall through */
+                case 2: ROW(1) /* fall through */
+                case 1: ROW(0)
+#undef ROW
+                }
+            }
+            for (int64_t b = 0; b < bt; b++) y[(b0 + b) * n + r] = _mm512_reduce_add_ps(acc[b]);
+        }
+    }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void q8_0_rows_avx512(const float *x, int64_t rows, int64_t k, const int8_t *qs,
+                             const float *d, int64_t n0, int64_t n1, float *y, int64_t n) {
+    const int64_t nb = k / QK;
+    for (int64_t r = n0; r < n1; r++) {
+        const int8_t *qr = qs + r * nb * QK;
+        const float *dr = d + r * nb;
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {
+            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;
+            __m512 acc[ROW_TILE];
+            for (int b = 0; b < ROW_TILE; b++) acc[b] = _mm512_setzero_ps();
+            const float *xt = x + b0 * k;
+            for (int64_t j = 0; j < nb; j++) {
+                const __m128i qa = _mm_loadu_si128((const __m128i *)(qr + j * QK));
+                const __m128i qb = _mm_loadu_si128((const __m128i *)(qr + j * QK + 16));
+                const __m512 dj = _mm512_set1_ps(dr[j]);
+                const __m512 wlo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qa)), dj);
+                const __m512 whi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(qb)), dj);
+                const float *xj = xt + j * QK;
+                switch (bt) {
+#define ROW(b)                                                                           \
+    acc[b] = _mm512_fmadd_ps(wlo, _mm512_loadu_ps(xj + (b) * k), acc[b]);                \
+    acc[b] = _mm512_fmadd_ps(whi, _mm512_loadu_ps(xj + (b) * k + 16), acc[b]);
+                case 8: ROW(7) /* fall through */
+                case 7: ROW(6) /* fall through */
+                case 6: ROW(5) /* fall through */
+                case 5: ROW(4) /* fall through */
+                case 4: ROW(3) /* fall through */
+                case 3: ROW(2) /* fall through */
+                case 2: ROW(1) /* fall through */
+                case 1: ROW(0)
+#undef ROW
+                }
+            }
+            for (int64_t b = 0; b < bt; b++) y[(b0 + b) * n + r] = _mm512_reduce_add_ps(acc[b]);
+        }
+    }
+}
+#endif
+
+static int use_avx512(void) {
+#if HAVE_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                 __builtin_cpu_supports("avx512vl");
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* Rows per OpenMP chunk: small enough to balance two to a few dozen threads, big
+ * enough that a chunk reads a few pages of weights. */
+#define ROW_CHUNK 16
+
+static void q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
+                        const float *d, const float *m, int64_t n, float *y, int threads) {
+    const int avx = use_avx512();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
+#if HAVE_X86
+        if (avx) {
+            q4_1_rows_avx512(x, rows, k, qs, d, m, n0, n1, y, n);
+            continue;
+        }
+#endif
+        (void)avx;
+        q4_1_rows_generic(x, rows, k, qs, d, m, n0, n1, y, n);
+    }
+}
+
+static void q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
+                        const float *d, int64_t n, float *y, int threads) {
+    const int avx = use_avx512();
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
+#if HAVE_X86
+        if (avx) {
+            q8_0_rows_avx512(x, rows, k, qs, d, n0, n1, y, n);
+            continue;
+        }
+#endif
+        (void)avx;
+        q8_0_rows_generic(x, rows, k, qs, d, n0, n1, y, n);
+    }
+}
+
+/* Whole weights back to float32, [n][k], for many-row products (a prefill), where
+ * a float32 GEMM on the dequantised weight beats re-dequantising per row tile. The
+ * same (d * q) + m, rounded twice, as gguf-py and the kernels above. */
+static void q4_1_dequant(const uint8_t *qs, const float *d, const float *m, int64_t n,
+                         int64_t k, float *w, int threads) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n * nb; i++) {
+        const uint8_t *q = qs + i * (QK / 2);
+        float *o = w + i * QK;
+        for (int j = 0; j < QK / 2; j++) {
+            o[j] = d[i] * (float)(q[j] & 0x0F) + m[i];
+            o[j + QK / 2] = d[i] * (float)(q[j] >> 4) + m[i];
+        }
+    }
+}
+
+static void q8_0_dequant(const int8_t *qs, const float *d, int64_t n, int64_t k, float *w,
+                         int threads) {
+    const int64_t nb = k / QK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t i = 0; i < n * nb; i++)
+        for (int j = 0; j < QK; j++) w[i * QK + j] = d[i] * (float)qs[i * QK + j];
+}
+
+/* ---------------------------------------------------------------- Python glue
+ * Pointers come in as integers (torch's data_ptr()); the Python wrapper
+ * (block_linear.py) checks dtypes, shapes and contiguity before calling. */
+
+static int check_shape(long long rows, long long k, long long n, int threads) {
+    if (rows < 0 || n < 0 || k <= 0 || k % QK || threads < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "k must be a positive multiple of 32, rows and n >= 0, threads >= 1");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_q4_1_linear(PyObject *self, PyObject *args) {
+    unsigned long long x, qs, d, m, y;
+    long long rows, k, n;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKKKLKi", &x, &rows, &k, &qs, &d, &m, &n, &y, &threads))
+        return NULL;
+    if (!check_shape(rows, k, n, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    q4_1_linear((const float *)x, rows, k, (const uint8_t *)qs, (const float *)d,
+                (const float *)m, n, (float *)y, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q8_0_linear(PyObject *self, PyObject *args) {
+    unsigned long long x, qs, d, y;
+    long long rows, k, n;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKKLKi", &x, &rows, &k, &qs, &d, &n, &y, &threads))
+        return NULL;
+    if (!check_shape(rows, k, n, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    q8_0_linear((const float *)x, rows, k, (const int8_t *)qs, (const float *)d, n, (float *)y,
+                threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q4_1_dequant(PyObject *self, PyObject *args) {
+    unsigned long long qs, d, m, w;
+    long long n, k;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKKLLKi", &qs, &d, &m, &n, &k, &w, &threads)) return NULL;
+    if (!check_shape(0, k, n, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    q4_1_dequant((const uint8_t *)qs, (const float *)d, (const float *)m, n, k, (float *)w,
+                 threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_q8_0_dequant(PyObject *self, PyObject *args) {
+    unsigned long long qs, d, w;
+    long long n, k;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLLKi", &qs, &d, &n, &k, &w, &threads)) return NULL;
+    if (!check_shape(0, k, n, threads)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    q8_0_dequant((const int8_t *)qs, (const float *)d, n, k, (float *)w, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_simd(PyObject *self, PyObject *args) {
+    return PyUnicode_FromString(use_avx512() ? "avx512" : "generic");
+}
+
+static PyMethodDef methods[] = {
+    {"q4_1_linear", py_q4_1_linear, METH_VARARGS,
+     "q4_1_linear(x, rows, k, qs, d, m, n, y, threads): y[rows][n] = x[rows][k] @ W.T, W in Q4_1 blocks"},
+    {"q8_0_linear", py_q8_0_linear, METH_VARARGS,
+     "q8_0_linear(x, rows, k, qs, d, n, y, threads): y[rows][n] = x[rows][k] @ W.T, W in Q8_0 blocks"},
+    {"q4_1_dequant", py_q4_1_dequant, METH_VARARGS,
+     "q4_1_dequant(qs, d, m, n, k, w, threads): W[n][k] as float32 into w"},
+    {"q8_0_dequant", py_q8_0_dequant, METH_VARARGS,
+     "q8_0_dequant(qs, d, n, k, w, threads): W[n][k] as float32 into w"},
+    {"simd", py_simd, METH_NOARGS, "The code path this CPU runs: 'avx512' or 'generic'."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_block_kernels", .m_size = -1, .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__block_kernels(void) { return PyModule_Create(&module); }

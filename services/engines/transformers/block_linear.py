@@ -1,0 +1,251 @@
+"""Linear layers that keep a GGUF file's own weight blocks (Q4_1, Q8_0) on the CPU.
+
+A decode step reads every weight once per token, so on a CPU its speed is the
+bytes per weight: float32 reads 32 bits, the file's Q4_1 blocks 5 (4-bit weights,
+a float16 scale and min per 32). ``_block_kernels.c`` multiplies float32
+activations straight from those blocks: the activations are not quantised (unlike
+llama.cpp's kernels), and each weight is dequantised exactly as the plain path
+dequantised it at conversion, ``(d * q) + m`` in float32. The answers are float32's
+up to the order of the additions; ``benchmarks/precision_agreement.py`` measures
+the greedy agreement.
+
+Which blocks belong to which layer is found by value, not by name: a layer takes
+the file's tensor whose dequantised rows are exactly its float32 weight's rows, in
+any order (llama.cpp stores the q and k projections with their rows permuted for
+its rotary layout). So a layer either runs on blocks that reproduce its weight bit
+for bit or keeps its float32 path; no architecture's naming is assumed.
+
+Products of many rows (a prefill) dequantise the weight into a scratch float32
+matrix and hand it to torch's GEMM, which is faster there than the row-tiled kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+kernels: ModuleType | None
+_IMPORT_ERROR: str | None = None
+try:  # built by pip install (setup.py); absent where no C compiler was found
+    from services.engines.transformers import _block_kernels as kernels
+except ImportError as error:  # pragma: no cover - depends on the install
+    kernels, _IMPORT_ERROR = None, str(error)
+
+QK = 32  # weights per block, both formats
+# Rows from which a product dequantises the weight for torch's GEMM instead
+# (measured on SmolLM2-135M, 2 threads, AVX-512: the kernel wins up to about 16).
+MANY_ROWS = 16
+# GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
+_Q4_1, _Q8_0 = 3, 8
+_BLOCK_BYTES = {_Q4_1: 20, _Q8_0: 34}
+_TYPE_NAMES = {_Q4_1: "q4_1", _Q8_0: "q8_0"}
+
+
+def unavailable() -> str | None:
+    """Why block weights cannot run here, or None when they can."""
+    if kernels is None:
+        return f"the block kernels were not built ({_IMPORT_ERROR})"
+    return None
+
+
+@dataclass
+class Blocks:
+    """One weight in blocks: ``qs`` [n][k/32][16 or 32], ``d`` (and ``m`` for
+    Q4_1) float32 [n][k/32]."""
+
+    kind: str  # "q4_1" | "q8_0"
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * QK
+
+    def rows(self, order: torch.Tensor) -> Blocks:
+        """These blocks with their rows in ``order``."""
+
+        def pick(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, order).contiguous()
+
+        return Blocks(
+            self.kind, pick(self.qs), pick(self.d), None if self.m is None else pick(self.m)
+        )
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = self.shape
+        out = torch.empty(n, k) if out is None else out
+        assert kernels is not None
+        threads = torch.get_num_threads()
+        if self.kind == "q4_1":
+            assert self.m is not None
+            kernels.q4_1_dequant(
+                self.qs.data_ptr(),
+                self.d.data_ptr(),
+                self.m.data_ptr(),
+                n,
+                k,
+                out.data_ptr(),
+                threads,
+            )
+        else:
+            kernels.q8_0_dequant(
+                self.qs.data_ptr(), self.d.data_ptr(), n, k, out.data_ptr(), threads
+            )
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+
+def _half(column: np.ndarray) -> torch.Tensor:
+    """A [..., 2] uint8 slice holding float16s, as float32 [...]: exact."""
+    return torch.from_numpy(
+        np.ascontiguousarray(column).view(np.float16)[..., 0].astype(np.float32)
+    )
+
+
+def _blocks(raw: np.ndarray, ggml_type: int) -> Blocks:
+    """Split a GGUF tensor's raw bytes ([n][bytes per row], uint8) into arrays."""
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, _BLOCK_BYTES[ggml_type])
+    if ggml_type == _Q4_1:
+        return Blocks(
+            "q4_1",
+            torch.from_numpy(np.ascontiguousarray(blocks[..., 4:])),
+            _half(blocks[..., 0:2]),
+            _half(blocks[..., 2:4]),
+        )
+    qs = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    return Blocks("q8_0", torch.from_numpy(qs), _half(blocks[..., 0:2]), None)
+
+
+class BlockLinear(nn.Module):
+    """``nn.Linear``'s forward over a weight held in GGUF blocks (float32 in and out)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = blocks.shape
+        self.kind = blocks.kind
+        self.register_buffer("qs", blocks.qs, persistent=False)
+        self.register_buffer("d", blocks.d, persistent=False)
+        self.register_buffer("m", blocks.m, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.to(torch.float32).contiguous()
+        rows = x2.shape[0]
+        if rows >= MANY_ROWS:
+            weight = Blocks(self.kind, self.qs, self.d, self.m).dequantize()
+            y = torch.nn.functional.linear(x2, weight, self.bias)
+        else:
+            y = self._kernel(x2, rows)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _kernel(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        assert kernels is not None
+        n, k = self.out_features, self.in_features
+        y = torch.empty(rows, n)
+        threads = torch.get_num_threads()
+        if self.m is not None:  # q4_1
+            kernels.q4_1_linear(
+                x.data_ptr(), rows, k, self.qs.data_ptr(), self.d.data_ptr(), self.m.data_ptr(),
+                n, y.data_ptr(), threads,
+            )  # fmt: skip
+        else:
+            kernels.q8_0_linear(
+                x.data_ptr(),
+                rows,
+                k,
+                self.qs.data_ptr(),
+                self.d.data_ptr(),
+                n,
+                y.data_ptr(),
+                threads,
+            )
+        if self.bias is not None:
+            y += self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks"
+        )
+
+
+def _row_keys(matrix: torch.Tensor) -> list[bytes]:
+    """Each row's bytes: equal rows, equal keys."""
+    array = matrix.numpy()
+    return [row.tobytes() for row in array]
+
+
+def _fingerprint(keys: list[bytes]) -> int:
+    """The same for two matrices with the same rows in any order."""
+    return hash(tuple(sorted(hash(key) for key in keys)))
+
+
+def gguf_block_linears(model: nn.Module, gguf: Path) -> int:
+    """Replace each float32 ``nn.Linear`` of ``model`` whose weight is exactly a Q4_1
+    or Q8_0 tensor of ``gguf`` (rows in any order) by a ``BlockLinear`` over that
+    tensor's blocks, in place; call before packing the rest. Returns how many."""
+    from gguf import GGUFReader  # gguf-py: a dependency of the GGUF conversion already
+
+    reader = GGUFReader(str(gguf))
+    by_print: dict[tuple[tuple[int, int], int], list[tuple[Blocks, list[bytes]]]] = defaultdict(
+        list
+    )
+    linears = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear and child.weight.dtype == torch.float32
+    ]
+    shapes = {tuple(child.weight.shape) for _p, _n, child in linears}
+    for tensor in reader.tensors:
+        ggml_type = int(tensor.tensor_type)
+        raw = np.asarray(tensor.data)
+        if ggml_type not in _BLOCK_BYTES or raw.ndim != 2:
+            continue
+        blocks = _blocks(raw, ggml_type)
+        if blocks.shape not in shapes:
+            continue
+        keys = _row_keys(blocks.dequantize())
+        by_print[(blocks.shape, _fingerprint(keys))].append((blocks, keys))
+
+    replaced = 0
+    for parent, name, child in linears:
+        weight = child.weight.detach()
+        keys = _row_keys(weight)
+        found = by_print.get((tuple(weight.shape), _fingerprint(keys)))  # type: ignore[arg-type]
+        if not found:
+            continue
+        blocks, file_keys = found[0]  # tied weights share one tensor: it stays listed
+        where: dict[bytes, list[int]] = defaultdict(list)
+        for index, key in enumerate(file_keys):
+            where[key].append(index)
+        order = torch.tensor([where[key].pop() for key in keys], dtype=torch.long)
+        mine = blocks.rows(order)
+        if not torch.equal(mine.dequantize(), weight):  # a hash collision, never in practice
+            continue
+        bias = None if child.bias is None else child.bias.detach()
+        setattr(parent, name, BlockLinear(mine, bias))
+        replaced += 1
+    return replaced

@@ -1,0 +1,24 @@
+"""The one C extension: the GGUF block kernels (services/engines/transformers/
+_block_kernels.c). Everything else is in pyproject.toml.
+
+The extension is optional: where no C compiler is found the install still
+succeeds, and the transformers engine keeps its float32 weights (it logs why).
+OpenMP threads come from the libgomp that torch itself loads (same soname), so the
+kernels share torch's thread pool.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "services.engines.transformers._block_kernels",
+            sources=["services/engines/transformers/_block_kernels.c"],
+            # -ffp-contract=off: (d * q) + m is rounded twice, as gguf-py does, so a
+            # dequantised weight is bit for bit the float32 one the plain path loads.
+            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
+            extra_link_args=["-fopenmp"],
+            optional=True,
+        )
+    ]
+)
