@@ -2,8 +2,9 @@
 
     python benchmarks/precision_agreement.py [--modes bfloat16 float32/gguf_blocks ...] [--out FILE]
 
-A mode is a stage ``dtype`` with an optional ``engine_args.weights`` after a slash;
-the reference is float32 with oneDNN-packed float32 weights (``float32/packed``).
+A mode is a stage ``dtype``, optionally ``/`` an ``engine_args.weights`` and ``/lean``
+(the lean forward, lean_forward.py); the reference is float32 with oneDNN-packed
+float32 weights through transformers' own forward (``float32/packed``).
 
 ``dtype: auto`` takes a precision only if its greedy answers equal float32's on
 every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
@@ -51,19 +52,28 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=["float32/gguf_blocks", "bfloat16"])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=[
+            "float32/packed/lean",
+            "float32/gguf_blocks",
+            "float32/gguf_blocks/lean",
+            "bfloat16",
+        ],
+    )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cache = environment.CACHE_DIR.get().expanduser()
     got: dict[str, tuple[float, list[list[int]]]] = {}
     for mode in ["float32/packed", *args.modes]:
-        dtype, _, weights = mode.partition("/")
+        dtype, weights, lean = ([*mode.split("/"), "", ""])[:3]
         settings = EngineSettings(
             cache_dir=cache,
             max_batch_size=8,
             dtype=dtype,
-            engine_args={"weights": weights or "packed"},
+            engine_args={"weights": weights or "packed", "lean_forward": lean == "lean"},
         )
         engine = TransformersEngine(settings)
         engine.load(gguf_path())

@@ -63,6 +63,9 @@ class TransformersArgs(EngineArgs):
     #   plain: as loaded (torch's default linear).
     #   auto: gguf_blocks where it applies, else packed.
     weights: Literal["auto", "gguf_blocks", "packed", "plain"] = "auto"
+    # Llama-shaped decoders (Llama, Mistral, Qwen2/3) run a forward without
+    # transformers' per-call machinery (lean_forward.py); false keeps the model's own.
+    lean_forward: bool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -22,6 +22,8 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from services.engines.transformers.lean_forward import lean_of, sdpa
+
 
 class KvRows:
     def __init__(self, model: PreTrainedModel, rows: int = 0) -> None:
@@ -53,6 +55,21 @@ class KvRows:
         token. Returns float32 logits [rows, vocab] of that column and, when
         ``hidden``, the last layer's hidden state there [rows, hidden].
         """
+        lean = lean_of(self._model)
+        if lean is not None:
+            mask = attention_mask(self.mask, valid)
+
+            def attend(
+                index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+            ) -> torch.Tensor:
+                layer = self.cache.layers[index]
+                assert isinstance(layer, GrowingLayer)
+                keys, values = layer.update(k, v)
+                return sdpa(lean.layers[index].attn, q, keys, values, mask)
+
+            logits, states = lean(embeds, self.positions(valid), attend, None, hidden)
+            self.advance(valid)
+            return logits, states
         out = self._model(
             inputs_embeds=embeds,
             attention_mask=torch.cat([self.mask, valid], dim=1),
@@ -156,6 +173,23 @@ class KvRows:
     def _layers(self) -> list[DynamicLayer]:
         """The layers holding tensors (all of them once a forward has run)."""
         return [layer for layer in self._all_layers() if layer.is_initialized]
+
+
+def attention_mask(seen_before: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+    """What each of W new queries may see, [rows, 1, W, columns] bool, given the
+    columns before (``seen_before`` [rows, C]) and the new ones (``valid`` [rows, W]):
+    the real columns, causally over the new ones; a padding query still sees itself
+    (never a row with nothing to attend to). None when every row sees every column
+    (one new column each and no padding): SDPA then needs no mask."""
+    width = valid.shape[1]
+    seen = torch.cat([seen_before, valid], dim=1).bool()
+    if width == 1 and bool(seen.all()):
+        return None
+    causal = torch.ones(width, seen.shape[1], dtype=torch.bool, device=seen.device)
+    causal = causal.tril(seen.shape[1] - width)
+    diagonal = torch.zeros_like(causal)
+    diagonal[:, seen.shape[1] - width :] = torch.eye(width, dtype=torch.bool)
+    return ((seen[:, None, :] & causal) | diagonal)[:, None]
 
 
 class GrowingLayer(DynamicLayer):

@@ -30,6 +30,7 @@ from services.engines.base import EngineSettings, KvGeometry, ModelInfo
 from services.engines.transformers import block_linear
 from services.engines.transformers.block_linear import gguf_block_linears
 from services.engines.transformers.config import TransformersArgs
+from services.engines.transformers.lean_forward import keep_transformers_forward
 from services.engines.transformers.packed_linear import pack_linears
 from services.mesh.errors import InitFailed
 
@@ -71,6 +72,8 @@ def load_model(
         )
     model.eval()
     _place_weights(model, model_path, settings, args, dtype)
+    if not args.lean_forward:
+        keep_transformers_forward(model)
     info = model_info(model, description=f"{type(model).__name__} from {model_path.name}")
     logger.info(
         "loaded %s (%s, %s, %.1f MiB)",

@@ -23,7 +23,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from services.engines.transformers.kv_rows import GrowingLayer, KvRows
+from services.engines.transformers.kv_rows import GrowingLayer, KvRows, attention_mask
+from services.engines.transformers.lean_forward import lean_of
 
 IMPLEMENTATION = "omni_mixed"
 
@@ -33,7 +34,7 @@ class _Part:
     kv: KvRows
     rows: int
     width: int  # columns per row in the flat sequence
-    mask: torch.Tensor  # [rows, 1, width, keys] bool: what each query may see
+    mask: torch.Tensor | None  # [rows, 1, width, keys] bool: what each query may see
 
 
 class MixedCache:
@@ -115,15 +116,7 @@ def mixed_forward(
     parts, positions = [], []
     for kv, valid in ((kv_p, valid_p), (kv_d, valid_d)):
         rows, width = valid.shape
-        seen = torch.cat([kv.mask, valid], dim=1).bool()
-        # Causal over the new columns; a padding query still sees itself (never
-        # a row with nothing to attend to).
-        causal = torch.ones(width, seen.shape[1], dtype=torch.bool, device=seen.device)
-        causal = causal.tril(seen.shape[1] - width)
-        diagonal = torch.zeros_like(causal)
-        diagonal[:, seen.shape[1] - width :] = torch.eye(width, dtype=torch.bool)
-        mask = (seen[:, None, :] & causal) | diagonal
-        parts.append(_Part(kv, rows, width, mask[:, None]))
+        parts.append(_Part(kv, rows, width, attention_mask(kv.mask, valid)))
         positions.append(kv.positions(valid).reshape(1, -1))
     flat = torch.cat(
         [embeds_p.reshape(1, -1, embeds_p.shape[-1]), embeds_d.reshape(1, -1, embeds_d.shape[-1])],
@@ -137,6 +130,21 @@ def mixed_forward(
         ]
     ).to(flat.device)
     cache = MixedCache(parts)
+    lean = lean_of(model)
+    if lean is not None:
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.update(k, v, index)
+            attn = lean.layers[index].attn
+            out, _ = _mixed_attention(
+                attn, q, k, v, None, omni_mixed=cache, dropout=0.0, scaling=attn.scaling
+            )
+            return out.reshape(*out.shape[:2], -1)
+
+        logits, states = lean(flat, torch.cat(positions, dim=1), attend, keep, hidden)
+        kv_p.advance(valid_p)
+        kv_d.advance(valid_d)
+        return logits, states
     out = model(
         inputs_embeds=flat,
         attention_mask=torch.ones(1, 1, 1, 1, dtype=torch.bool, device=flat.device),

@@ -1,0 +1,248 @@
+"""The decoder's forward without transformers' per-call machinery, for Llama-shaped models.
+
+Once the linears run from the GGUF blocks (block_linear.py), a SmolLM2 decode step
+spends about three quarters of its time in Python: transformers' decorators,
+output capturing, mask building, and one module call per projection (py-spy: the
+kernels are 19 % of it). This forward does the same arithmetic with the model's own
+modules and weights, in as few calls as possible:
+
+- q, k and v are one product, and gate and up another, where their weights are
+  blocks of one kind (``fuse``): the fused blocks are concatenated once and the
+  original modules' buffers become views of them, so nothing is held twice;
+- the norms, rotary embeddings and SDPA are transformers' own functions, so each
+  position's numbers are the ones the model's own forward computes;
+- no mask is built for a batch of decode rows with no padding.
+
+It applies to decoders whose layers are ``input_layernorm``, ``self_attn`` (q, k, v,
+o projections, optional per-head q/k norms), ``post_attention_layernorm`` and a
+gated SiLU ``mlp``, over full attention (``lean_applies`` says why not otherwise):
+Llama, Mistral, Qwen2 and Qwen3 are. Everything else keeps the model's forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional
+from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from services.engines.transformers.block_linear import BlockLinear, Blocks
+
+# attend(layer index, q [R, heads, W, D], k, v [R, kv heads, W, D]) -> [R, W, heads * D]
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "smollm3")
+
+
+def lean_applies(model: PreTrainedModel) -> str | None:
+    """Why the lean forward cannot run ``model``, or None when it can."""
+    config = model.config
+    if config.model_type not in _ARCHITECTURES:
+        return f"{config.model_type} is not one of {', '.join(_ARCHITECTURES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"its activation is {config.hidden_act}, not silu"
+    if config._attn_implementation not in ("sdpa", "omni_mixed"):
+        return f"it runs {config._attn_implementation} attention, not SDPA"
+    if getattr(config, "use_sliding_window", False) or any(
+        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ())
+    ):
+        return "it has sliding-window layers"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "it splits its projections (pretraining_tp)"
+    return None
+
+
+@dataclass
+class _Layer:
+    attn: nn.Module  # the model's own attention module (scaling, GQA groups for SDPA)
+    norm_in: nn.Module
+    norm_post: nn.Module
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    qkv_sizes: list[int]
+    o_proj: nn.Module
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: nn.Module
+    q_norm: nn.Module | None
+    k_norm: nn.Module | None
+
+
+class LeanForward:
+    def __init__(self, model: PreTrainedModel) -> None:
+        inner = model.model
+        self.rotary = inner.rotary_emb
+        self.norm = inner.norm
+        self.lm_head = model.lm_head
+        config = model.config
+        self.head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
+        self.layers = []
+        for layer in inner.layers[: config.num_hidden_layers]:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, sizes = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gate_up, _ = fuse([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(
+                _Layer(
+                    attn=attn,
+                    norm_in=layer.input_layernorm,
+                    norm_post=layer.post_attention_layernorm,
+                    qkv=qkv,
+                    qkv_sizes=sizes,
+                    o_proj=attn.o_proj,
+                    gate_up=gate_up,
+                    down=mlp.down_proj,
+                    q_norm=getattr(attn, "q_norm", None),
+                    k_norm=getattr(attn, "k_norm", None),
+                )
+            )
+
+    def __call__(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        keep: torch.Tensor | None,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run ``embeds`` [R, W, hidden] at ``positions`` [R, W]. Returns float32 logits
+        of the kept positions (``keep``: indices into the flattened R * W positions;
+        None: each row's last) and, when ``hidden``, the last hidden state there."""
+        rows, width, _ = embeds.shape
+        cos, sin = self.rotary(embeds, positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        h = embeds
+        for index, layer in enumerate(self.layers):
+            x = layer.norm_in.forward(h)
+            q, k, v = layer.qkv(x).split(layer.qkv_sizes, dim=-1)
+            q = q.view(rows, width, -1, self.head_dim)
+            k = k.view(rows, width, -1, self.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm.forward(q), layer.k_norm.forward(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = v.view(rows, width, -1, self.head_dim).transpose(1, 2)
+            q, k = _rotate(q, k, cos, sin)
+            h = h + layer.o_proj(attend(index, q, k, v))
+            gate, up = layer.gate_up(layer.norm_post.forward(h)).chunk(2, dim=-1)
+            h = h + layer.down(functional.silu(gate) * up)
+        picked = h[:, -1] if keep is None else h.reshape(rows * width, -1)[keep]
+        state = self.norm.forward(picked)
+        return self.lm_head(state).float(), state if hidden else None
+
+
+def _rotate(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' apply_rotary_pos_emb, written out (same operations, same order)."""
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def sdpa(layer_attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+         mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """Attention for one layer: [R, W, heads * D]. One query per row (a decode step)
+    is three small products, about a tenth of torch's CPU SDPA call for one query;
+    wider steps go through transformers' SDPA."""
+    if q.shape[2] == 1:
+        return _one_query(q, keys, values, mask, float(layer_attn.scaling))  # type: ignore[arg-type]
+    out, _ = sdpa_attention_forward(
+        layer_attn,
+        q,
+        keys,
+        values,
+        mask,
+        dropout=0.0,
+        scaling=float(layer_attn.scaling),  # type: ignore[arg-type]
+    )
+    return out.reshape(*out.shape[:2], -1)
+
+
+def _one_query(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v for q [R, heads, 1, D] against keys/values [R, kv heads,
+    K, D], the query heads of a kv head batched as its rows (no repeated keys)."""
+    rows, heads, _one, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)) * scale
+    if mask is not None:  # [R, 1, 1, K]
+        scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), values)
+    return out.reshape(rows, 1, heads * dim)
+
+
+def fuse(modules: list[nn.Module]) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[int]]:
+    """One product for several linears of the same input, where all are blocks of one
+    kind: the blocks are concatenated by rows and each module's buffers become views
+    of its rows (no second copy). Otherwise their outputs are concatenated."""
+    sizes = [_out_features(m) for m in modules]
+    if all(type(m) is BlockLinear for m in modules) and len({m.kind for m in modules}) == 1:  # type: ignore[union-attr]
+        blocks = [m for m in modules if isinstance(m, BlockLinear)]
+        biases = [m.bias for m in blocks]
+        fused = BlockLinear(
+            Blocks(
+                blocks[0].kind,
+                torch.cat([m.qs for m in blocks]),
+                torch.cat([m.d for m in blocks]),
+                None
+                if blocks[0].m is None
+                else torch.cat([m.m for m in blocks if m.m is not None]),
+            ),
+            None
+            if all(b is None for b in biases)
+            else torch.cat(
+                [
+                    b if b is not None else m.d.new_zeros(m.out_features)
+                    for b, m in zip(biases, blocks, strict=True)
+                ]
+            ),
+        )
+        start = 0
+        for m in blocks:
+            end = start + m.out_features
+            m.qs, m.d = fused.qs[start:end], fused.d[start:end]
+            if fused.m is not None:
+                m.m = fused.m[start:end]
+            start = end
+        return fused, sizes
+
+    def separate(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in modules], dim=-1)
+
+    return separate, sizes
+
+
+def _out_features(module: nn.Module) -> int:
+    features = getattr(module, "out_features", None)
+    if not isinstance(features, int):
+        raise TypeError(f"{type(module).__name__} has no out_features")
+    return features
+
+
+_LEAN: weakref.WeakKeyDictionary[PreTrainedModel, LeanForward | None] = weakref.WeakKeyDictionary()
+
+
+def lean_of(model: PreTrainedModel) -> LeanForward | None:
+    """The model's lean forward, built on first use; None where it does not apply
+    or was turned off (``keep_transformers_forward``)."""
+    if model not in _LEAN:
+        _LEAN[model] = LeanForward(model) if lean_applies(model) is None else None
+    return _LEAN[model]
+
+
+def keep_transformers_forward(model: PreTrainedModel) -> None:
+    """Run ``model`` through its own forward (``engine_args.lean_forward: false``)."""
+    _LEAN[model] = None
