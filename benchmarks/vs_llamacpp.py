@@ -1,6 +1,6 @@
 """Our SmolLM2 chat stage against llama.cpp's server on the same GGUF, on this CPU.
 
-    python benchmarks/vs_llamacpp.py [--runs 3] [--max-tokens 32] [--dtype float32 ...]
+    python benchmarks/vs_llamacpp.py [--runs 3] [--max-tokens 32] [--modes auto ...]
                                      [--llama-server PATH] [--out FILE]
 
 What a CPU user would run instead of us is llama.cpp's ``llama-server`` (or Ollama,
@@ -14,7 +14,10 @@ stops (exit 0: not part of CI).
 Ours is the stage of ``examples/stages/chat.yaml`` run directly (a stage process,
 its Stage.Generate stream; no orchestrator), with 32 greedy tokens, segments of one
 token (so that time to first token is the engine's, not the segmenter's) and one
-stage per ``--dtype`` asked for. llama.cpp serves the same GGUF with ``-np 8 -t 2``
+stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
+``engine_args.weights`` and ``/lean`` or ``/transformers`` for ``lean_forward``
+(``auto``: the stage file as shipped; ``float32/packed/transformers``: the path
+before the GGUF blocks and the lean forward). llama.cpp serves the same GGUF with ``-np 8 -t 2``
 (8 slots, 2 threads) on ``/v1/chat/completions``, streaming, greedy. Both get the
 same chat prompts (tests/helpers/chat_prompts.py). Each run measures every side at
 1 (4 prompts one after another), 4 and 8 concurrent requests, the sides in a
@@ -121,10 +124,16 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2.rsplit("/", 1)[1]
 
 
-def our_stage(dtype: str, max_tokens: int) -> dict[str, Any]:
+def our_stage(mode: str, max_tokens: int) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "examples" / "stages" / "chat.yaml").read_text())
-    config["name"] = f"vs-llamacpp-{dtype}"
+    dtype, weights, forward = [*mode.split("/"), "", ""][:3]
+    config["name"] = "vs-llamacpp-" + mode.replace("/", "-")
     config["dtype"] = dtype
+    engine_args = config.setdefault("engine_args", {})
+    if weights:
+        engine_args["weights"] = weights
+    if forward:
+        engine_args["lean_forward"] = forward == "lean"
     config["defaults"] = {**config.get("defaults", {}), "max_tokens": max_tokens}
     config["segmenting"] = {"max_segment_tokens": 1, "min_flush_interval_ms": 0}
     return config
@@ -206,7 +215,7 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--dtype", nargs="+", default=["auto", "bfloat16"])
+    parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/transformers"])
     parser.add_argument("--llama-server")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -219,12 +228,12 @@ async def main() -> int:
     clients: dict[str, StageClient] = {}
     llama, url = await start_llama(server, gguf)
     try:
-        for dtype in args.dtype:
-            path = tmp / f"{dtype}.yaml"
-            path.write_text(yaml.safe_dump(our_stage(dtype, args.max_tokens)))
+        for mode in args.modes:
+            path = tmp / f"{mode.replace('/', '-')}.yaml"
+            path.write_text(yaml.safe_dump(our_stage(mode, args.max_tokens)))
             procs.append(proc := StageProcess(path, env={"PYTHONPATH": str(ROOT)}))
-            clients[f"ours {dtype}"] = StageClient(await proc.start(timeout_s=300))
-            await clients[f"ours {dtype}"].wait_ready(timeout_s=600)
+            clients[f"ours {mode}"] = StageClient(await proc.start(timeout_s=300))
+            await clients[f"ours {mode}"].wait_ready(timeout_s=600)
         # No kept-alive connections: llama-server drops idle ones while our side is
         # measured, and a request on a dropped one fails (RemoteProtocolError).
         no_reuse = httpx.Limits(max_keepalive_connections=0)
@@ -237,12 +246,12 @@ async def main() -> int:
 
             names = [LLAMA, *clients]
             for name in names:  # warm each once
-                await level(asker(name), 8, f"warm{name[-4:]}")
+                await level(asker(name), 8, f"warm{names.index(name)}")
             samples: dict[tuple[str, int], list[tuple[float, list[Run]]]] = {}
             for r in range(args.runs):
                 for n in LEVELS:
                     for name in names[r % len(names) :] + names[: r % len(names)]:
-                        got = await level(asker(name), n, f"r{r}n{n}{name[-4:]}")
+                        got = await level(asker(name), n, f"r{r}n{n}s{names.index(name)}")
                         samples.setdefault((name, n), []).append(got)
                         rate = sum(run[2] for run in got[1]) / got[0]
                         print(f"run {r + 1}, {n} at once, {name}: {rate:.1f} tokens/s", flush=True)

@@ -57,6 +57,11 @@ def unavailable() -> str | None:
     return None
 
 
+def simd() -> str:
+    """The kernels' code path on this CPU: "avx512", "generic" (plain C), or "none"."""
+    return "none" if kernels is None else kernels.simd()
+
+
 @dataclass
 class Blocks:
     """One weight in blocks: ``qs`` [n][k/32][16 or 32], ``d`` (and ``m`` for

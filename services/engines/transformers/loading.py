@@ -95,6 +95,9 @@ def _place_weights(
     """Hold the linear weights as ``engine_args.weights`` says (see config.py)."""
     if args.weights in ("auto", "gguf_blocks"):
         why = blocks_refused(model_path, settings, dtype)
+        if why is None and args.weights == "auto" and block_linear.simd() != "avx512":
+            # The portable kernel is plain C: slower than oneDNN's float32 there.
+            why = f"the block kernels have no vector path for this CPU ({block_linear.simd()})"
         if why is None:
             count = gguf_block_linears(model, model_path)
             logger.info("%d linear layers run on %s's own weight blocks", count, model_path.name)
