@@ -71,10 +71,12 @@ def load_model(
             folder, dtype=dtype, device_map=settings.device
         )
     model.eval()
-    _place_weights(model, model_path, settings, args, dtype)
+    weights = _place_weights(model, model_path, settings, args, dtype)
     if not args.lean_forward:
         keep_transformers_forward(model)
-    info = model_info(model, description=f"{type(model).__name__} from {model_path.name}")
+    info = model_info(
+        model, description=f"{type(model).__name__} from {model_path.name}, {weights}"
+    )
     logger.info(
         "loaded %s (%s, %s, %.1f MiB)",
         model_path,
@@ -91,20 +93,26 @@ def _place_weights(
     settings: EngineSettings,
     args: TransformersArgs,
     dtype: torch.dtype,
-) -> None:
-    """Hold the linear weights as ``engine_args.weights`` says (see config.py)."""
+) -> str:
+    """Hold the linear weights as ``engine_args.weights`` says (see config.py); says
+    how they are held (the LOAD_DONE message shows it)."""
+    blocks = 0
     if args.weights in ("auto", "gguf_blocks"):
         why = blocks_refused(model_path, settings, dtype)
         if why is None and args.weights == "auto" and block_linear.simd() != "avx512":
             # The portable kernel is plain C: slower than oneDNN's float32 there.
             why = f"the block kernels have no vector path for this CPU ({block_linear.simd()})"
         if why is None:
-            count = gguf_block_linears(model, model_path)
-            logger.info("%d linear layers run on %s's own weight blocks", count, model_path.name)
+            blocks = gguf_block_linears(model, model_path)
+            logger.info("%d linear layers run on %s's own weight blocks", blocks, model_path.name)
         elif args.weights == "gguf_blocks":
             raise InitFailed(f"engine_args.weights: gguf_blocks {why}", field="engine_args.weights")
-    if args.weights != "plain":
-        pack_linears(model)
+        else:
+            logger.info("linear weights not in GGUF blocks: %s", why)
+    packed = pack_linears(model) if args.weights != "plain" else 0
+    held = [f"{blocks} linears on GGUF blocks"] if blocks else []
+    held += [f"{packed} packed for oneDNN"] if packed else []
+    return ", ".join(held) or "linears as loaded"
 
 
 def blocks_refused(model_path: Path, settings: EngineSettings, dtype: torch.dtype) -> str | None:
