@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -57,14 +58,27 @@ def _file_tensor(reader: GGUFReader, name: str) -> Blocks:
     return block_linear._blocks(np.asarray(tensor.data), int(tensor.tensor_type))
 
 
+@dataclass(frozen=True)
+class FileWeight:
+    """One tensor of the file: its raw bytes ([n][bytes per row]), its blocks, and
+    their weight in float32, in float64 and its magnitude |w| in float64 (made once:
+    the Q8_0 tensor has 28M weights)."""
+
+    raw: np.ndarray
+    blocks: Blocks
+    weight: torch.Tensor
+    exact: torch.Tensor
+    magnitude: torch.Tensor
+
+
 @pytest.fixture(scope="module", params=[Q4_1_TENSOR, Q8_0_TENSOR])
-def file_blocks(request: pytest.FixtureRequest, reader: GGUFReader) -> tuple[np.ndarray, Blocks]:
-    """The raw bytes ([n][bytes per row]) of one tensor and its blocks."""
+def file_weight(request: pytest.FixtureRequest, reader: GGUFReader) -> FileWeight:
     tensor = next(t for t in reader.tensors if t.name == request.param)
     raw = np.asarray(tensor.data)
     blocks = block_linear._blocks(raw, int(tensor.tensor_type))
     assert blocks.kind == {Q4_1_TENSOR: "q4_1", Q8_0_TENSOR: "q8_0"}[request.param]
-    return raw, blocks
+    weight = blocks.dequantize()
+    return FileWeight(raw, blocks, weight, weight.double(), weight.double().abs())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -72,28 +86,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
-def test_blocks_dequantise_bit_for_bit_as_gguf_py(file_blocks: tuple[np.ndarray, Blocks]) -> None:
-    raw, blocks = file_blocks
+def test_blocks_dequantise_bit_for_bit_as_gguf_py(file_weight: FileWeight) -> None:
+    blocks, mine = file_weight.blocks, file_weight.weight
     kind = {"q4_1": gguf.GGMLQuantizationType.Q4_1, "q8_0": gguf.GGMLQuantizationType.Q8_0}
-    theirs = torch.from_numpy(gguf.quants.dequantize(raw, kind[blocks.kind]))
-    mine = blocks.dequantize()
+    theirs = torch.from_numpy(gguf.quants.dequantize(file_weight.raw, kind[blocks.kind]))
     assert mine.shape == theirs.shape == blocks.shape
     assert torch.equal(_bits(mine), _bits(theirs))
 
 
-def _errors(layer: nn.Module, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None
-            ) -> tuple[RowErrors, float]:  # fmt: skip
-    """``layer(x)`` against float64, next to torch's float32 product with ``weight``;
-    and the worst element's error as a fraction of the any-order bound."""
+def _errors(
+    layer: nn.Module, file_weight: FileWeight, x: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[RowErrors, float]:
+    """``layer(x)`` against float64, next to torch's float32 product with the file's
+    weight; and the worst element's error as a fraction of the any-order bound."""
     y = layer(x)
-    trusted = nn.functional.linear(x, weight, bias)
-    exact = nn.functional.linear(
-        x.double(), weight.double(), None if bias is None else bias.double()
-    )
-    k = weight.shape[1]
-    bound = k * FLOAT32_EPS * nn.functional.linear(x.double().abs(), weight.double().abs())
-    if bias is not None:  # one more addition, of |bias|
-        bound += (k + 1) * FLOAT32_EPS * bias.double().abs()
+    trusted = nn.functional.linear(x, file_weight.weight, bias)
+    exact_bias = None if bias is None else bias.double()
+    exact = nn.functional.linear(x.double(), file_weight.exact, exact_bias)
+    k = file_weight.exact.shape[1]
+    bound = k * FLOAT32_EPS * nn.functional.linear(x.double().abs(), file_weight.magnitude)
+    if exact_bias is not None:  # one more addition, of |bias|
+        bound += (k + 1) * FLOAT32_EPS * exact_bias.abs()
     worst = ((y.double() - exact).abs() / bound).max().item()
     return row_errors(y.flatten(0, -2), trusted.flatten(0, -2), exact.flatten(0, -2)), worst
 
@@ -110,17 +123,14 @@ def _inputs(k: int) -> Iterator[tuple[str, torch.Tensor]]:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
-def test_block_linear_is_float32_close_to_float64(
-    file_blocks: tuple[np.ndarray, Blocks], with_bias: bool
-) -> None:
-    _raw, blocks = file_blocks
-    weight = blocks.dequantize()
+def test_block_linear_is_float32_close_to_float64(file_weight: FileWeight, with_bias: bool) -> None:
+    blocks = file_weight.blocks
     n, k = blocks.shape
     bias = torch.randn(n, generator=torch.Generator().manual_seed(1)) if with_bias else None
     layer = BlockLinear(blocks, bias)
     for label, x in _inputs(k):
         assert layer(x).shape == (*x.shape[:-1], n), label
-        errors, worst = _errors(layer, weight, x, bias)
+        errors, worst = _errors(layer, file_weight, x, bias)
         assert errors.ok, (label, errors)
         assert worst <= 1.0, (label, worst)
 
@@ -136,20 +146,17 @@ def _one_block_off(blocks: Blocks, row: int, block: int) -> Blocks:
 
 
 @torch.inference_mode()
-def test_a_block_one_step_off_fails_the_same_check(
-    file_blocks: tuple[np.ndarray, Blocks],
-) -> None:
+def test_a_block_one_step_off_fails_the_same_check(file_weight: FileWeight) -> None:
     """The checks above can fail: one block of one output row, each weight one step
     off, is caught by both, on the kernel's path and on the GEMM path alike (measured:
     3-30x over what is allowed for the Q8_0 tensor, 5-1000x for the Q4_1 one)."""
-    _raw, blocks = file_blocks
-    weight = blocks.dequantize()
+    blocks = file_weight.blocks
     n, k = blocks.shape
     wrong = BlockLinear(_one_block_off(blocks, row=n // 2, block=k // 64), None)
     assert not torch.equal(wrong.qs, blocks.qs)
     noise = torch.Generator().manual_seed(2)
     for rows in (1, 9, block_linear.MANY_ROWS):
-        errors, worst = _errors(wrong, weight, torch.randn(rows, k, generator=noise), None)
+        errors, worst = _errors(wrong, file_weight, torch.randn(rows, k, generator=noise), None)
         assert not errors.ok, (rows, errors)
         assert worst > 1.0, (rows, worst)
 

@@ -101,7 +101,7 @@ def hf_folder(smollm2_gguf: Path, omni_cache_dir: Path) -> Path:
 
 
 # Stages gguf_blocks cannot run, with the reason the refusal must give.
-REFUSED = {
+REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "bfloat16": ({"dtype": "bfloat16"}, "runs float32 activations (dtype is bfloat16)"),
     "dummy": (
         {"load_format": "dummy", "engine_args": {"config_overrides": TINY_LLAMA}},
