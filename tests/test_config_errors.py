@@ -72,7 +72,7 @@ def test_bad_engine_settings(tmp_path: Path, good_stage: dict, change: dict, exp
     assert "Traceback" not in done.stderr
 
 
-TRANSFORMERS_KEYS = "defaults, config_overrides, prefill_tokens, gather_ms, packed_weights"
+TRANSFORMERS_KEYS = "defaults, config_overrides, prefill_tokens, gather_ms, weights"
 
 
 @pytest.mark.parametrize(
@@ -85,8 +85,9 @@ TRANSFORMERS_KEYS = "defaults, config_overrides, prefill_tokens, gather_ms, pack
         ),
         (
             "transformers",
-            {"packed_weights": "yes"},
-            "engine_args.packed_weights: expected true or false (got 'yes')",
+            {"weights": "yes"},
+            "engine_args.weights: Input should be 'auto', 'gguf_blocks', 'packed' or 'plain'"
+            " (got 'yes')",
         ),
         (
             "transformers",

@@ -1,6 +1,7 @@
-"""The transformers engine's oneDNN-packed linear weights: on by default on CPU in
-float32, the same model (logits and greedy tokens) as the plain one, and off where
-asked or where they do not apply."""
+"""The transformers engine's oneDNN-packed linear weights (``engine_args.weights:
+packed``, what ``auto`` runs on CPU in float32 where no GGUF blocks apply): the same
+model (logits and greedy tokens) as the plain one, and off where asked or where they
+do not apply."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.packed_linear import PackedLinear, pack_linears
-from services.mesh.errors import InitFailed
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close, assert_same_choices, row_errors
 from tests.helpers.stage import TINY_LLAMA
@@ -33,8 +33,8 @@ def _engine(gguf: Path, cache: Path, **engine_args: object) -> TransformersEngin
 
 @pytest.fixture(scope="module")
 def both(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[tuple[TransformersEngine, ...]]:
-    packed = _engine(smollm2_gguf, omni_cache_dir)
-    plain = _engine(smollm2_gguf, omni_cache_dir, packed_weights=False)
+    packed = _engine(smollm2_gguf, omni_cache_dir, weights="packed")
+    plain = _engine(smollm2_gguf, omni_cache_dir, weights="plain")
     yield packed, plain
     packed.close()
     plain.close()
@@ -54,7 +54,7 @@ def _kinds(model: torch.nn.Module) -> tuple[int, int]:
     )
 
 
-def test_every_linear_is_packed_by_default_and_none_when_asked_not_to(
+def test_every_linear_is_packed_when_asked_and_none_when_plain(
     both: tuple[TransformersEngine, TransformersEngine],
 ) -> None:
     packed, plain = both
@@ -99,13 +99,6 @@ async def test_packed_greedy_tokens_equal_the_plain_model(
         expected = await tokens(plain, prompt)
         assert len(expected) >= 5
         assert await tokens(packed, prompt) == expected
-
-
-def test_a_non_boolean_packed_weights_is_refused(omni_cache_dir: Path) -> None:
-    with pytest.raises(InitFailed, match=r"engine_args\.packed_weights: expected true or false"):
-        TransformersEngine(
-            EngineSettings(cache_dir=omni_cache_dir, engine_args={"packed_weights": "yes"})
-        )
 
 
 def _tiny_llama(dtype: torch.dtype) -> torch.nn.Module:

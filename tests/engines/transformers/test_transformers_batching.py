@@ -78,7 +78,7 @@ def engine(smollm2_engine: TransformersEngine) -> TransformersEngine:
 def exact(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[torch.nn.Module]:
     """The same model in float64 with plain linears: the reference for hidden states."""
     plain = TransformersEngine(
-        EngineSettings(cache_dir=omni_cache_dir, engine_args={"packed_weights": False})
+        EngineSettings(cache_dir=omni_cache_dir, engine_args={"weights": "plain"})
     )
     plain.load(smollm2_gguf)
     yield plain.model.double()
