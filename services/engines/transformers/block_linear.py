@@ -21,13 +21,17 @@ matrix and hand it to torch's GEMM, which is faster there than the row-tiled ker
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -207,23 +211,41 @@ def _fingerprint(keys: list[bytes]) -> int:
     return hash(tuple(sorted(hash(key) for key in keys)))
 
 
-def gguf_block_linears(model: nn.Module, gguf: Path) -> int:
+def gguf_block_linears(model: nn.Module, gguf: Path, layout_file: Path | None = None) -> int:
     """Replace each float32 ``nn.Linear`` of ``model`` whose weight is exactly a Q4_1
     or Q8_0 tensor of ``gguf`` (rows in any order) by a ``BlockLinear`` over that
-    tensor's blocks, in place; call before packing the rest. Returns how many."""
+    tensor's blocks, in place; call before packing the rest. Returns how many.
+
+    Matching reads and dequantises the whole file (seconds); ``layout_file`` keeps
+    its result, each layer's blocks in its own row order, for the next load of the
+    same file (the caller keys it to the file, as the converted folder is)."""
+    linears: dict[str, nn.Linear] = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and module.weight.dtype == torch.float32
+    }
+    layout = _read_layout(layout_file, linears) if layout_file else None
+    if layout is None:
+        layout = _match(linears, gguf)
+        if layout_file is not None:
+            _write_layout(layout_file, layout)
+    for name, blocks in layout.items():
+        child = linears[name]
+        parent_name, _, attribute = name.rpartition(".")
+        bias = None if child.bias is None else child.bias.detach()
+        setattr(model.get_submodule(parent_name), attribute, BlockLinear(blocks, bias))
+    return len(layout)
+
+
+def _match(linears: dict[str, nn.Linear], gguf: Path) -> dict[str, Blocks]:
+    """Each linear's blocks, its rows found by value among the file's tensors."""
     from gguf import GGUFReader  # gguf-py: a dependency of the GGUF conversion already
 
     reader = GGUFReader(str(gguf))
     by_print: dict[tuple[tuple[int, int], int], list[tuple[Blocks, list[bytes]]]] = defaultdict(
         list
     )
-    linears = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.float32
-    ]
-    shapes = {tuple(child.weight.shape) for _p, _n, child in linears}
+    shapes = {tuple(module.weight.shape) for module in linears.values()}
     for tensor in reader.tensors:
         ggml_type = int(tensor.tensor_type)
         raw = np.asarray(tensor.data)
@@ -235,9 +257,9 @@ def gguf_block_linears(model: nn.Module, gguf: Path) -> int:
         keys = _row_keys(blocks.dequantize())
         by_print[(blocks.shape, _fingerprint(keys))].append((blocks, keys))
 
-    replaced = 0
-    for parent, name, child in linears:
-        weight = child.weight.detach()
+    layout: dict[str, Blocks] = {}
+    for name, module in linears.items():
+        weight = module.weight.detach()
         keys = _row_keys(weight)
         found = by_print.get((tuple(weight.shape), _fingerprint(keys)))  # type: ignore[arg-type]
         if not found:
@@ -246,11 +268,43 @@ def gguf_block_linears(model: nn.Module, gguf: Path) -> int:
         where: dict[bytes, list[int]] = defaultdict(list)
         for index, key in enumerate(file_keys):
             where[key].append(index)
-        order = torch.tensor([where[key].pop() for key in keys], dtype=torch.long)
-        mine = blocks.rows(order)
-        if not torch.equal(mine.dequantize(), weight):  # a hash collision, never in practice
+        try:  # keys are the rows' exact bytes: every row found means an exact match
+            order = torch.tensor([where[key].pop() for key in keys], dtype=torch.long)
+        except (KeyError, IndexError):  # the fingerprints collided; never in practice
             continue
-        bias = None if child.bias is None else child.bias.detach()
-        setattr(parent, name, BlockLinear(mine, bias))
-        replaced += 1
-    return replaced
+        layout[name] = blocks.rows(order)
+    return layout
+
+
+def _write_layout(path: Path, layout: dict[str, Blocks]) -> None:
+    tensors = {}
+    for name, blocks in layout.items():
+        tensors[f"{name}.qs"], tensors[f"{name}.d"] = blocks.qs, blocks.d
+        if blocks.m is not None:
+            tensors[f"{name}.m"] = blocks.m
+    kinds = json.dumps({name: blocks.kind for name, blocks in layout.items()})
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    safetensors.torch.save_file(tensors, str(tmp), metadata={"kinds": kinds})
+    tmp.chmod(0o644)  # safetensors writes owner-only files; the cache may be shared
+    os.replace(tmp, path)  # atomic: a racing stage reads a whole file or none
+
+
+def _read_layout(path: Path, linears: dict[str, nn.Linear]) -> dict[str, Blocks] | None:
+    """The layout saved by an earlier load, or None if absent or not this model's."""
+    if not path.is_file():
+        return None
+    with safetensors.safe_open(str(path), framework="pt") as stored:
+        kinds = json.loads((stored.metadata() or {}).get("kinds", "{}"))
+        layout = {}
+        for name, kind in kinds.items():
+            module = linears.get(name)
+            if module is None:
+                return None
+            m = stored.get_tensor(f"{name}.m") if kind == "q4_1" else None
+            blocks = Blocks(
+                kind, stored.get_tensor(f"{name}.qs"), stored.get_tensor(f"{name}.d"), m
+            )
+            if blocks.shape != tuple(module.weight.shape):
+                return None
+            layout[name] = blocks
+    return layout

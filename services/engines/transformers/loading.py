@@ -40,6 +40,9 @@ logger = logging.getLogger(__name__)
 # changes, so folders written by an older converter are converted again.
 # 2: tied weights under their source name, ``architectures`` in config.json.
 CONVERSION_FORMAT = 2
+# Which GGUF blocks each linear runs on (block_linear.py), kept beside the converted
+# weights; the number changes whenever the layout's format does.
+BLOCKS_LAYOUT = "gguf-blocks-1.safetensors"
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,8 @@ def _place_weights(
             # The portable kernel is plain C: slower than oneDNN's float32 there.
             why = f"the block kernels have no vector path for this CPU ({block_linear.simd()})"
         if why is None:
-            blocks = gguf_block_linears(model, model_path)
+            layout = converted_folder(model_path, settings.cache_dir) / BLOCKS_LAYOUT
+            blocks = gguf_block_linears(model, model_path, layout)
             logger.info("%d linear layers run on %s's own weight blocks", blocks, model_path.name)
         elif args.weights == "gguf_blocks":
             raise InitFailed(f"engine_args.weights: gguf_blocks {why}", field="engine_args.weights")
