@@ -65,7 +65,13 @@ def test_dtype_in_engine_args_is_refused_naming_the_stage_setting(omni_cache_dir
 async def test_each_precision_loads_packed_and_generates(
     smollm2_gguf: Path, omni_cache_dir: Path, dtype: str | None, runs_in: torch.dtype
 ) -> None:
-    settings = EngineSettings(cache_dir=omni_cache_dir, max_batch_size=2, dtype=dtype)
+    # weights: packed, since auto would put a float32 GGUF's linears on its blocks.
+    settings = EngineSettings(
+        cache_dir=omni_cache_dir,
+        max_batch_size=2,
+        dtype=dtype,
+        engine_args={"weights": "packed"},
+    )
     engine = TransformersEngine(settings)
     info = engine.load(smollm2_gguf)
     try:
@@ -74,6 +80,7 @@ async def test_each_precision_loads_packed_and_generates(
         packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
         assert len(packed) == 30 * 7 + 1
         assert {m.packed_weight.dtype for m in packed} == {runs_in}
+        assert info.description.endswith(f"{30 * 7 + 1} packed for oneDNN")
         params = SamplingParams(max_tokens=8, temperature=0.0)
         request = EngineRequest("p", messages=(("user", "Why is the sky blue?"),), params=params)
         events = await collect(generate(engine, request))

@@ -22,7 +22,7 @@ from services.engines.base import (
     SamplingParams,
     TokenOutput,
 )
-from services.engines.transformers import TransformersEngine
+from services.engines.transformers import TransformersEngine, mixed_step
 from services.mesh.errors import InvalidArgument
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close
@@ -47,18 +47,25 @@ def chat(rid: str, prompt: str, max_tokens: int = 12, **params: Any) -> EngineRe
 
 
 class Forwards:
-    """(rows, columns) of every forward pass, recorded on the model thread."""
+    """(rows, columns) of every forward pass, recorded on the model thread: at the
+    first layer's output projection, which the model's own forward and the lean one
+    (lean_forward.py) both call with [rows, columns, features]; and how many were
+    mixed steps (prefill and decode in one forward, mixed_step.mixed_forward)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.shapes: list[tuple[int, int]] = []
         self.mixed = 0
-        self._handle = model.register_forward_pre_hook(self._record, with_kwargs=True)
+        projection = model.model.layers[0].self_attn.o_proj  # type: ignore[union-attr,index]
+        self._handle = projection.register_forward_pre_hook(self._record)
+        self._mixed_forward = mixed_step.mixed_forward
+        mixed_step.mixed_forward = self._count_mixed  # type: ignore[assignment]
 
-    def _record(self, _module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-        embeds = kwargs["inputs_embeds"]
-        self.shapes.append((int(embeds.shape[0]), int(embeds.shape[1])))
-        if kwargs.get("omni_mixed") is not None:  # prefill and decode in one forward
-            self.mixed += 1
+    def _record(self, _module: Any, args: tuple[torch.Tensor, ...]) -> None:
+        self.shapes.append((int(args[0].shape[0]), int(args[0].shape[1])))
+
+    def _count_mixed(self, *args: Any, **kwargs: Any) -> Any:
+        self.mixed += 1
+        return self._mixed_forward(*args, **kwargs)
 
     @property
     def decode_rows(self) -> list[int]:
@@ -66,6 +73,7 @@ class Forwards:
 
     def close(self) -> None:
         self._handle.remove()
+        mixed_step.mixed_forward = self._mixed_forward
 
 
 @pytest.fixture(scope="module")
