@@ -28,6 +28,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from services.engines.transformers import mixed_step
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.lean_forward import (
     keep_transformers_forward,
@@ -169,3 +170,85 @@ def test_lean_matches_transformers_forward_through_kv_rows(name: str) -> None:
     assert_float32_close(mine_states, plain_states, exact_states)
     assert_same_choices(mine_logits, plain_logits, exact_logits)
     assert torch.equal(mine.tokens, trusted.tokens)
+
+
+# -- the mixed step ------------------------------------------------------------------
+
+DECODING = [[5, 17, 99, 3, 64], [41, 8]]  # prefilled before the mixed step
+ARRIVING = [[77, 12, 9, 30], [100]]  # prefilled in it
+AFTER = 3  # decode steps of all four rows after it
+FED = torch.randint(1, 128, (4, AFTER + 1), generator=torch.Generator().manual_seed(1))
+
+
+@torch.inference_mode()
+def mixed_then_decode(model: PreTrainedModel, mixed: bool) -> Run:
+    """DECODING prefilled, then one step that decodes them (feeding FED[:2, 0]) and
+    prefills ARRIVING, in one mixed forward or as two forwards; then the arrivals
+    join the running rows (as the step loop does) for AFTER decode steps. Rows in
+    the order decoding, arriving."""
+    embed = model.get_input_embeddings()
+    running, arriving = KvRows(model), KvRows(model)
+    running.add_rows(len(DECODING))
+    arriving.add_rows(len(ARRIVING))
+    ids, valid = padded(DECODING)
+    running.forward(embed(ids), valid, False)
+    ids, valid = padded(ARRIVING)
+    decode = embed(FED[:2, :1])
+    if mixed:
+        logits, states = mixed_step.mixed_forward(
+            model, (arriving, embed(ids), valid), (running, decode), True
+        )
+        assert states is not None
+        order = [2, 3, 0, 1]  # mixed_forward answers the prefill rows first
+        logits, states = logits[order], states[order]
+    else:
+        logits_d, states_d = running.forward(decode, torch.ones(2, 1, dtype=torch.long), True)
+        logits_p, states_p = arriving.forward(embed(ids), valid, True)
+        assert states_d is not None and states_p is not None
+        logits, states = torch.cat([logits_d, logits_p]), torch.cat([states_d, states_p])
+    running.concat(arriving)
+    run = Run()
+    run.add(logits, states)
+    columns = torch.cat([FED[:2, 1:], FED[2:, :AFTER]])  # each row's next inputs
+    for step in range(AFTER):
+        token = embed(columns[:, step : step + 1])
+        run.add(*running.forward(token, torch.ones(4, 1, dtype=torch.long), True))
+    return run
+
+
+@torch.inference_mode()
+def exact_mixed(model: PreTrainedModel) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 copy's logits and states at the positions ``mixed_then_decode``
+    answers: each row's last AFTER + 1, each row alone."""
+    exact = copy.deepcopy(model).double()
+    keep_transformers_forward(exact)
+    sequences = [
+        *(p + FED[row, : AFTER + 1].tolist() for row, p in enumerate(DECODING)),
+        *(p + FED[row + 2, :AFTER].tolist() for row, p in enumerate(ARRIVING)),
+    ]
+    logits, states = [], []
+    for sequence in sequences:
+        out = exact(input_ids=torch.tensor([sequence]), output_hidden_states=True)
+        logits.append(out.logits[0, -(AFTER + 1) :])
+        states.append(out.hidden_states[-1][0, -(AFTER + 1) :])
+    return torch.stack(logits), torch.stack(states)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_lean_mixed_step_equals_separate_prefill_and_decode(name: str) -> None:
+    """Attention per part inside the lean forward: the rows it prefilled and the rows
+    it decoded get what separate forwards give them, and so do the caches it wrote
+    (the decode steps after it read them)."""
+    model = tiny(name)
+    assert mixed_step.enable(model)  # as the step loop does
+    plain, _ = transformers_copy(model)
+    mine = mixed_then_decode(model, mixed=True).stacked()
+    lean_separate = mixed_then_decode(model, mixed=False).stacked()
+    trusted = mixed_then_decode(plain, mixed=False).stacked()
+    assert lean_of(model) is not None
+    exact_logits, exact_states = exact_mixed(model)
+    assert_float32_close(mine[0], trusted[0], exact_logits)
+    assert_float32_close(mine[1], trusted[1], exact_states)
+    assert_float32_close(lean_separate[0], trusted[0], exact_logits)
+    assert_same_choices(mine[0], trusted[0], exact_logits)
+    assert torch.equal(mine[0].argmax(-1), lean_separate[0].argmax(-1))
