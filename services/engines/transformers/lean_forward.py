@@ -48,8 +48,13 @@ def lean_applies(model: PreTrainedModel) -> str | None:
         return f"its activation is {config.hidden_act}, not silu"
     if config._attn_implementation not in ("sdpa", "omni_mixed"):
         return f"it runs {config._attn_implementation} attention, not SDPA"
-    if getattr(config, "use_sliding_window", False) or any(
-        kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ())
+    layer_types = getattr(config, "layer_types", None)
+    # Without layer_types, transformers slides wherever sliding_window is set (Mistral's
+    # default is 4096): cache_utils.get_layer_types_and_kwargs.
+    if (
+        getattr(config, "use_sliding_window", False)
+        or any(kind != "full_attention" for kind in (layer_types or ()))
+        or (layer_types is None and getattr(config, "sliding_window", None) is not None)
     ):
         return "it has sliding-window layers"
     if getattr(config, "pretraining_tp", 1) != 1:
