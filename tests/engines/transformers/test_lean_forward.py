@@ -32,6 +32,7 @@ from services.engines.transformers import mixed_step
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.lean_forward import (
     keep_transformers_forward,
+    lean_applies,
     lean_of,
 )
 from tests.helpers.float_error import assert_float32_close, assert_same_choices
@@ -252,3 +253,44 @@ def test_a_lean_mixed_step_equals_separate_prefill_and_decode(name: str) -> None
     assert_float32_close(lean_separate[0], trusted[0], exact_logits)
     assert_same_choices(mine[0], trusted[0], exact_logits)
     assert torch.equal(mine[0].argmax(-1), lean_separate[0].argmax(-1))
+
+
+# -- where it does not apply ----------------------------------------------------------
+
+REFUSED = {
+    "gelu": ("llama", {"hidden_act": "gelu"}, "its activation is gelu, not silu"),
+    "eager": ("llama", {"_attn_implementation": "eager"}, "runs eager attention, not SDPA"),
+    "mistral window": ("mistral", {"sliding_window": 4}, "sliding-window layers"),
+    "qwen2 window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 4, "layer_types": ["sliding_attention"] * 2},
+        "sliding-window layers",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_lean_applies_says_why_not(case: str) -> None:
+    name, overrides, reason = REFUSED[case]
+    model = tiny(name, **overrides)
+    why = lean_applies(model)
+    assert why is not None and reason in why
+    assert lean_of(model) is None
+    assert lean_applies(tiny(name)) is None  # the same architecture without it applies
+
+
+@pytest.mark.parametrize("case", ["gelu", "eager"])
+def test_a_refused_model_runs_its_own_forward_through_kv_rows(case: str) -> None:
+    """KvRows falls back to the model's forward: the same numbers as a copy told to
+    keep it, and the model's forward is what ran."""
+    name, overrides, _reason = REFUSED[case]
+    model = tiny(name, **overrides)
+    plain, _ = transformers_copy(model)
+    calls: list[int] = []
+    model.register_forward_pre_hook(lambda *_: calls.append(1))
+    mine = through_kv_rows(model, PROMPTS)
+    assert len(calls) == STEPS + 1
+    trusted = through_kv_rows(plain, PROMPTS, mine.tokens)
+    assert torch.equal(mine.stacked()[0], trusted.stacked()[0])
+    reference = exact_run(model, PROMPTS, mine.tokens)
+    assert_same_choices(mine.stacked()[0], trusted.stacked()[0], reference.logits[0])
