@@ -257,7 +257,7 @@ def test_a_lean_mixed_step_equals_separate_prefill_and_decode(name: str) -> None
 
 # -- where it does not apply ----------------------------------------------------------
 
-REFUSED = {
+REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
     "gelu": ("llama", {"hidden_act": "gelu"}, "its activation is gelu, not silu"),
     "eager": ("llama", {"_attn_implementation": "eager"}, "runs eager attention, not SDPA"),
     "mistral window": ("mistral", {"sliding_window": 4}, "sliding-window layers"),
