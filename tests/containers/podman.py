@@ -36,8 +36,10 @@ CONTAINERFILE = REPO / "containers" / "Containerfile.cpu"
 VLLM_CONTAINERFILE = REPO / "containers" / "Containerfile.vllm-cpu"
 BASE_IMAGE = os.environ.get("OMNI_BASE_IMAGE", "localhost/omni-base:bookworm")
 REPOSITORY = "localhost/omni"
-# What containers/Containerfile.cpu copies (.containerignore lets nothing else in).
-_INPUT_FILES = ("constraints.txt", "pyproject.toml", "README.md", ".containerignore")
+# What containers/Containerfile.cpu copies (.containerignore lets nothing else in:
+# no checkout's build of the C extension either).
+_INPUT_FILES = ("constraints.txt", "pyproject.toml", "setup.py", "README.md", ".containerignore")
+_IGNORED_SUFFIXES = (".pyc", ".so")
 _INPUT_TREES = ("services", "orchestrator")
 # One build, and one played mesh, at a time on this machine, whatever the checkout.
 _LOCK = Path("/var/tmp/omni-container-tests.lock")
@@ -94,7 +96,7 @@ def inputs_digest() -> str:
         files += [
             p
             for p in (REPO / tree).rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in _IGNORED_SUFFIXES
         ]
     for path in sorted(files):
         digest.update(f"{path.relative_to(REPO).as_posix()}\0".encode())

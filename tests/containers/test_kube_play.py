@@ -2,11 +2,13 @@
 local-play values (host network, distinct ports), played with `podman kube play`
 on the CPU image; a prompt through the orchestrator Pod comes back with text, an
 image and the speaker's speech (a WAV of non-silent audio, from the voice inside
-the image), and a stage container answers grpcurl's health and InitStatus."""
+the image), and a stage container answers grpcurl's health and InitStatus, whose
+LOAD_DONE says the thinker runs on the GGUF block kernels the image was built with."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
 import wave
@@ -30,6 +32,16 @@ PODMAN_VALUES = CHART_DIR / "ci" / "podman-values.yaml"
 # keeps the converted SmolLM2 between runs on one machine (the machine lock keeps
 # two runs from playing it at once).
 RELEASE = "omni-ci"
+# SmolLM2-135M: 30 layers of q, k, v, o, gate, up and down, and the output head.
+SMOLLM2_LINEARS = 30 * 7 + 1
+
+
+def _block_kernels_vector_path() -> bool:
+    """Whether this CPU runs the block kernels' AVX-512 path (the kernels ask for
+    avx512f, avx512bw and avx512vl): there ``weights: auto`` takes the GGUF blocks,
+    elsewhere it keeps oneDNN's float32 (services/engines/transformers/loading.py)."""
+    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
+    return flags is not None and {"avx512f", "avx512bw", "avx512vl"} <= set(flags[1].split())
 
 
 def _free_ports(count: int) -> list[int]:
@@ -119,6 +131,12 @@ async def test_rendered_chart_answers_a_prompt_with_text_an_image_and_speech_und
             phases = [event["phase"] for event in events]
             assert phases[0] == "STARTING" and phases[-1] == "READY", phases
             assert {"LOAD_DONE", "MEMORY_PLANNED"} <= set(phases)
+            # How the thinker holds its linears: on the kernels built into the image.
+            (loaded,) = [e.get("message", "") for e in events if e["phase"] == "LOAD_DONE"]
+            if _block_kernels_vector_path():
+                assert f"{SMOLLM2_LINEARS} linears on GGUF blocks" in loaded, loaded
+            else:
+                assert "packed for oneDNN" in loaded and "GGUF blocks" not in loaded, loaded
 
             # The chart's hardening holds under podman too.
             inspected = podman.run(
