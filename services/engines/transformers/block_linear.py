@@ -21,6 +21,7 @@ matrix and hand it to torch's GEMM, which is faster there than the row-tiled ker
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -40,7 +41,9 @@ logger = logging.getLogger(__name__)
 kernels: ModuleType | None
 _IMPORT_ERROR: str | None = None
 try:  # built by pip install (setup.py); absent where no C compiler was found
-    from services.engines.transformers import _block_kernels as kernels
+    # By module path: a from-import inside this package's __init__ would report a
+    # missing build as a circular import.
+    kernels = importlib.import_module("services.engines.transformers._block_kernels")
 except ImportError as error:  # pragma: no cover - depends on the install
     kernels, _IMPORT_ERROR = None, str(error)
 
