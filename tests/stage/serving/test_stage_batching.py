@@ -41,8 +41,11 @@ async def test_one_stream_of_requests_shares_steps_within_the_memory_plan(
         plan = next(e for e in await client.wait_ready() if e.phase == stage_pb2.MEMORY_PLANNED)
         assert engine.kv_plan == (plan.memory.cache_pages, plan.memory.page_size)
         rows: list[int] = []
-        handle = engine.model.register_forward_pre_hook(
-            lambda _m, _a, kw: rows.append(int(kw["inputs_embeds"].shape[0])), with_kwargs=True
+        # Each forward, the model's own or the lean one, calls the first layer's
+        # output projection with [rows, columns, features].
+        projection = engine.model.model.layers[0].self_attn.o_proj
+        handle = projection.register_forward_pre_hook(
+            lambda _m, args: rows.append(int(args[0].shape[0]))
         )
         try:
             prompts = ["Hi", "What is two plus two?", "Name a colour.", "Count to three."]
