@@ -22,6 +22,8 @@ before the GGUF blocks and the lean forward). llama.cpp serves the same GGUF wit
 same chat prompts (tests/helpers/chat_prompts.py). Each run measures every side at
 1 (4 prompts one after another), 4 and 8 concurrent requests, the sides in a
 rotating order so drift favours none: tokens/s over the wall time, TTFT p50.
+llama.cpp runs with its prompt cache off unless ``--llama-cache-prompt``: the rounds
+repeat the same prompts, which new traffic never does.
 Targets (issue 24): >= 1.0x llama.cpp's tokens/s at 1, >= 2.0x at 8, TTFT p50 at 8
 no worse. Other work on the machine skews both sides, llama.cpp's spinning threads
 more: quote figures from a quiet machine.
@@ -153,11 +155,17 @@ async def ours(client: StageClient, rid: str, prompt: str, max_tokens: int) -> R
     return ttft, total, len(tokens)
 
 
-async def theirs(http: httpx.AsyncClient, prompt: str, max_tokens: int) -> Run:
+async def theirs(
+    http: httpx.AsyncClient, prompt: str, max_tokens: int, cache_prompt: bool = False
+) -> Run:
     body = {
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
+        # llama-server keeps each slot's last prompt and reuses its KV (on by default):
+        # these rounds repeat the same prompts, so every TTFT would be a cache hit that
+        # traffic of new prompts never gets. Ours has no cache across requests.
+        "cache_prompt": cache_prompt,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -217,6 +225,11 @@ async def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/transformers"])
     parser.add_argument("--llama-server")
+    parser.add_argument(
+        "--llama-cache-prompt",
+        action="store_true",
+        help="let llama-server reuse a slot's KV of the same prompt from an earlier round",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     server = find_server(args.llama_server) or build_server()
@@ -241,7 +254,9 @@ async def main() -> int:
 
             def asker(name: str) -> Any:
                 if name == LLAMA:
-                    return lambda rid, prompt: theirs(http, prompt, args.max_tokens)
+                    return lambda rid, prompt: theirs(
+                        http, prompt, args.max_tokens, args.llama_cache_prompt
+                    )
                 return lambda rid, prompt: ours(clients[name], rid, prompt, args.max_tokens)
 
             names = [LLAMA, *clients]
@@ -269,6 +284,7 @@ async def main() -> int:
         "max_tokens": args.max_tokens,
         "llama_server": str(server),
         "ours": "examples/stages/chat.yaml as a stage process, segments of 1 token",
+        "llama_cache_prompt": args.llama_cache_prompt,
         "rows": rows,
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),
