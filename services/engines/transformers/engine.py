@@ -164,7 +164,9 @@ class TransformersEngine:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
-        return TransformersPlan(request, self._plan(request))
+        plan = TransformersPlan(request, self._plan(request))
+        self._step_loop().expect()  # generate follows: an idle loop waits for it
+        return plan
 
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
         request, resolved = plan.request, plan.resolved

@@ -12,7 +12,8 @@ Each step (the nano-vllm / mini-sglang shape):
    each advancing by one chunk (shortest remaining prompt sets the chunk, so a
    short prompt finishes in its first step and a long one cannot hold it back;
    the oldest always advances, so none starves); a request whose prompt is done
-   gets its first token and moves to the decode batch;
+   gets its first token, handed over before the decode forward runs, and moves
+   to the decode batch;
 4. decode: every running request, one token each;
 5. hand each request its events and drop the finished rows.
 
@@ -72,6 +73,7 @@ class StepLoop:
         self._clock = clock
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
+        self._expected: deque[float] = deque()  # when each request on its way was checked
         self._closed = False
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
@@ -84,10 +86,18 @@ class StepLoop:
 
     # -- from the event loop ----------------------------------------------------
 
+    def expect(self) -> None:
+        """A request was checked and is on its way to ``submit`` (a stage checks
+        each request just before it runs it): what makes gathering worth a wait."""
+        with self._cond:
+            self._expected.append(self._clock())
+
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the transformers engine is closed")
+            if self._expected:
+                self._expected.popleft()
             self._inbox.append(sequence)
             self._cond.notify()
 
@@ -124,11 +134,18 @@ class StepLoop:
         self._fail_all(RuntimeError("the transformers engine closed"))
 
     def _gather(self) -> None:
-        """With the lock held: wait up to ``gather_s`` for more arrivals."""
+        """With the lock held: wait, up to ``gather_s``, for the requests checked
+        with the first arrival that are still on their way (``expect``). A lone
+        request waits for nothing: its time to first token is not spent on a
+        batch that nobody else is coming to join."""
         deadline = self._clock() + self.limits.gather_s
         while not self._closed and len(self._inbox) < self.limits.max_batch_size:
-            left = deadline - self._clock()
-            if left <= 0:
+            now = self._clock()
+            # One checked but never submitted (refused meanwhile) is forgotten.
+            while self._expected and self._expected[0] < now - self.limits.gather_s:
+                self._expected.popleft()
+            left = deadline - now
+            if not self._expected or left <= 0:
                 break
             self._cond.wait(left)
 
@@ -147,10 +164,12 @@ class StepLoop:
         else:
             if self._prefilling:
                 self._prefill(outbox)
+                # First tokens leave now, not after the decode forward below: a
+                # request's time to first token is its prefill, not prefill + a step.
+                _deliver(outbox)
             if self._running:
                 self._decode(outbox)
-        for sequence, events in outbox.items():
-            sequence.deliver(events)
+        _deliver(outbox)
 
     def _retire(self) -> None:
         self._waiting = deque(s for s in self._waiting if not _gone(s))
@@ -330,6 +349,13 @@ class StepLoop:
         self._waiting.clear()
         self._prefilling, self._running = [], []
         self._prefill_kv, self._running_kv = KvRows(self._model), KvRows(self._model)
+
+
+def _deliver(outbox: dict[Sequence, list[EngineEvent]]) -> None:
+    """Hand each request its events, emptying ``outbox``."""
+    for sequence, events in outbox.items():
+        sequence.deliver(events)
+    outbox.clear()
 
 
 def _gone(sequence: Sequence) -> bool:
