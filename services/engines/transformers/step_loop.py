@@ -49,8 +49,8 @@ class BatchLimits:
     prefill_tokens: int  # prompt tokens one prefill forward may take, all rows together
     kv_pages: int | None = None  # None: no memory plan (an engine used outside a stage)
     page_size: int = 16
-    # An idle loop waits this long after a first arrival for the requests sent
-    # with it, so that they share their prefill (dynamic batching's queue delay).
+    # An idle loop waits up to this long after a first arrival for the requests
+    # announced with it (``expect``), so that they share their prefill.
     gather_s: float = 0.0
 
 
