@@ -2,8 +2,10 @@
 wall time): a request's first token is handed over before the model runs
 anything else, and an idle loop waits for company only when some is on its way.
 
-A step loop of its own runs the tiny random-weight Llama; every forward it runs and
-every delivery it makes are recorded in one list, in the order they happened.
+A step loop of its own runs the tiny random-weight Llama; every forward it runs
+(seen where it makes logits: the output projection, which every forward path
+calls as a module) and every delivery it makes are recorded in one list, in the
+order they happened.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
@@ -42,17 +45,19 @@ def tiny(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngin
 
 
 class Log:
-    """What the model thread did, in order: ("forward", rows, columns) and
+    """What the model thread did, in order: ("forward", requests in it) and
     ("deliver", request id, tokens in the delivery)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: PreTrainedModel) -> None:
         self.entries: list[tuple[str, Any, int]] = []
         self.done: dict[str, threading.Event] = {}
-        self._handle = model.register_forward_pre_hook(self._forward, with_kwargs=True)
+        head = model.get_output_embeddings()
+        assert isinstance(head, torch.nn.Module)
+        self._handle = head.register_forward_pre_hook(self._forward)
 
-    def _forward(self, _module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
-        embeds = kwargs["inputs_embeds"]
-        self.entries.append(("forward", int(embeds.shape[0]), int(embeds.shape[1])))
+    def _forward(self, _module: Any, args: tuple[torch.Tensor, ...]) -> None:
+        # One row of logits per request in the forward (the last position of each).
+        self.entries.append(("forward", "rows", args[0].shape[:-1].numel()))
 
     def sequence(self, engine: TransformersEngine, rid: str, max_tokens: int) -> Sequence:
         request = EngineRequest(
@@ -107,9 +112,9 @@ def test_the_first_token_is_delivered_before_the_next_forward(
         loop.close()
     # The prefill forward, then its one token handed over alone, then the decodes.
     assert log.entries[:3] == [
-        ("forward", 1, 4),
+        ("forward", "rows", 1),
         ("deliver", "a", 1),
-        ("forward", 1, 1),
+        ("forward", "rows", 1),
     ], log.entries
     assert [e for e in log.entries if e[0] == "deliver"] == [("deliver", "a", 1)] * 3
 
@@ -137,7 +142,7 @@ def test_requests_on_their_way_are_gathered_into_one_prefill(
         log.wait("second")
     finally:
         loop.close()
-    assert log.entries[0] == ("forward", 2, 4), log.entries  # one prefill of both
+    assert log.entries[0] == ("forward", "rows", 2), log.entries  # one prefill of both
 
 
 def test_an_announced_request_that_never_comes_is_not_waited_for_long(
@@ -151,4 +156,4 @@ def test_an_announced_request_that_never_comes_is_not_waited_for_long(
         log.wait("only")
     finally:
         loop.close()
-    assert log.entries[0] == ("forward", 1, 4), log.entries
+    assert log.entries[0] == ("forward", "rows", 1), log.entries
