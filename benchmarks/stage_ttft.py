@@ -7,11 +7,13 @@ Each tree serves ``examples/stages/chat.yaml`` twice, as stage processes: with i
 own segmenting (8 tokens / 50 ms, what a user gets) and with segments of one token
 (what ``vs_llamacpp.py`` runs, so the engine's part alone). A request is one chat
 prompt of tests/helpers/chat_prompts.py on its own Stage.Generate stream; TTFT is
-measured by the client, up to the first Segment that carries tokens. A run sends,
-to every stage in a rotating order so drift favours none, 8 prompts one after
-another (1 at once) and then 8 at once. Reported per stage and level: the median
-over runs of each run's TTFT p50 (with the runs' range), the median token count of
-the first segment, and the stage's own ``time_to_first_ms`` (from Completed).
+measured by the client, up to the first Segment that carries tokens. A run sends
+8 prompts one after another (1 at once), each prompt to every stage in turn, and
+then 8 prompts at once to each stage in turn, the order rotating between runs: on
+a machine whose load changes by the second, the stages compared meet the same
+load. Reported per stage and level: the median over runs of each run's TTFT p50
+(with the runs' range), the median token count of the first segment, and the
+stage's own ``time_to_first_ms`` (from Completed).
 
 ``--base`` names another checkout of this repository (``git worktree add /tmp/base
 main``, with its C extension built or copied in); its stages run that tree's code
@@ -39,7 +41,6 @@ from services.mesh.rpc.stage_client import StageClient, chat_submit
 from tests.helpers.chat_prompts import CHAT_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
-LEVELS = (1, 8)
 # (ttft s, tokens in the first segment, the stage's own time_to_first_ms)
 Run = tuple[float, int, float]
 
@@ -79,15 +80,23 @@ async def one(client: StageClient, submit: stage_pb2.Submit) -> Run:
     return ttft, first_tokens, server_ms
 
 
-async def level(client: StageClient, n: int, tag: str, max_tokens: int) -> list[Run]:
-    """8 prompts one after another for n=1, else n at once."""
+def submit(tag: str, i: int, max_tokens: int) -> stage_pb2.Submit:
+    return chat_submit(f"{tag}-{i}", CHAT_PROMPTS[i], max_tokens=max_tokens, temperature=0.0)
 
-    def submit(i: int) -> stage_pb2.Submit:
-        return chat_submit(f"{tag}-{i}", CHAT_PROMPTS[i], max_tokens=max_tokens, temperature=0.0)
 
-    if n == 1:
-        return [await one(client, submit(i)) for i in range(8)]
-    return list(await asyncio.gather(*(one(client, submit(i)) for i in range(n))))
+async def in_turn(
+    clients: dict[str, StageClient], tag: str, max_tokens: int
+) -> dict[str, list[Run]]:
+    """8 prompts one after another, each to every stage (in ``clients``' order)."""
+    got: dict[str, list[Run]] = {name: [] for name in clients}
+    for i in range(8):
+        for name, client in clients.items():
+            got[name].append(await one(client, submit(f"{tag}{name[-3:]}", i, max_tokens)))
+    return got
+
+
+async def at_once(client: StageClient, n: int, tag: str, max_tokens: int) -> list[Run]:
+    return list(await asyncio.gather(*(one(client, submit(tag, i, max_tokens)) for i in range(n))))
 
 
 async def main() -> int:
@@ -117,15 +126,22 @@ async def main() -> int:
                 await clients[name].wait_ready(timeout_s=600)
         names = list(clients)
         for name in names:  # warm each once
-            await level(clients[name], 8, f"warm-{names.index(name)}", args.max_tokens)
+            await at_once(clients[name], 8, f"warm-{names.index(name)}", args.max_tokens)
         for r in range(args.runs):
-            for n in LEVELS:
-                for name in names[r % len(names) :] + names[: r % len(names)]:
-                    tag = f"r{r}n{n}s{names.index(name)}"
-                    got = await level(clients[name], n, tag, args.max_tokens)
-                    samples.setdefault((name, n), []).append(got)
-                    p50 = median([run[0] for run in got]) * 1e3
-                    print(f"run {r + 1}, {n} at once, {name}: TTFT p50 {p50:.0f} ms", flush=True)
+            order = names[r % len(names) :] + names[: r % len(names)]
+            results = {
+                (name, 1): got
+                for name, got in (
+                    await in_turn({n: clients[n] for n in order}, f"r{r}n1", args.max_tokens)
+                ).items()
+            }
+            for name in order:
+                tag = f"r{r}n8s{names.index(name)}"
+                results[name, 8] = await at_once(clients[name], 8, tag, args.max_tokens)
+            for (name, n), got in sorted(results.items(), key=lambda item: item[0][1]):
+                samples.setdefault((name, n), []).append(got)
+                p50 = median([run[0] for run in got]) * 1e3
+                print(f"run {r + 1}, {n} at once, {name}: TTFT p50 {p50:.0f} ms", flush=True)
     finally:
         for client in clients.values():
             await client.close()
