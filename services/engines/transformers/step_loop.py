@@ -50,10 +50,15 @@ class BatchLimits:
     kv_pages: int | None = None  # None: no memory plan (an engine used outside a stage)
     page_size: int = 16
     # An idle loop waits up to this long after a first arrival for the requests
-    # announced with it (``expect``), so that they share their prefill.
+    # announced with it (``expect``) or arriving close behind it, so that they
+    # share their prefill.
     gather_s: float = 0.0
 
 
+# Requests sent together (one client opening a stream per request) reach the step
+# loop 0.2-4 ms apart here (benchmarks/stage_ttft.py, timestamps at check and
+# submit): an idle loop keeps gathering while news comes at least this often.
+_ARRIVAL_GAP_S = 0.004
 # Shorter common prefixes are not worth a forward of their own.
 _MIN_SHARED_PREFIX = 16
 
@@ -74,6 +79,7 @@ class StepLoop:
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
         self._expected: deque[float] = deque()  # when each request on its way was checked
+        self._last_news = 0.0  # the last submit or expect
         self._closed = False
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
@@ -91,6 +97,8 @@ class StepLoop:
         each request just before it runs it): what makes gathering worth a wait."""
         with self._cond:
             self._expected.append(self._clock())
+            self._last_news = self._clock()
+            self._cond.notify()
 
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
@@ -98,6 +106,7 @@ class StepLoop:
                 raise RuntimeError("the transformers engine is closed")
             if self._expected:
                 self._expected.popleft()
+            self._last_news = self._clock()
             self._inbox.append(sequence)
             self._cond.notify()
 
@@ -134,20 +143,26 @@ class StepLoop:
         self._fail_all(RuntimeError("the transformers engine closed"))
 
     def _gather(self) -> None:
-        """With the lock held: wait, up to ``gather_s``, for the requests checked
-        with the first arrival that are still on their way (``expect``). A lone
-        request waits for nothing: its time to first token is not spent on a
-        batch that nobody else is coming to join."""
+        """With the lock held: wait, up to ``gather_s``, while more arrivals are
+        likely: requests checked with the first that are still on their way
+        (``expect``), or news (an arrival, a check) less than ``_ARRIVAL_GAP_S``
+        ago, as when a client sends a burst. A lone request waits that gap at
+        most, not ``gather_s``: its time to first token is not spent on a batch
+        that nobody is coming to join."""
         deadline = self._clock() + self.limits.gather_s
         while not self._closed and len(self._inbox) < self.limits.max_batch_size:
             now = self._clock()
             # One checked but never submitted (refused meanwhile) is forgotten.
             while self._expected and self._expected[0] < now - self.limits.gather_s:
                 self._expected.popleft()
-            left = deadline - now
-            if not self._expected or left <= 0:
+            quiet_at = self._last_news + _ARRIVAL_GAP_S
+            if self._expected:
+                until = deadline
+            else:
+                until = min(deadline, quiet_at)
+            if until <= now:
                 break
-            self._cond.wait(left)
+            self._cond.wait(until - now)
 
     def _busy(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running)
