@@ -36,6 +36,7 @@ from transformers import PreTrainedModel
 
 from services.engines.base import EngineEvent
 from services.engines.transformers import mixed_step
+from services.engines.transformers.arrivals import Arrivals
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.sequence import Sequence
@@ -55,10 +56,6 @@ class BatchLimits:
     gather_s: float = 0.0
 
 
-# Requests sent together (one client opening a stream per request) reach the step
-# loop 0.2-4 ms apart here (benchmarks/stage_ttft.py, timestamps at check and
-# submit): an idle loop keeps gathering while news comes at least this often.
-_ARRIVAL_GAP_S = 0.004
 # Shorter common prefixes are not worth a forward of their own.
 _MIN_SHARED_PREFIX = 16
 
@@ -78,8 +75,7 @@ class StepLoop:
         self._clock = clock
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
-        self._expected: deque[float] = deque()  # when each request on its way was checked
-        self._last_news = 0.0  # the last submit or expect
+        self._arrivals = Arrivals(limits.gather_s, clock)
         self._closed = False
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
@@ -96,17 +92,14 @@ class StepLoop:
         """A request was checked and is on its way to ``submit`` (a stage checks
         each request just before it runs it): what makes gathering worth a wait."""
         with self._cond:
-            self._expected.append(self._clock())
-            self._last_news = self._clock()
+            self._arrivals.expect()
             self._cond.notify()
 
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the transformers engine is closed")
-            if self._expected:
-                self._expected.popleft()
-            self._last_news = self._clock()
+            self._arrivals.arrived()
             self._inbox.append(sequence)
             self._cond.notify()
 
@@ -144,25 +137,13 @@ class StepLoop:
 
     def _gather(self) -> None:
         """With the lock held: wait, up to ``gather_s``, while more arrivals are
-        likely: requests checked with the first that are still on their way
-        (``expect``), or news (an arrival, a check) less than ``_ARRIVAL_GAP_S``
-        ago, as when a client sends a burst. A lone request waits that gap at
-        most, not ``gather_s``: its time to first token is not spent on a batch
-        that nobody is coming to join."""
+        likely (arrivals.py); a lone request waits ``ARRIVAL_GAP_S`` at most."""
         deadline = self._clock() + self.limits.gather_s
         while not self._closed and len(self._inbox) < self.limits.max_batch_size:
-            now = self._clock()
-            # One checked but never submitted (refused meanwhile) is forgotten.
-            while self._expected and self._expected[0] < now - self.limits.gather_s:
-                self._expected.popleft()
-            quiet_at = self._last_news + _ARRIVAL_GAP_S
-            if self._expected:
-                until = deadline
-            else:
-                until = min(deadline, quiet_at)
-            if until <= now:
+            left = self._arrivals.wait_until(deadline) - self._clock()
+            if left <= 0:
                 break
-            self._cond.wait(until - now)
+            self._cond.wait(left)
 
     def _busy(self) -> bool:
         return bool(self._waiting or self._prefilling or self._running)
