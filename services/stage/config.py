@@ -69,6 +69,10 @@ class Runtime(Frozen):
 class Segmenting(Frozen):
     max_segment_tokens: int = Field(16, ge=1)
     min_flush_interval_ms: float = Field(50.0, ge=0)
+    # A request's first segment leaves as soon as it holds this many tokens (capped
+    # at max_segment_tokens): the time to first token is the engine's, not the
+    # batching's. Later segments wait for max_segment_tokens or the interval.
+    first_segment_tokens: int = Field(1, ge=1)
 
 
 class StageConfig(Frozen):

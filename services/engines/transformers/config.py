@@ -51,8 +51,9 @@ class TransformersArgs(EngineArgs):
     # Prompt tokens one prefill forward may run, all newcomers together: bigger
     # prefills faster, smaller stalls the running decoders less.
     prefill_tokens: int = Field(512, ge=1)
-    # How long an idle engine waits after a request arrives for others sent with
-    # it, so that they share their first step (costs a lone request this much TTFT).
+    # How long at most an idle engine waits after a request arrives for others the
+    # stage has checked with it (on their way: StepLoop.expect) or that keep
+    # arriving, so that they share their first step; a lone request waits ~4 ms.
     gather_ms: float = Field(10.0, ge=0, allow_inf_nan=False)
     # How the linear weights are held (CPU):
     #   gguf_blocks: the GGUF file's own Q4_1 / Q8_0 blocks, float32 activations

@@ -164,6 +164,9 @@ class TransformersEngine:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
+        # Announced before the prompt is tokenized: requests checked together
+        # (threads) are all known to the step loop by the time the first arrives.
+        self._step_loop().expect()
         return TransformersPlan(request, self._plan(request))
 
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:

@@ -12,7 +12,8 @@ Each step (the nano-vllm / mini-sglang shape):
    each advancing by one chunk (shortest remaining prompt sets the chunk, so a
    short prompt finishes in its first step and a long one cannot hold it back;
    the oldest always advances, so none starves); a request whose prompt is done
-   gets its first token and moves to the decode batch;
+   gets its first token, handed over before the decode forward runs, and moves
+   to the decode batch;
 4. decode: every running request, one token each;
 5. hand each request its events and drop the finished rows.
 
@@ -35,6 +36,7 @@ from transformers import PreTrainedModel
 
 from services.engines.base import EngineEvent
 from services.engines.transformers import mixed_step
+from services.engines.transformers.arrivals import Arrivals
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.sequence import Sequence
@@ -48,8 +50,9 @@ class BatchLimits:
     prefill_tokens: int  # prompt tokens one prefill forward may take, all rows together
     kv_pages: int | None = None  # None: no memory plan (an engine used outside a stage)
     page_size: int = 16
-    # An idle loop waits this long after a first arrival for the requests sent
-    # with it, so that they share their prefill (dynamic batching's queue delay).
+    # An idle loop waits up to this long after a first arrival for the requests
+    # announced with it (``expect``) or arriving close behind it, so that they
+    # share their prefill.
     gather_s: float = 0.0
 
 
@@ -72,6 +75,7 @@ class StepLoop:
         self._clock = clock
         self._cond = threading.Condition()
         self._inbox: list[Sequence] = []
+        self._arrivals = Arrivals(limits.gather_s, clock)
         self._closed = False
         self._waiting: deque[Sequence] = deque()
         self._prefilling: list[Sequence] = []
@@ -84,10 +88,18 @@ class StepLoop:
 
     # -- from the event loop ----------------------------------------------------
 
+    def expect(self) -> None:
+        """A request was checked and is on its way to ``submit`` (a stage checks
+        each request just before it runs it): what makes gathering worth a wait."""
+        with self._cond:
+            self._arrivals.expect()
+            self._cond.notify()
+
     def submit(self, sequence: Sequence) -> None:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the transformers engine is closed")
+            self._arrivals.arrived()
             self._inbox.append(sequence)
             self._cond.notify()
 
@@ -124,10 +136,11 @@ class StepLoop:
         self._fail_all(RuntimeError("the transformers engine closed"))
 
     def _gather(self) -> None:
-        """With the lock held: wait up to ``gather_s`` for more arrivals."""
+        """With the lock held: wait, up to ``gather_s``, while more arrivals are
+        likely (arrivals.py); a lone request waits ``ARRIVAL_GAP_S`` at most."""
         deadline = self._clock() + self.limits.gather_s
         while not self._closed and len(self._inbox) < self.limits.max_batch_size:
-            left = deadline - self._clock()
+            left = self._arrivals.wait_until(deadline) - self._clock()
             if left <= 0:
                 break
             self._cond.wait(left)
@@ -147,10 +160,12 @@ class StepLoop:
         else:
             if self._prefilling:
                 self._prefill(outbox)
+                # First tokens leave now, not after the decode forward below: a
+                # request's time to first token is its prefill, not prefill + a step.
+                _deliver(outbox)
             if self._running:
                 self._decode(outbox)
-        for sequence, events in outbox.items():
-            sequence.deliver(events)
+        _deliver(outbox)
 
     def _retire(self) -> None:
         self._waiting = deque(s for s in self._waiting if not _gone(s))
@@ -330,6 +345,13 @@ class StepLoop:
         self._waiting.clear()
         self._prefilling, self._running = [], []
         self._prefill_kv, self._running_kv = KvRows(self._model), KvRows(self._model)
+
+
+def _deliver(outbox: dict[Sequence, list[EngineEvent]]) -> None:
+    """Hand each request its events, emptying ``outbox``."""
+    for sequence, events in outbox.items():
+        sequence.deliver(events)
+    outbox.clear()
 
 
 def _gone(sequence: Sequence) -> bool:

@@ -177,7 +177,12 @@ class StageRuntime:
         stage = self.config.name
         submitted = self._clock()
         cfg = self.config.segmenting
-        segmenter = Segmenter(cfg.max_segment_tokens, cfg.min_flush_interval_ms / 1e3, self._clock)
+        segmenter = Segmenter(
+            cfg.max_segment_tokens,
+            cfg.min_flush_interval_ms / 1e3,
+            self._clock,
+            first_tokens=cfg.first_segment_tokens,
+        )
         done = _Done(submitted)
         try:
             with observe.queued(stage):

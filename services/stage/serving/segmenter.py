@@ -2,6 +2,9 @@
 
 A segment is flushed when ``max_segment_tokens`` are pending, when
 ``min_flush_interval`` has passed since the last flush, or when the request ends.
+The first segment that carries tokens may leave sooner, once it holds
+``first_tokens`` (the stage's ``first_segment_tokens``, 1 by default): a client
+waits for the first token, and batching it with the next ones only adds to that wait.
 Sequence numbers start at 0 and increase by one per segment.
 """
 
@@ -33,8 +36,11 @@ class Segmenter:
         max_tokens: int,
         min_interval_s: float,
         clock: Callable[[], float] = time.monotonic,
+        first_tokens: int | None = None,
     ) -> None:
         self._max_tokens = max_tokens
+        self._first_tokens = max_tokens if first_tokens is None else min(first_tokens, max_tokens)
+        self._sent_tokens = False  # whether a segment with tokens has left
         self._interval = min_interval_s
         self._clock = clock
         self._last_flush = clock()
@@ -72,7 +78,7 @@ class Segmenter:
         """Seconds until a time-based flush is due, or None with nothing pending."""
         if not self._ids:
             return None
-        if len(self._ids) >= self._max_tokens:
+        if len(self._ids) >= (self._max_tokens if self._sent_tokens else self._first_tokens):
             return 0.0
         return max(0.0, self._last_flush + self._interval - self._clock())
 
@@ -93,6 +99,7 @@ class Segmenter:
             self._audio_format if "audio" in tensors else None,
         )
         self._sequence += 1
+        self._sent_tokens = self._sent_tokens or bool(self._ids)
         self._ids, self._text, self._hidden, self._blobs = [], [], [], []
         self._tensors = {}
         self._audio_format = None

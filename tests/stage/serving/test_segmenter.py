@@ -65,3 +65,31 @@ def test_hidden_states_are_joined_per_segment_and_outputs_ride_along() -> None:
     assert out.tensors["hidden_states"].tolist() == [[1.0] * 4, [2.0] * 4]
     assert out.tensors["image"].shape == (2, 2, 3)
     assert out.blobs[0].data == b"p"
+
+
+def test_the_first_tokens_leave_at_once_and_later_ones_batch() -> None:
+    clock = Clock()
+    seg = Segmenter(max_tokens=4, min_interval_s=10.0, clock=clock, first_tokens=1)
+    assert seg.add(tok(0)) is True  # no wait for the first token
+    first = seg.flush()
+    assert first is not None and first.token_ids == (0,) and first.sequence == 0
+    assert [seg.add(tok(i)) for i in range(1, 5)] == [False, False, False, True]
+    second = seg.flush()
+    assert second is not None and second.token_ids == (1, 2, 3, 4)
+    seg.add(tok(5))
+    assert seg.due_in() == pytest.approx(10.0)  # the interval rule is back for the rest
+
+
+def test_a_tensor_only_segment_does_not_count_as_the_first_tokens() -> None:
+    seg = Segmenter(max_tokens=4, min_interval_s=10.0, clock=Clock(), first_tokens=2)
+    seg.add_outputs(TensorOutput({"image": torch.zeros(1)}, ()))
+    assert seg.flush() is not None  # sequence 0 carries no tokens
+    assert seg.add(tok(0)) is False
+    assert seg.add(tok(1)) is True  # first_tokens still applies
+    out = seg.flush()
+    assert out is not None and out.sequence == 1 and out.token_ids == (0, 1)
+
+
+def test_first_tokens_above_the_maximum_is_the_maximum() -> None:
+    seg = Segmenter(max_tokens=2, min_interval_s=10.0, clock=Clock(), first_tokens=5)
+    assert [seg.add(tok(i)) for i in range(2)] == [False, True]
