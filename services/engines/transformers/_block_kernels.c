@@ -2,9 +2,10 @@
  *
  * y[b][n] = sum_k W[n][k] * x[b][k], where W is held in llama.cpp's block formats
  * (32 weights per block) instead of float32: Q4_1 (w = d * q + m, q in 0..15) and
- * Q8_0 (w = d * q, q in -128..127). Each block's scale (and min) is stored as
- * float32 here, converted once at load from the file's float16, so a weight
- * dequantised by this kernel is exactly the float32 the plain path loads. Only the
+ * Q8_0 (w = d * q, q in -128..127). Each block's scale (and min) stays the file's
+ * float16 (converted exactly to float32 per block), and (d * q) + m is rounded twice
+ * as gguf-py does, so a weight dequantised by this kernel is exactly the float32 the
+ * plain path loads. Only the
  * order of the additions differs from a float32 matmul: the activations are never
  * quantised, unlike llama.cpp's own kernels (which round them to 8 bits).
  *
@@ -14,8 +15,8 @@
  *
  * Layout, for a weight of n rows and k columns (k a multiple of 32):
  *   Q4_1: qs uint8 [n][k/32][16]: byte j holds weight j (low nibble) and j+16 (high);
- *         d, m float32 [n][k/32].
- *   Q8_0: qs int8 [n][k/32][32]; d float32 [n][k/32].
+ *         d, m float16 [n][k/32], as in the file.
+ *   Q8_0: qs int8 [n][k/32][32]; d float16 [n][k/32].
  * x is float32 [rows][k], y float32 [rows][n], both contiguous.
  *
  * Threads: OpenMP over output rows. Built against the libgomp that torch loads
@@ -34,12 +35,36 @@
 #endif
 
 #define QK 32
-#define ROW_TILE 8 /* activation rows per pass over a weight row */
+#define ROW_TILE 8
+
+/* IEEE half to float, exactly (every half is a float): the file's scales and mins
+ * stay half, as in the file, so a block costs what it costs there. */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13); /* inf, nan */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+} /* activation rows per pass over a weight row */
 
 /* ---------------------------------------------------------------- portable path */
 
 static void q4_1_rows_generic(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
-                              const float *d, const float *m, int64_t n0, int64_t n1,
+                              const uint16_t *d, const uint16_t *m, int64_t n0, int64_t n1,
                               float *y, int64_t n) {
     const int64_t nb = k / QK;
     float w[QK];
@@ -49,7 +74,7 @@ static void q4_1_rows_generic(const float *x, int64_t rows, int64_t k, const uin
             float acc[ROW_TILE] = {0};
             for (int64_t j = 0; j < nb; j++) {
                 const uint8_t *q = qs + (r * nb + j) * (QK / 2);
-                const float dj = d[r * nb + j], mj = m[r * nb + j];
+                const float dj = half_to_float(d[r * nb + j]), mj = half_to_float(m[r * nb + j]);
                 for (int i = 0; i < QK / 2; i++) {
                     w[i] = dj * (float)(q[i] & 0x0F) + mj;
                     w[i + QK / 2] = dj * (float)(q[i] >> 4) + mj;
@@ -67,7 +92,7 @@ static void q4_1_rows_generic(const float *x, int64_t rows, int64_t k, const uin
 }
 
 static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int8_t *qs,
-                              const float *d, int64_t n0, int64_t n1, float *y, int64_t n) {
+                              const uint16_t *d, int64_t n0, int64_t n1, float *y, int64_t n) {
     const int64_t nb = k / QK;
     float w[QK];
     for (int64_t r = n0; r < n1; r++) {
@@ -76,7 +101,7 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
             float acc[ROW_TILE] = {0};
             for (int64_t j = 0; j < nb; j++) {
                 const int8_t *q = qs + (r * nb + j) * QK;
-                const float dj = d[r * nb + j];
+                const float dj = half_to_float(d[r * nb + j]);
                 for (int i = 0; i < QK; i++) w[i] = dj * (float)q[i];
                 for (int64_t b = 0; b < bt; b++) {
                     const float *xb = x + (b0 + b) * k + j * QK;
@@ -97,7 +122,7 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
  * which is what bounds a batched step (the products are float32 FMAs). Each output
  * still adds its blocks in the same order as the portable path's. An odd last row
  * is computed twice and stored once. */
-#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
 #define PAIR_ROWS(DEQUANT)                                                                  \
     for (int64_t r = n0; r < n1; r += 2) {                                                 \
         const int64_t r1 = r + 1 < n1 ? r + 1 : r;                                          \
@@ -142,7 +167,7 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
 #define Q4_1_DEQUANT(row, lo, hi)                                                           \
     {                                                                                       \
         const __m128i q = _mm_loadu_si128((const __m128i *)(qs + ((row) * nb + j) * (QK / 2))); \
-        const __m512 dj = _mm512_set1_ps(d[(row) * nb + j]), mj = _mm512_set1_ps(m[(row) * nb + j]); \
+        const __m512 dj = _mm512_set1_ps(_cvtsh_ss(d[(row) * nb + j])), mj = _mm512_set1_ps(_cvtsh_ss(m[(row) * nb + j])); \
         const __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(q, low));                     \
         const __m512i qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low));  \
         lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ql), dj), mj);                  \
@@ -153,14 +178,14 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
 #define Q8_0_DEQUANT(row, lo, hi)                                                           \
     {                                                                                       \
         const int8_t *q = qs + ((row) * nb + j) * QK;                                       \
-        const __m512 dj = _mm512_set1_ps(d[(row) * nb + j]);                                \
+        const __m512 dj = _mm512_set1_ps(_cvtsh_ss(d[(row) * nb + j]));                      \
         lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))), dj); \
         hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), dj); \
     }
 
 TARGET_AVX512
 static void q4_1_rows_avx512(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
-                             const float *d, const float *m, int64_t n0, int64_t n1,
+                             const uint16_t *d, const uint16_t *m, int64_t n0, int64_t n1,
                              float *y, int64_t n) {
     const int64_t nb = k / QK;
     const __m128i low = _mm_set1_epi8(0x0F);
@@ -169,7 +194,7 @@ static void q4_1_rows_avx512(const float *x, int64_t rows, int64_t k, const uint
 
 TARGET_AVX512
 static void q8_0_rows_avx512(const float *x, int64_t rows, int64_t k, const int8_t *qs,
-                             const float *d, int64_t n0, int64_t n1, float *y, int64_t n) {
+                             const uint16_t *d, int64_t n0, int64_t n1, float *y, int64_t n) {
     const int64_t nb = k / QK;
     PAIR_ROWS(Q8_0_DEQUANT)
 }
@@ -182,7 +207,7 @@ static int use_avx512(void) {
     if (cached < 0) {
         __builtin_cpu_init();
         cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                 __builtin_cpu_supports("avx512vl");
+                 __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
     }
     return cached;
 #else
@@ -195,7 +220,7 @@ static int use_avx512(void) {
 #define ROW_CHUNK 16
 
 static void q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
-                        const float *d, const float *m, int64_t n, float *y, int threads) {
+                        const uint16_t *d, const uint16_t *m, int64_t n, float *y, int threads) {
     const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
@@ -212,7 +237,7 @@ static void q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *
 }
 
 static void q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
-                        const float *d, int64_t n, float *y, int threads) {
+                        const uint16_t *d, int64_t n, float *y, int threads) {
     const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
@@ -231,7 +256,7 @@ static void q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *q
 /* Whole weights back to float32, [n][k], for many-row products (a prefill), where
  * a float32 GEMM on the dequantised weight beats re-dequantising per row tile. The
  * same (d * q) + m, rounded twice, as gguf-py and the kernels above. */
-static void q4_1_dequant(const uint8_t *qs, const float *d, const float *m, int64_t n,
+static void q4_1_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t n,
                          int64_t k, float *w, int threads) {
     const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -239,18 +264,19 @@ static void q4_1_dequant(const uint8_t *qs, const float *d, const float *m, int6
         const uint8_t *q = qs + i * (QK / 2);
         float *o = w + i * QK;
         for (int j = 0; j < QK / 2; j++) {
-            o[j] = d[i] * (float)(q[j] & 0x0F) + m[i];
-            o[j + QK / 2] = d[i] * (float)(q[j] >> 4) + m[i];
+            const float di = half_to_float(d[i]), mi = half_to_float(m[i]);
+            o[j] = di * (float)(q[j] & 0x0F) + mi;
+            o[j + QK / 2] = di * (float)(q[j] >> 4) + mi;
         }
     }
 }
 
-static void q8_0_dequant(const int8_t *qs, const float *d, int64_t n, int64_t k, float *w,
+static void q8_0_dequant(const int8_t *qs, const uint16_t *d, int64_t n, int64_t k, float *w,
                          int threads) {
     const int64_t nb = k / QK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t i = 0; i < n * nb; i++)
-        for (int j = 0; j < QK; j++) w[i * QK + j] = d[i] * (float)qs[i * QK + j];
+        for (int j = 0; j < QK; j++) w[i * QK + j] = half_to_float(d[i]) * (float)qs[i * QK + j];
 }
 
 /* ---------------------------------------------------------------- Python glue
@@ -274,8 +300,8 @@ static PyObject *py_q4_1_linear(PyObject *self, PyObject *args) {
         return NULL;
     if (!check_shape(rows, k, n, threads)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    q4_1_linear((const float *)x, rows, k, (const uint8_t *)qs, (const float *)d,
-                (const float *)m, n, (float *)y, threads);
+    q4_1_linear((const float *)x, rows, k, (const uint8_t *)qs, (const uint16_t *)d,
+                (const uint16_t *)m, n, (float *)y, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -288,7 +314,7 @@ static PyObject *py_q8_0_linear(PyObject *self, PyObject *args) {
         return NULL;
     if (!check_shape(rows, k, n, threads)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    q8_0_linear((const float *)x, rows, k, (const int8_t *)qs, (const float *)d, n, (float *)y,
+    q8_0_linear((const float *)x, rows, k, (const int8_t *)qs, (const uint16_t *)d, n, (float *)y,
                 threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -301,7 +327,7 @@ static PyObject *py_q4_1_dequant(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKLLKi", &qs, &d, &m, &n, &k, &w, &threads)) return NULL;
     if (!check_shape(0, k, n, threads)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    q4_1_dequant((const uint8_t *)qs, (const float *)d, (const float *)m, n, k, (float *)w,
+    q4_1_dequant((const uint8_t *)qs, (const uint16_t *)d, (const uint16_t *)m, n, k, (float *)w,
                  threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -314,7 +340,7 @@ static PyObject *py_q8_0_dequant(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKLLKi", &qs, &d, &n, &k, &w, &threads)) return NULL;
     if (!check_shape(0, k, n, threads)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    q8_0_dequant((const int8_t *)qs, (const float *)d, n, k, (float *)w, threads);
+    q8_0_dequant((const int8_t *)qs, (const uint16_t *)d, n, k, (float *)w, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

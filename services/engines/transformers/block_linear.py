@@ -2,7 +2,7 @@
 
 A decode step reads every weight once per token, so on a CPU its speed is the
 bytes per weight: float32 reads 32 bits, the file's Q4_1 blocks 5 (4-bit weights,
-a float16 scale and min per 32). ``_block_kernels.c`` multiplies float32
+a float16 scale and min per 32, kept as they are). ``_block_kernels.c`` multiplies float32
 activations straight from those blocks: the activations are not quantised (unlike
 llama.cpp's kernels), and each weight is dequantised exactly as the plain path
 dequantised it at conversion, ``(d * q) + m`` in float32. The answers are float32's
@@ -72,12 +72,17 @@ def simd() -> str:
 @dataclass
 class Blocks:
     """One weight in blocks: ``qs`` [n][k/32][16 or 32], ``d`` (and ``m`` for
-    Q4_1) float32 [n][k/32]."""
+    Q4_1) float16 [n][k/32], as in the file (other dtypes are rounded to it)."""
 
     kind: str  # "q4_1" | "q8_0"
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
+
+    def __post_init__(self) -> None:
+        self.d = self.d.to(torch.float16).contiguous()
+        if self.m is not None:
+            self.m = self.m.to(torch.float16).contiguous()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -121,10 +126,8 @@ class Blocks:
 
 
 def _half(column: np.ndarray) -> torch.Tensor:
-    """A [..., 2] uint8 slice holding float16s, as float32 [...]: exact."""
-    return torch.from_numpy(
-        np.ascontiguousarray(column).view(np.float16)[..., 0].astype(np.float32)
-    )
+    """A [..., 2] uint8 slice holding float16s, as float16 [...]."""
+    return torch.from_numpy(np.ascontiguousarray(column).view(np.float16)[..., 0].copy())
 
 
 def _blocks(raw: np.ndarray, ggml_type: int) -> Blocks:

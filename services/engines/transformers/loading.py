@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 CONVERSION_FORMAT = 2
 # Which GGUF blocks each linear runs on (block_linear.py), kept beside the converted
 # weights; the number changes whenever the layout's format does.
-BLOCKS_LAYOUT = "gguf-blocks-1.safetensors"
+BLOCKS_LAYOUT = "gguf-blocks-2.safetensors"  # 2: float16 scales and mins
 
 
 @dataclass(frozen=True)
