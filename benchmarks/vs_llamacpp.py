@@ -12,8 +12,10 @@ and only the ``llama-server`` target is built (cmake, Release, ``GGML_NATIVE=ON`
 stops (exit 0: not part of CI).
 
 Ours is the stage of ``examples/stages/chat.yaml`` run directly (a stage process,
-its Stage.Generate stream; no orchestrator), with 32 greedy tokens, segments of one
-token (so that time to first token is the engine's, not the segmenter's) and one
+its Stage.Generate stream; no orchestrator), with 32 greedy tokens, the stage file's
+own segmenting (the first token alone, then up to 8 a message: what a client gets;
+``--token-segments`` sends every token as its own message, as llama-server's SSE
+does) and one
 stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
 ``engine_args.weights`` and ``/lean`` or ``/transformers`` for ``lean_forward``
 (``auto``: the stage file as shipped; ``float32/packed/transformers``: the path
@@ -126,7 +128,7 @@ def gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2.rsplit("/", 1)[1]
 
 
-def our_stage(mode: str, max_tokens: int) -> dict[str, Any]:
+def our_stage(mode: str, max_tokens: int, token_segments: bool = False) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "examples" / "stages" / "chat.yaml").read_text())
     dtype, weights, forward = [*mode.split("/"), "", ""][:3]
     config["name"] = "vs-llamacpp-" + mode.replace("/", "-")
@@ -137,7 +139,8 @@ def our_stage(mode: str, max_tokens: int) -> dict[str, Any]:
     if forward:
         engine_args["lean_forward"] = forward == "lean"
     config["defaults"] = {**config.get("defaults", {}), "max_tokens": max_tokens}
-    config["segmenting"] = {"max_segment_tokens": 1, "min_flush_interval_ms": 0}
+    if token_segments:
+        config["segmenting"] = {"max_segment_tokens": 1, "min_flush_interval_ms": 0}
     return config
 
 
@@ -225,6 +228,7 @@ async def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/transformers"])
     parser.add_argument("--llama-server")
+    parser.add_argument("--token-segments", action="store_true")
     parser.add_argument(
         "--llama-cache-prompt",
         action="store_true",
@@ -243,7 +247,7 @@ async def main() -> int:
     try:
         for mode in args.modes:
             path = tmp / f"{mode.replace('/', '-')}.yaml"
-            path.write_text(yaml.safe_dump(our_stage(mode, args.max_tokens)))
+            path.write_text(yaml.safe_dump(our_stage(mode, args.max_tokens, args.token_segments)))
             procs.append(proc := StageProcess(path, env={"PYTHONPATH": str(ROOT)}))
             clients[f"ours {mode}"] = StageClient(await proc.start(timeout_s=300))
             await clients[f"ours {mode}"].wait_ready(timeout_s=600)
@@ -283,7 +287,8 @@ async def main() -> int:
         "runs": args.runs,
         "max_tokens": args.max_tokens,
         "llama_server": str(server),
-        "ours": "examples/stages/chat.yaml as a stage process, segments of 1 token",
+        "ours": "examples/stages/chat.yaml as a stage process",
+        "token_segments": args.token_segments,
         "llama_cache_prompt": args.llama_cache_prompt,
         "rows": rows,
         "load_average": os.getloadavg(),
