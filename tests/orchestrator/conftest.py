@@ -66,9 +66,13 @@ async def stages(
     try:
         await stages.start(
             {
-                # Hidden states above 1 KiB go by shared memory to a consumer on this node.
+                # Hidden states above 1 KiB go by shared memory to a consumer on this node;
+                # every segment is a full one of 4 rows (1 KiB), the first included.
                 "thinker": tiny_config(
-                    "thinker", omni_cache_dir, runtime={**runtime, "inline_max_bytes": 1024}
+                    "thinker",
+                    omni_cache_dir,
+                    runtime={**runtime, "inline_max_bytes": 1024},
+                    segmenting={"first_segment_tokens": 4},
                 ),
                 "talker": tiny_config("talker", omni_cache_dir, runtime=runtime),
                 "renderer": renderer_config(omni_cache_dir),

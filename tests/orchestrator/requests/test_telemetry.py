@@ -51,7 +51,13 @@ async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
             runtime = {"torch_threads": 1, "inline_max_bytes": 1024}
             await stages.start(
                 {
-                    "thinker": tiny_config("thinker", omni_cache_dir, runtime=runtime),
+                    # Full segments of 4 rows (1 KiB), the first included: all by shm.
+                    "thinker": tiny_config(
+                        "thinker",
+                        omni_cache_dir,
+                        runtime=runtime,
+                        segmenting={"first_segment_tokens": 4},
+                    ),
                     "renderer": renderer_config(omni_cache_dir),
                 }
             )
