@@ -12,10 +12,10 @@ and only the ``llama-server`` target is built (cmake, Release, ``GGML_NATIVE=ON`
 stops (exit 0: not part of CI).
 
 Ours is the stage of ``examples/stages/chat.yaml`` run directly (a stage process,
-its Stage.Generate stream; no orchestrator), with 32 greedy tokens, the stage file's
-own segmenting (the first token alone, then up to 8 a message: what a client gets;
-``--token-segments`` sends every token as its own message, as llama-server's SSE
-does) and one
+its Stage.Generate stream; no orchestrator), with 32 greedy tokens, each token its
+own message as llama-server's SSE sends them (``--shipped-segmenting``: the stage
+file's own, the first token alone then up to 8 a message; slower in tokens/s and
+TTFT in the one run made so far, unexplained yet) and one
 stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
 ``engine_args.weights`` and ``/lean`` or ``/transformers`` for ``lean_forward``
 (``auto``: the stage file as shipped; ``float32/packed/transformers``: the path
@@ -228,7 +228,7 @@ async def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/transformers"])
     parser.add_argument("--llama-server")
-    parser.add_argument("--token-segments", action="store_true")
+    parser.add_argument("--shipped-segmenting", action="store_true")
     parser.add_argument(
         "--llama-cache-prompt",
         action="store_true",
@@ -247,7 +247,9 @@ async def main() -> int:
     try:
         for mode in args.modes:
             path = tmp / f"{mode.replace('/', '-')}.yaml"
-            path.write_text(yaml.safe_dump(our_stage(mode, args.max_tokens, args.token_segments)))
+            path.write_text(
+                yaml.safe_dump(our_stage(mode, args.max_tokens, not args.shipped_segmenting))
+            )
             procs.append(proc := StageProcess(path, env={"PYTHONPATH": str(ROOT)}))
             clients[f"ours {mode}"] = StageClient(await proc.start(timeout_s=300))
             await clients[f"ours {mode}"].wait_ready(timeout_s=600)
@@ -288,7 +290,7 @@ async def main() -> int:
         "max_tokens": args.max_tokens,
         "llama_server": str(server),
         "ours": "examples/stages/chat.yaml as a stage process",
-        "token_segments": args.token_segments,
+        "shipped_segmenting": args.shipped_segmenting,
         "llama_cache_prompt": args.llama_cache_prompt,
         "rows": rows,
         "load_average": os.getloadavg(),
