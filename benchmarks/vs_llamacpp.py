@@ -14,8 +14,8 @@ stops (exit 0: not part of CI).
 Ours is the stage of ``examples/stages/chat.yaml`` run directly (a stage process,
 its Stage.Generate stream; no orchestrator), with 32 greedy tokens, each token its
 own message as llama-server's SSE sends them (``--shipped-segmenting``: the stage
-file's own, the first token alone then up to 8 a message; slower in tokens/s and
-TTFT in the one run made so far, unexplained yet) and one
+file's own, the first token alone then up to 8 a message; its TTFT equals one-token
+segments' side by side, benchmarks/stage_ttft.py) and one
 stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
 ``engine_args.weights`` and ``/lean`` or ``/transformers`` for ``lean_forward``
 (``auto``: the stage file as shipped; ``float32/packed/transformers``: the path
