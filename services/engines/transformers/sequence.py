@@ -6,6 +6,7 @@ The step loop (step_loop.py) owns every ``Sequence`` while it runs; the request'
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,7 +16,10 @@ from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineEvent, FinishOutput, TokenOutput
 from services.engines.transformers.intake import Plan
+from services.engines.transformers.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+
+logger = logging.getLogger(__name__)
 
 # What the loop hands a request after each step: its new events, or the error
 # that ended the whole batch.
@@ -104,3 +108,32 @@ class Sequence:
             completion_tokens=self.completion,
             queue_ms=max(self.admitted - self.submitted, 0.0) * 1e3,
         )
+
+
+def emit_tokens(
+    rows: list[Sequence],
+    which: list[int],
+    logits: torch.Tensor,
+    states: torch.Tensor | None,
+    outbox: dict[Sequence, list[EngineEvent]],
+) -> None:
+    """Pick the next token of each row in ``which`` (its logits and, if it asked,
+    its hidden state row) and queue the events that follow in ``outbox``."""
+    greedy = logits[which].argmax(dim=-1).tolist()
+    for n, i in enumerate(which):
+        sequence = rows[i]
+        sampling = sequence.plan.sampling
+        try:
+            token = (
+                greedy[n] if sampling.greedy else sample(logits[i], sampling, sequence.generator)
+            )
+        except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
+            logger.exception("request %s: sampling failed", sequence.request_id)
+            sequence.finished = True
+            sequence.deliver(exc)
+            continue
+        row = None
+        if states is not None and sequence.plan.return_hidden_states:
+            # A copy, so the event does not pin the whole batch's activations.
+            row = states[i : i + 1].to("cpu", torch.float32, copy=True)
+        outbox.setdefault(sequence, []).extend(sequence.add_token(token, row))

@@ -38,8 +38,7 @@ from services.engines.base import EngineEvent
 from services.engines.transformers import mixed_step
 from services.engines.transformers.arrivals import Arrivals
 from services.engines.transformers.kv_rows import KvRows
-from services.engines.transformers.sampling import sample
-from services.engines.transformers.sequence import Sequence
+from services.engines.transformers.sequence import Sequence, emit_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ class StepLoop:
         rows = self._prefilling
         if not done:
             return
-        self._emit(rows, done, logits, states, outbox)
+        emit_tokens(rows, done, logits, states, outbox)
         moving = [i for i in done if not rows[i].finished]
         self._running_kv.concat(self._prefill_kv.take(moving))
         self._running.extend(rows[i] for i in moving)
@@ -303,37 +302,8 @@ class StepLoop:
         outbox: dict[Sequence, list[EngineEvent]],
     ) -> None:
         rows = self._running
-        self._emit(rows, list(range(len(rows))), logits, states, outbox)
+        emit_tokens(rows, list(range(len(rows))), logits, states, outbox)
         self._running = _keep(rows, self._running_kv)
-
-    def _emit(
-        self,
-        rows: list[Sequence],
-        which: list[int],
-        logits: torch.Tensor,
-        states: torch.Tensor | None,
-        outbox: dict[Sequence, list[EngineEvent]],
-    ) -> None:
-        greedy = logits[which].argmax(dim=-1).tolist()
-        for n, i in enumerate(which):
-            sequence = rows[i]
-            sampling = sequence.plan.sampling
-            try:
-                token = (
-                    greedy[n]
-                    if sampling.greedy
-                    else sample(logits[i], sampling, sequence.generator)
-                )
-            except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
-                logger.exception("request %s: sampling failed", sequence.request_id)
-                sequence.finished = True
-                sequence.deliver(exc)
-                continue
-            row = None
-            if states is not None and sequence.plan.return_hidden_states:
-                # A copy, so the event does not pin the whole batch's activations.
-                row = states[i : i + 1].to("cpu", torch.float32, copy=True)
-            outbox.setdefault(sequence, []).extend(sequence.add_token(token, row))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._cond:
