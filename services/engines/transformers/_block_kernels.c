@@ -163,15 +163,17 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
         a1[b] = _mm512_fmadd_ps(w1hi, xh, a1[b]);                                           \
     }
 
-/* Q4_1: (d * q) + m, rounded twice, exactly as gguf-py dequantises. */
+/* Q4_1: (d * q) + m, rounded twice, exactly as gguf-py dequantises. A nibble has 16
+ * values, so the block's 16 possible weights are computed once (a multiply and an add
+ * on 0..15) and each weight is looked up by its nibble (vpermps reads the low four
+ * bits of each index lane): no int-to-float conversions, the same rounding. */
 #define Q4_1_DEQUANT(row, lo, hi)                                                           \
     {                                                                                       \
-        const __m128i q = _mm_loadu_si128((const __m128i *)(qs + ((row) * nb + j) * (QK / 2))); \
-        const __m512 dj = _mm512_set1_ps(_cvtsh_ss(d[(row) * nb + j])), mj = _mm512_set1_ps(_cvtsh_ss(m[(row) * nb + j])); \
-        const __m512i ql = _mm512_cvtepu8_epi32(_mm_and_si128(q, low));                     \
-        const __m512i qh = _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low));  \
-        lo = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ql), dj), mj);                  \
-        hi = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(qh), dj), mj);                  \
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qs + ((row) * nb + j) * (QK / 2)))); \
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(_cvtsh_ss(d[(row) * nb + j]))), \
+                                           _mm512_set1_ps(_cvtsh_ss(m[(row) * nb + j])));   \
+        lo = _mm512_permutexvar_ps(q, table);                                               \
+        hi = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);                         \
     }
 
 /* Q8_0: d * q. */
@@ -188,7 +190,7 @@ static void q4_1_rows_avx512(const float *x, int64_t rows, int64_t k, const uint
                              const uint16_t *d, const uint16_t *m, int64_t n0, int64_t n1,
                              float *y, int64_t n) {
     const int64_t nb = k / QK;
-    const __m128i low = _mm_set1_epi8(0x0F);
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     PAIR_ROWS(Q4_1_DEQUANT)
 }
 
