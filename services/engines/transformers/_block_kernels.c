@@ -201,6 +201,33 @@ static void q8_0_rows_avx512(const float *x, int64_t rows, int64_t k, const int8
     PAIR_ROWS(Q8_0_DEQUANT)
 }
 #undef ROW
+
+/* Blocks [i0, i1) of a weight back to float32 (the dequant functions below), with
+ * the kernels' own dequantisation: (row) * nb + j is block j. */
+TARGET_AVX512
+static void q4_1_dequant_avx512(const uint8_t *qs, const uint16_t *d, const uint16_t *m,
+                                int64_t i0, int64_t i1, float *w) {
+    const int64_t nb = 0;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j = i0; j < i1; j++) {
+        __m512 lo, hi;
+        Q4_1_DEQUANT(0, lo, hi);
+        _mm512_storeu_ps(w + j * QK, lo);
+        _mm512_storeu_ps(w + j * QK + QK / 2, hi);
+    }
+}
+
+TARGET_AVX512
+static void q8_0_dequant_avx512(const int8_t *qs, const uint16_t *d, int64_t i0, int64_t i1,
+                                float *w) {
+    const int64_t nb = 0;
+    for (int64_t j = i0; j < i1; j++) {
+        __m512 lo, hi;
+        Q8_0_DEQUANT(0, lo, hi);
+        _mm512_storeu_ps(w + j * QK, lo);
+        _mm512_storeu_ps(w + j * QK + QK / 2, hi);
+    }
+}
 #endif
 
 static int use_avx512(void) {
@@ -220,6 +247,8 @@ static int use_avx512(void) {
 /* Rows per OpenMP chunk: small enough to balance two to a few dozen threads, big
  * enough that a chunk reads a few pages of weights. */
 #define ROW_CHUNK 16
+/* Blocks per OpenMP chunk of a dequantisation (128 KiB of float32 out). */
+#define DEQUANT_CHUNK 1024
 
 static void q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
                         const uint16_t *d, const uint16_t *m, int64_t n, float *y, int threads) {
@@ -260,25 +289,49 @@ static void q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *q
  * same (d * q) + m, rounded twice, as gguf-py and the kernels above. */
 static void q4_1_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t n,
                          int64_t k, float *w, int threads) {
-    const int64_t nb = k / QK;
+    const int64_t blocks = n * (k / QK);
+    const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n * nb; i++) {
-        const uint8_t *q = qs + i * (QK / 2);
-        float *o = w + i * QK;
-        for (int j = 0; j < QK / 2; j++) {
+    for (int64_t c = 0; c < (blocks + DEQUANT_CHUNK - 1) / DEQUANT_CHUNK; c++) {
+        const int64_t i0 = c * DEQUANT_CHUNK, i1 = i0 + DEQUANT_CHUNK < blocks ? i0 + DEQUANT_CHUNK : blocks;
+#if HAVE_X86
+        if (avx) {
+            q4_1_dequant_avx512(qs, d, m, i0, i1, w);
+            continue;
+        }
+#endif
+        (void)avx;
+        for (int64_t i = i0; i < i1; i++) {
+            const uint8_t *q = qs + i * (QK / 2);
+            float *o = w + i * QK;
             const float di = half_to_float(d[i]), mi = half_to_float(m[i]);
-            o[j] = di * (float)(q[j] & 0x0F) + mi;
-            o[j + QK / 2] = di * (float)(q[j] >> 4) + mi;
+            for (int j = 0; j < QK / 2; j++) {
+                o[j] = di * (float)(q[j] & 0x0F) + mi;
+                o[j + QK / 2] = di * (float)(q[j] >> 4) + mi;
+            }
         }
     }
 }
 
 static void q8_0_dequant(const int8_t *qs, const uint16_t *d, int64_t n, int64_t k, float *w,
                          int threads) {
-    const int64_t nb = k / QK;
+    const int64_t blocks = n * (k / QK);
+    const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t i = 0; i < n * nb; i++)
-        for (int j = 0; j < QK; j++) w[i * QK + j] = half_to_float(d[i]) * (float)qs[i * QK + j];
+    for (int64_t c = 0; c < (blocks + DEQUANT_CHUNK - 1) / DEQUANT_CHUNK; c++) {
+        const int64_t i0 = c * DEQUANT_CHUNK, i1 = i0 + DEQUANT_CHUNK < blocks ? i0 + DEQUANT_CHUNK : blocks;
+#if HAVE_X86
+        if (avx) {
+            q8_0_dequant_avx512(qs, d, i0, i1, w);
+            continue;
+        }
+#endif
+        (void)avx;
+        for (int64_t i = i0; i < i1; i++) {
+            const float di = half_to_float(d[i]);
+            for (int j = 0; j < QK; j++) w[i * QK + j] = di * (float)qs[i * QK + j];
+        }
+    }
 }
 
 /* ---------------------------------------------------------------- Python glue

@@ -25,6 +25,7 @@ import importlib
 import json
 import logging
 import os
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,9 +49,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
     kernels, _IMPORT_ERROR = None, str(error)
 
 QK = 32  # weights per block, both formats
-# Rows from which a product dequantises the weight for torch's GEMM instead
-# (measured on SmolLM2-135M, 2 threads, AVX-512: the kernel wins up to about 16).
-MANY_ROWS = 16
+# Rows from which a product dequantises the weight (into a reused scratch) for
+# torch's GEMM instead: on SmolLM2-135M's shapes with AVX-512 the kernel is faster up
+# to about 32 rows, the GEMM from about 48 (one thread, a quiet 2-core EPYC).
+MANY_ROWS = 32
 # GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
 _Q4_1, _Q8_0 = 3, 8
 _BLOCK_BYTES = {_Q4_1: 20, _Q8_0: 34}
@@ -169,7 +171,8 @@ class BlockLinear(nn.Module):
             x2 = x2.to(torch.float32).contiguous()
         rows = x2.shape[0]
         if rows >= MANY_ROWS:
-            weight = Blocks(self.kind, self.qs, self.d, self.m).dequantize()
+            blocks = Blocks(self.kind, self.qs, self.d, self.m)
+            weight = blocks.dequantize(_scratch(self.out_features, self.in_features))
             y = torch.nn.functional.linear(x2, weight, self.bias)
         else:
             y = self._kernel(x2, rows)
@@ -204,6 +207,19 @@ class BlockLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks"
         )
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int, k: int) -> torch.Tensor:
+    """A float32 [n][k] to dequantise a weight into for one product, reused by this
+    thread's next one: a fresh allocation of megabytes costs its page faults every
+    time (more than the dequantisation)."""
+    buffer = getattr(_SCRATCH, "buffer", None)
+    if buffer is None or buffer.numel() < n * k:
+        buffer = _SCRATCH.buffer = torch.empty(n * k)
+    return buffer[: n * k].view(n, k)
 
 
 def _row_keys(matrix: torch.Tensor) -> list[bytes]:
