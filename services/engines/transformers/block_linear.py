@@ -210,12 +210,16 @@ class BlockLinear(nn.Module):
 
 
 _SCRATCH = threading.local()
+SCRATCH_KEPT = 4 << 20  # floats: 16 MiB, four times a 1536 x 576 projection
 
 
 def _scratch(n: int, k: int) -> torch.Tensor:
     """A float32 [n][k] to dequantise a weight into for one product, reused by this
     thread's next one: a fresh allocation of megabytes costs its page faults every
-    time (more than the dequantisation)."""
+    time (more than the dequantisation). Weights past SCRATCH_KEPT (a tied output head
+    over a big vocabulary) get a fresh one, so that none is held for good."""
+    if n * k > SCRATCH_KEPT:
+        return torch.empty(n, k)
     buffer = getattr(_SCRATCH, "buffer", None)
     if buffer is None or buffer.numel() < n * k:
         buffer = _SCRATCH.buffer = torch.empty(n * k)
