@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -117,50 +118,56 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
 
 /* ---------------------------------------------------------------- AVX-512 path */
 
+/* Activation rows are taken in tiles of 8, then 4, 2 and 1 for what is left. */
+static inline int64_t tile_width(int64_t left) {
+    return left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+}
+
+/* x [rows][k] into tiles: tile by tile, each [k/32][its rows][32]; one row is itself. */
+static void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp) {
+    for (int64_t b0 = 0, bt; b0 < rows; b0 += bt) {
+        bt = tile_width(rows - b0);
+        float *tile = xp + b0 * k;
+        for (int64_t j = 0; j < k / QK; j++)
+            for (int64_t b = 0; b < bt; b++)
+                memcpy(tile + (j * bt + b) * QK, x + (b0 + b) * k + j * QK, QK * sizeof(float));
+    }
+}
+
 #if HAVE_X86
 /* Two weight rows at a time: each activation load feeds four FMAs instead of two,
  * which is what bounds a batched step (the products are float32 FMAs). Each output
  * still adds its blocks in the same order as the portable path's. An odd last row
- * is computed twice and stored once. */
+ * is computed twice and stored once.
+ *
+ * The activation rows come packed tile by tile (pack_tiles: [block][row][32] within
+ * a tile), so that a tile's rows sit at fixed offsets from one pointer; a tile is 8,
+ * 4, 2 or 1 rows, each width its own function with the width fixed at compile time,
+ * so that the accumulators stay in registers and no branch is taken per block. */
 #define TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c")))
-#define PAIR_ROWS(DEQUANT)                                                                  \
+#define PAIR_TILE(BT, DEQUANT)                                                              \
     for (int64_t r = n0; r < n1; r += 2) {                                                 \
         const int64_t r1 = r + 1 < n1 ? r + 1 : r;                                          \
-        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {                                   \
-            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;                 \
-            __m512 a0[ROW_TILE], a1[ROW_TILE];                                              \
-            for (int b = 0; b < ROW_TILE; b++) a0[b] = a1[b] = _mm512_setzero_ps();         \
-            const float *xt = x + b0 * k;                                                   \
-            for (int64_t j = 0; j < nb; j++) {                                              \
-                __m512 w0lo, w0hi, w1lo, w1hi;                                              \
-                DEQUANT(r, w0lo, w0hi);                                                     \
-                DEQUANT(r1, w1lo, w1hi);                                                    \
-                const float *xj = xt + j * QK;                                              \
-                switch (bt) { /* unrolled so that the accumulators stay in registers */     \
-                case 8: ROW(7) /* fall through */                                           \
-                case 7: ROW(6) /* fall through */                                           \
-                case 6: ROW(5) /* fall through */                                           \
-                case 5: ROW(4) /* fall through */                                           \
-                case 4: ROW(3) /* fall through */                                           \
-                case 3: ROW(2) /* fall through */                                           \
-                case 2: ROW(1) /* fall through */                                           \
-                case 1: ROW(0)                                                              \
-                }                                                                           \
-            }                                                                               \
-            for (int64_t b = 0; b < bt; b++) {                                              \
-                y[(b0 + b) * n + r] = _mm512_reduce_add_ps(a0[b]);                          \
-                if (r1 != r) y[(b0 + b) * n + r1] = _mm512_reduce_add_ps(a1[b]);            \
+        __m512 a0[BT], a1[BT];                                                              \
+        for (int b = 0; b < BT; b++) a0[b] = a1[b] = _mm512_setzero_ps();                   \
+        for (int64_t j = 0; j < nb; j++) {                                                  \
+            __m512 w0lo, w0hi, w1lo, w1hi;                                                  \
+            DEQUANT(r, w0lo, w0hi);                                                         \
+            DEQUANT(r1, w1lo, w1hi);                                                        \
+            const float *xj = xp + j * (BT * QK);                                           \
+            for (int b = 0; b < BT; b++) {                                                  \
+                const __m512 xl = _mm512_loadu_ps(xj + b * QK);                             \
+                const __m512 xh = _mm512_loadu_ps(xj + b * QK + QK / 2);                    \
+                a0[b] = _mm512_fmadd_ps(w0lo, xl, a0[b]);                                   \
+                a0[b] = _mm512_fmadd_ps(w0hi, xh, a0[b]);                                   \
+                a1[b] = _mm512_fmadd_ps(w1lo, xl, a1[b]);                                   \
+                a1[b] = _mm512_fmadd_ps(w1hi, xh, a1[b]);                                   \
             }                                                                               \
         }                                                                                   \
-    }
-
-#define ROW(b)                                                                              \
-    {                                                                                       \
-        const __m512 xl = _mm512_loadu_ps(xj + (b) * k), xh = _mm512_loadu_ps(xj + (b) * k + 16); \
-        a0[b] = _mm512_fmadd_ps(w0lo, xl, a0[b]);                                           \
-        a0[b] = _mm512_fmadd_ps(w0hi, xh, a0[b]);                                           \
-        a1[b] = _mm512_fmadd_ps(w1lo, xl, a1[b]);                                           \
-        a1[b] = _mm512_fmadd_ps(w1hi, xh, a1[b]);                                           \
+        for (int b = 0; b < BT; b++) {                                                      \
+            y[b * n + r] = _mm512_reduce_add_ps(a0[b]);                                     \
+            if (r1 != r) y[b * n + r1] = _mm512_reduce_add_ps(a1[b]);                       \
+        }                                                                                   \
     }
 
 /* Q4_1: (d * q) + m, rounded twice, exactly as gguf-py dequantises. A nibble has 16
@@ -185,22 +192,61 @@ static void q8_0_rows_generic(const float *x, int64_t rows, int64_t k, const int
         hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)))), dj); \
     }
 
-TARGET_AVX512
-static void q4_1_rows_avx512(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
+#define Q4_1_TILE(BT)                                                                       \
+    TARGET_AVX512 static void q4_1_tile##BT(const float *xp, int64_t nb, const uint8_t *qs,   \
+                                            const uint16_t *d, const uint16_t *m, int64_t n0,  \
+                                            int64_t n1, float *y, int64_t n) {                 \
+        const __m512 iota =                                                                    \
+            _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);              \
+        PAIR_TILE(BT, Q4_1_DEQUANT)                                                          \
+    }
+#define Q8_0_TILE(BT)                                                                       \
+    TARGET_AVX512 static void q8_0_tile##BT(const float *xp, int64_t nb, const int8_t *qs,    \
+                                            const uint16_t *d, int64_t n0, int64_t n1,         \
+                                            float *y, int64_t n) {                             \
+        PAIR_TILE(BT, Q8_0_DEQUANT)                                                          \
+    }
+Q4_1_TILE(8)
+Q4_1_TILE(4)
+Q4_1_TILE(2)
+Q4_1_TILE(1)
+Q8_0_TILE(8)
+Q8_0_TILE(4)
+Q8_0_TILE(2)
+Q8_0_TILE(1)
+
+/* Output rows [n0, n1) for every activation row, tile by tile (xp as pack_tiles
+ * wrote it). */
+static void q4_1_rows_avx512(const float *xp, int64_t rows, int64_t k, const uint8_t *qs,
                              const uint16_t *d, const uint16_t *m, int64_t n0, int64_t n1,
                              float *y, int64_t n) {
-    const int64_t nb = k / QK;
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    PAIR_ROWS(Q4_1_DEQUANT)
+    for (int64_t b0 = 0, bt; b0 < rows; b0 += bt) {
+        bt = tile_width(rows - b0);
+        const float *xt = xp + b0 * k;
+        float *yt = y + b0 * n;
+        switch (bt) {
+        case 8: q4_1_tile8(xt, k / QK, qs, d, m, n0, n1, yt, n); break;
+        case 4: q4_1_tile4(xt, k / QK, qs, d, m, n0, n1, yt, n); break;
+        case 2: q4_1_tile2(xt, k / QK, qs, d, m, n0, n1, yt, n); break;
+        default: q4_1_tile1(xt, k / QK, qs, d, m, n0, n1, yt, n);
+        }
+    }
 }
 
-TARGET_AVX512
-static void q8_0_rows_avx512(const float *x, int64_t rows, int64_t k, const int8_t *qs,
+static void q8_0_rows_avx512(const float *xp, int64_t rows, int64_t k, const int8_t *qs,
                              const uint16_t *d, int64_t n0, int64_t n1, float *y, int64_t n) {
-    const int64_t nb = k / QK;
-    PAIR_ROWS(Q8_0_DEQUANT)
+    for (int64_t b0 = 0, bt; b0 < rows; b0 += bt) {
+        bt = tile_width(rows - b0);
+        const float *xt = xp + b0 * k;
+        float *yt = y + b0 * n;
+        switch (bt) {
+        case 8: q8_0_tile8(xt, k / QK, qs, d, n0, n1, yt, n); break;
+        case 4: q8_0_tile4(xt, k / QK, qs, d, n0, n1, yt, n); break;
+        case 2: q8_0_tile2(xt, k / QK, qs, d, n0, n1, yt, n); break;
+        default: q8_0_tile1(xt, k / QK, qs, d, n0, n1, yt, n);
+        }
+    }
 }
-#undef ROW
 
 /* Blocks [i0, i1) of a weight back to float32 (the dequant functions below), with
  * the kernels' own dequantisation: (row) * nb + j is block j. */
@@ -250,38 +296,60 @@ static int use_avx512(void) {
 /* Blocks per OpenMP chunk of a dequantisation (128 KiB of float32 out). */
 #define DEQUANT_CHUNK 1024
 
-static void q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
-                        const uint16_t *d, const uint16_t *m, int64_t n, float *y, int threads) {
-    const int avx = use_avx512();
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
-#if HAVE_X86
-        if (avx) {
-            q4_1_rows_avx512(x, rows, k, qs, d, m, n0, n1, y, n);
-            continue;
-        }
-#endif
-        (void)avx;
-        q4_1_rows_generic(x, rows, k, qs, d, m, n0, n1, y, n);
+/* The activations packed into tiles for the AVX-512 path (NULL: use x as it is,
+ * one row or the portable path; *failed when out of memory). */
+static float *packed(const float *x, int64_t rows, int64_t k, int avx, int *failed) {
+    *failed = 0;
+    if (!avx || rows == 1) return NULL;
+    float *xp = malloc((size_t)(rows * k) * sizeof(float));
+    if (!xp) {
+        *failed = 1;
+        return NULL;
     }
+    pack_tiles(x, rows, k, xp);
+    return xp;
 }
 
-static void q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
-                        const uint16_t *d, int64_t n, float *y, int threads) {
+static int q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
+                       const uint16_t *d, const uint16_t *m, int64_t n, float *y, int threads) {
     const int avx = use_avx512();
+    int failed;
+    float *xp = packed(x, rows, k, avx, &failed);
+    if (failed) return -1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
 #if HAVE_X86
         if (avx) {
-            q8_0_rows_avx512(x, rows, k, qs, d, n0, n1, y, n);
+            q4_1_rows_avx512(xp ? xp : x, rows, k, qs, d, m, n0, n1, y, n);
             continue;
         }
 #endif
-        (void)avx;
+        q4_1_rows_generic(x, rows, k, qs, d, m, n0, n1, y, n);
+    }
+    free(xp);
+    return 0;
+}
+
+static int q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
+                       const uint16_t *d, int64_t n, float *y, int threads) {
+    const int avx = use_avx512();
+    int failed;
+    float *xp = packed(x, rows, k, avx, &failed);
+    if (failed) return -1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
+#if HAVE_X86
+        if (avx) {
+            q8_0_rows_avx512(xp ? xp : x, rows, k, qs, d, n0, n1, y, n);
+            continue;
+        }
+#endif
         q8_0_rows_generic(x, rows, k, qs, d, n0, n1, y, n);
     }
+    free(xp);
+    return 0;
 }
 
 /* Whole weights back to float32, [n][k], for many-row products (a prefill), where
@@ -354,10 +422,12 @@ static PyObject *py_q4_1_linear(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLLKKKLKi", &x, &rows, &k, &qs, &d, &m, &n, &y, &threads))
         return NULL;
     if (!check_shape(rows, k, n, threads)) return NULL;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    q4_1_linear((const float *)x, rows, k, (const uint8_t *)qs, (const uint16_t *)d,
-                (const uint16_t *)m, n, (float *)y, threads);
+    failed = q4_1_linear((const float *)x, rows, k, (const uint8_t *)qs, (const uint16_t *)d,
+                         (const uint16_t *)m, n, (float *)y, threads);
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -368,10 +438,12 @@ static PyObject *py_q8_0_linear(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KLLKKLKi", &x, &rows, &k, &qs, &d, &n, &y, &threads))
         return NULL;
     if (!check_shape(rows, k, n, threads)) return NULL;
+    int failed;
     Py_BEGIN_ALLOW_THREADS
-    q8_0_linear((const float *)x, rows, k, (const int8_t *)qs, (const uint16_t *)d, n, (float *)y,
-                threads);
+    failed = q8_0_linear((const float *)x, rows, k, (const int8_t *)qs, (const uint16_t *)d, n,
+                         (float *)y, threads);
     Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
