@@ -24,7 +24,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -279,6 +281,126 @@ static void q8_0_dequant(const int8_t *qs, const uint16_t *d, int64_t n, int64_t
         for (int j = 0; j < QK; j++) w[i * QK + j] = half_to_float(d[i]) * (float)qs[i * QK + j];
 }
 
+/* ---------------------------------------------------------------- decode-step glue
+ * The float32 operations between a layer's products (lean_forward.py), each one call
+ * instead of five to a dozen torch ops of a few microseconds of dispatch each. Plain
+ * loops (gcc vectorises them; -ffp-contract=off keeps each product and sum rounded as
+ * torch rounds it). A decode step has 1 to a few dozen rows, so the threads split
+ * rows (or rows and heads) only where the work pays for waking them: GLUE_PARALLEL
+ * floats touched, measured on SmolLM2's 576 / 1536 widths. */
+
+#define GLUE_PARALLEL 16384
+#define LANES 16
+
+/* Sum of squares over LANES partial sums (vectorised; a reordered float32 sum). */
+static inline float sum_squares(const float *x, int64_t n) {
+    float part[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) part[l] += x[i + l] * x[i + l];
+    float s = 0.0f;
+    for (; i < n; i++) s += x[i] * x[i];
+    for (int l = 0; l < LANES; l++) s += part[l];
+    return s;
+}
+
+/* h += delta (when delta), then out = weight * (h * rsqrt(mean(h^2) + eps)): the
+ * residual add and the next RMSNorm (Llama's: float32, weight times the normalised
+ * value) in one pass over the row. out may be h. */
+static void add_rms_norm(float *h, const float *delta, int64_t rows, int64_t n,
+                         const float *weight, float eps, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= GLUE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        float *hr = h + r * n, *o = out + r * n;
+        if (delta)
+            for (int64_t i = 0; i < n; i++) hr[i] += delta[r * n + i];
+        const float scale = 1.0f / sqrtf(sum_squares(hr, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (hr[i] * scale);
+    }
+}
+
+/* out[r][i] = silu(g) * u for gate_up [rows][2 * inter] = [gate | up]: silu(g) =
+ * g / (1 + exp(-g)), as torch computes it. */
+static void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter >= GLUE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gate_up + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+    }
+}
+
+/* Rotary embeddings in place on the first `heads` heads of each row of x [rows][width]
+ * (a fused qkv output: q's heads, then k's, then v's, which are left alone), with cos,
+ * sin [rows][dim]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], the same
+ * products and sums as transformers' apply_rotary_pos_emb, so bit for bit its result. */
+static void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t dim,
+                   const float *cos, const float *sin, int threads) {
+    const int64_t half = dim / 2;
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * heads * dim >= GLUE_PARALLEL)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * dim, *s = sin + r * dim;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            float *x1 = x + r * width + hd * dim, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] + (-b) * s[i];
+                x2[i] = b * c[half + i] + a * s[half + i];
+            }
+        }
+    }
+}
+
+/* Attention of one query per row against that row's keys and values, no mask:
+ * out[r][h] = softmax(q k^T * scale) v over the row's `columns` keys, query head h
+ * reading kv head h / (heads / kv_heads) (grouped-query, nothing repeated). Float32
+ * throughout, the softmax with its maximum subtracted. Strides are in floats:
+ * q [rows][heads][dim] (q_row, q_head), keys and values [rows][kv_heads][columns][dim]
+ * (kv_row, kv_head, column stride dim); out [rows][heads][dim], contiguous. */
+static int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
+                      const float *values, int64_t kv_row, int64_t kv_head, int64_t rows,
+                      int64_t heads, int64_t kv_heads, int64_t columns, int64_t dim,
+                      float scale, float *out, int threads) {
+    const int64_t group = heads / kv_heads, work = rows * heads * columns * dim;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (work >= 4 * GLUE_PARALLEL)
+    {
+        float *p = malloc((size_t)(columns > 0 ? columns : 1) * sizeof(float));
+        if (!p) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t rh = 0; rh < rows * heads; rh++) {
+            if (!p) continue;
+            const int64_t r = rh / heads, hd = rh % heads;
+            const float *qv = q + r * q_row + hd * q_head;
+            const float *k = keys + r * kv_row + (hd / group) * kv_head;
+            const float *v = values + r * kv_row + (hd / group) * kv_head;
+            float *o = out + rh * dim, top = -INFINITY;
+            for (int64_t j = 0; j < columns; j++) {
+                float part[LANES] = {0}, s = 0.0f;
+                int64_t i = 0;
+                for (; i + LANES <= dim; i += LANES)
+                    for (int l = 0; l < LANES; l++) part[l] += qv[i + l] * k[j * dim + i + l];
+                for (; i < dim; i++) s += qv[i] * k[j * dim + i];
+                for (int l = 0; l < LANES; l++) s += part[l];
+                p[j] = s * scale;
+                if (p[j] > top) top = p[j];
+            }
+            float total = 0.0f;
+            for (int64_t j = 0; j < columns; j++) total += (p[j] = expf(p[j] - top));
+            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+            for (int64_t j = 0; j < columns; j++)
+                for (int64_t i = 0; i < dim; i++) o[i] += p[j] * v[j * dim + i];
+            const float inv = 1.0f / total;
+            for (int64_t i = 0; i < dim; i++) o[i] *= inv;
+        }
+        free(p);
+    }
+    return !failed;
+}
+
 /* ---------------------------------------------------------------- Python glue
  * Pointers come in as integers (torch's data_ptr()); the Python wrapper
  * (block_linear.py) checks dtypes, shapes and contiguity before calling. */
@@ -345,6 +467,80 @@ static PyObject *py_q8_0_dequant(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_add_rms_norm(PyObject *self, PyObject *args) {
+    unsigned long long h, delta, weight, out;
+    long long rows, n;
+    float eps;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KKLLKfKi", &h, &delta, &rows, &n, &weight, &eps, &out, &threads))
+        return NULL;
+    if (rows < 0 || n <= 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "rows >= 0, n >= 1, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    add_rms_norm((float *)h, (const float *)delta, rows, n, (const float *)weight, eps,
+                 (float *)out, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_silu_mul(PyObject *self, PyObject *args) {
+    unsigned long long gate_up, out;
+    long long rows, inter;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLKi", &gate_up, &rows, &inter, &out, &threads)) return NULL;
+    if (rows < 0 || inter <= 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "rows >= 0, inter >= 1, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul((const float *)gate_up, rows, inter, (float *)out, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_rotary(PyObject *self, PyObject *args) {
+    unsigned long long x, cos, sin;
+    long long rows, width, heads, dim;
+    int threads;
+    if (!PyArg_ParseTuple(args, "KLLLLKKi", &x, &rows, &width, &heads, &dim, &cos, &sin, &threads))
+        return NULL;
+    if (rows < 0 || dim <= 0 || dim % 2 || heads < 0 || heads * dim > width || threads < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "dim must be even and positive, heads * dim <= width, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rotary((float *)x, rows, width, heads, dim, (const float *)cos, (const float *)sin, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_attend_one(PyObject *self, PyObject *args) {
+    unsigned long long q, keys, values, out;
+    long long q_row, q_head, kv_row, kv_head, rows, heads, kv_heads, columns, dim;
+    float scale;
+    int threads, ok;
+    if (!PyArg_ParseTuple(args, "KLLKKLLLLLLLfKi", &q, &q_row, &q_head, &keys, &values, &kv_row,
+                          &kv_head, &rows, &heads, &kv_heads, &columns, &dim, &scale, &out,
+                          &threads))
+        return NULL;
+    if (rows < 0 || kv_heads <= 0 || heads % kv_heads || columns <= 0 || dim <= 0 ||
+        threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "heads a multiple of kv_heads >= 1, columns and dim "
+                                          ">= 1, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    ok = attend_one((const float *)q, q_row, q_head, (const float *)keys, (const float *)values,
+                    kv_row, kv_head, rows, heads, kv_heads, columns, dim, scale, (float *)out,
+                    threads);
+    Py_END_ALLOW_THREADS
+    if (!ok) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(use_avx512() ? "avx512" : "generic");
 }
@@ -359,6 +555,16 @@ static PyMethodDef methods[] = {
     {"q8_0_dequant", py_q8_0_dequant, METH_VARARGS,
      "q8_0_dequant(qs, d, n, k, w, threads): W[n][k] as float32 into w"},
     {"simd", py_simd, METH_NOARGS, "The code path this CPU runs: 'avx512' or 'generic'."},
+    {"add_rms_norm", py_add_rms_norm, METH_VARARGS,
+     "add_rms_norm(h, delta, rows, n, weight, eps, out, threads): h += delta (delta 0: none), "
+     "out = weight * h * rsqrt(mean(h^2) + eps)"},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(gate_up, rows, inter, out, threads): out = silu(gate) * up"},
+    {"rotary", py_rotary, METH_VARARGS,
+     "rotary(x, rows, width, heads, dim, cos, sin, threads): rotary embeddings in place"},
+    {"attend_one", py_attend_one, METH_VARARGS,
+     "attend_one(q, q_row, q_head, keys, values, kv_row, kv_head, rows, heads, kv_heads, "
+     "columns, dim, scale, out, threads): one query per row, no mask"},
     {NULL, NULL, 0, NULL},
 };
 
