@@ -66,12 +66,13 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: nn.Module) -
     _check("h", h, (rows, size))
     if delta is not None:
         _check("delta", delta, (rows, size))
-    weight = norm.weight
+    weight, eps = norm.weight, norm.variance_epsilon
+    assert isinstance(weight, torch.Tensor) and isinstance(eps, float), "a plain_rms_norm"
     _check("norm weight", weight, (size,))
     out = torch.empty_like(h)
     kernels.add_rms_norm(
         h.data_ptr(), 0 if delta is None else delta.data_ptr(), rows, size, weight.data_ptr(),
-        norm.variance_epsilon, out.data_ptr(), _threads(),
+        eps, out.data_ptr(), _threads(),
     )  # fmt: skip
     return out
 
