@@ -205,13 +205,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa(layer_attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-         mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+         mask: torch.Tensor | None, fused: bool = False) -> torch.Tensor:  # fmt: skip
     """Attention for one layer: [R, W, heads * D]. One query per row (a decode step)
     calls torch's SDPA directly (grouped-query, no mask without padding): half the
-    time of transformers' wrapper around it for one query; wider steps go through
+    time of transformers' wrapper around it for one query; with ``fused`` (the lean
+    forward's C glue) and no mask, the C kernel; wider steps go through
     transformers' SDPA."""
     if q.shape[2] == 1:
-        return _one_query(q, keys, values, mask, float(layer_attn.scaling))  # type: ignore[arg-type]
+        scale = float(layer_attn.scaling)  # type: ignore[arg-type]
+        return _one_query(q, keys, values, mask, scale, fused)
     out, _ = sdpa_attention_forward(
         layer_attn,
         q,
@@ -230,10 +232,11 @@ def _one_query(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    fused: bool,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [R, heads, 1, D] against keys/values [R, kv heads,
     K, D] read in place (no repeated kv heads), as [R, 1, heads * D]."""
-    if mask is None and fused_ops.unavailable() is None:
+    if fused and mask is None:
         out = fused_ops.attend_one(q, keys, values, scale)
         if out is not None:
             return out
