@@ -204,7 +204,7 @@ static void q8_0_rows_avx512(const float *x, int64_t rows, int64_t k, const int8
 #endif
 
 static int use_avx512(void) {
-#if HAVE_X86
+#if HAVE_X86 && !defined(OMNI_GENERIC_KERNELS) /* -DOMNI_GENERIC_KERNELS: test the portable path */
     static int cached = -1;
     if (cached < 0) {
         __builtin_cpu_init();
