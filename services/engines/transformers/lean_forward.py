@@ -213,7 +213,11 @@ def sdpa(layer_attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, values: tor
     transformers' SDPA."""
     if q.shape[2] == 1:
         scale = float(layer_attn.scaling)  # type: ignore[arg-type]
-        return _one_query(q, keys, values, mask, scale, fused)
+        if fused and mask is None:
+            out = fused_ops.attend_one(q, keys, values, scale)
+            if out is not None:
+                return out
+        return _one_query(q, keys, values, mask, scale)
     out, _ = sdpa_attention_forward(
         layer_attn,
         q,
@@ -232,14 +236,9 @@ def _one_query(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    fused: bool,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [R, heads, 1, D] against keys/values [R, kv heads,
     K, D] read in place (no repeated kv heads), as [R, 1, heads * D]."""
-    if fused and mask is None:
-        out = fused_ops.attend_one(q, keys, values, scale)
-        if out is not None:
-            return out
     rows, heads, _one, dim = q.shape
     out = functional.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True

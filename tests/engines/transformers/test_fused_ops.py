@@ -36,20 +36,21 @@ HIDDEN, INTER, HEADS, KV_HEADS, DIM = 576, 1536, 9, 3, 64  # SmolLM2-135M
 ROWS = (1, 8, 64)  # 64: past the threshold from which the threads split rows
 
 
-def _norm(generator: torch.Generator) -> LlamaRMSNorm:
-    norm = LlamaRMSNorm(HIDDEN, eps=1e-5)
+def _norm(generator: torch.Generator, size: int) -> LlamaRMSNorm:
+    norm = LlamaRMSNorm(size, eps=1e-5)
     with torch.no_grad():
-        norm.weight.copy_(1 + 0.3 * torch.randn(HIDDEN, generator=generator))
+        norm.weight.copy_(1 + 0.3 * torch.randn(size, generator=generator))
     return norm
 
 
+@pytest.mark.parametrize("size", [HIDDEN, 100])  # 100: not a multiple of the 16 lanes
 @pytest.mark.parametrize("rows", ROWS)
 @torch.inference_mode()
-def test_add_rms_norm_adds_in_place_and_normalises_as_torch(rows: int) -> None:
+def test_add_rms_norm_adds_in_place_and_normalises_as_torch(rows: int, size: int) -> None:
     generator = torch.Generator().manual_seed(rows)
-    norm = _norm(generator)
-    h = torch.randn(rows, HIDDEN, generator=generator) * 3
-    delta = torch.randn(rows, HIDDEN, generator=generator)
+    norm = _norm(generator, size)
+    h = torch.randn(rows, size, generator=generator) * 3
+    delta = torch.randn(rows, size, generator=generator)
     summed = h + delta
     mine_h = h.clone()
     mine = fused_ops.add_rms_norm(mine_h, delta, norm)
@@ -62,10 +63,12 @@ def test_add_rms_norm_adds_in_place_and_normalises_as_torch(rows: int) -> None:
     assert_float32_close(alone, norm(summed), exact)
 
 
+@pytest.mark.parametrize("inter", [INTER, 77])  # 77: a vector and a partial one
 @pytest.mark.parametrize("rows", ROWS)
 @torch.inference_mode()
-def test_silu_mul_is_silu_of_gate_times_up(rows: int) -> None:
-    gate_up = torch.randn(rows, 2 * INTER, generator=torch.Generator().manual_seed(rows)) * 4
+def test_silu_mul_is_silu_of_gate_times_up(rows: int, inter: int) -> None:
+    gate_up = torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows)) * 4
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's range ends
     gate, up = gate_up.chunk(2, dim=-1)
     exact = functional.silu(gate.double()) * up.double()
     assert_float32_close(fused_ops.silu_mul(gate_up), functional.silu(gate) * up, exact)
@@ -90,23 +93,26 @@ def test_rotary_in_place_is_transformers_rotary_bit_for_bit(rows: int) -> None:
     assert not torch.equal(qkv, before)  # not vacuous: it rotated
 
 
-def _cache(rows: int, columns: int, generator: torch.Generator) -> torch.Tensor:
+def _cache(rows: int, columns: int, generator: torch.Generator, dim: int = DIM) -> torch.Tensor:
     """Keys or values [rows, kv heads, columns, D] as KvRows holds them: the leading
     columns of a buffer with room to grow."""
-    buffer = torch.randn(rows, KV_HEADS, columns + 16, DIM, generator=generator)
+    buffer = torch.randn(rows, KV_HEADS, columns + 16, dim, generator=generator)
     return buffer[:, :, :columns]
 
 
-@pytest.mark.parametrize(("rows", "columns"), [(1, 1), (1, 37), (8, 300), (3, 1000)])
+@pytest.mark.parametrize(
+    ("rows", "columns", "dim"),
+    [(1, 1, DIM), (1, 37, DIM), (8, 300, DIM), (3, 1000, DIM), (2, 40, 24)],
+)  # dim 24: not a multiple of 16, so the portable loop even where AVX-512 is
 @torch.inference_mode()
-def test_attend_one_is_grouped_query_sdpa(rows: int, columns: int) -> None:
+def test_attend_one_is_grouped_query_sdpa(rows: int, columns: int, dim: int) -> None:
     """q read in place from the fused qkv product; keys and values from the cache's
     buffers; each query head against its group's kv head."""
     generator = torch.Generator().manual_seed(columns)
-    qkv = torch.randn(rows, 1, (HEADS + 2 * KV_HEADS) * DIM, generator=generator) * 2
-    q = qkv.view(rows, 1, -1, DIM).transpose(1, 2)[:, :HEADS]
-    keys, values = _cache(rows, columns, generator), _cache(rows, columns, generator)
-    scale = DIM**-0.5
+    qkv = torch.randn(rows, 1, (HEADS + 2 * KV_HEADS) * dim, generator=generator) * 2
+    q = qkv.view(rows, 1, -1, dim).transpose(1, 2)[:, :HEADS]
+    keys, values = _cache(rows, columns, generator, dim), _cache(rows, columns, generator, dim)
+    scale = dim**-0.5
     mine = fused_ops.attend_one(q, keys, values, scale)
     assert mine is not None
     trusted = functional.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
