@@ -339,13 +339,17 @@ TARGET_AVX512 static void silu_row_avx512(const float *g, const float *u, float 
 
 /* One (row, head) of attend_one for dim a multiple of 16, up to 256. */
 TARGET_AVX512 static void attend_head_avx512(const float *qv, const float *k, const float *v,
-                                             int64_t columns, int64_t dim, float scale,
-                                             float *p, float *o) {
+                                             const uint8_t *seen, int64_t columns, int64_t dim,
+                                             float scale, float *p, float *o) {
     const int64_t vecs = dim / 16;
     __m512 acc[16], qr[16];
     for (int64_t c = 0; c < vecs; c++) qr[c] = _mm512_loadu_ps(qv + 16 * c);
     float top = -INFINITY;
     for (int64_t j = 0; j < columns; j++) {
+        if (seen && !seen[j]) {
+            p[j] = -INFINITY;
+            continue;
+        }
         __m512 s = _mm512_mul_ps(qr[0], _mm512_loadu_ps(k + j * dim));
         for (int64_t c = 1; c < vecs; c++)
             s = _mm512_fmadd_ps(qr[c], _mm512_loadu_ps(k + j * dim + 16 * c), s);
@@ -356,9 +360,11 @@ TARGET_AVX512 static void attend_head_avx512(const float *qv, const float *k, co
     const __m512 shift = _mm512_set1_ps(top);
     for (int64_t j = 0; j < columns; j += 16) {
         const __mmask16 in = columns - j >= 16 ? 0xFFFF : (__mmask16)((1u << (columns - j)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(in, p + j), shift));
-        _mm512_mask_storeu_ps(p + j, in, e);
-        total = _mm512_add_ps(total, _mm512_maskz_mov_ps(in, e));
+        const __m512 pj = _mm512_maskz_loadu_ps(in, p + j);
+        const __mmask16 seen_j = in & _mm512_cmp_ps_mask(pj, _mm512_set1_ps(-INFINITY), _CMP_GT_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(seen_j, exp512(_mm512_sub_ps(pj, shift)));
+        _mm512_mask_storeu_ps(p + j, in, e); /* masked columns: exactly 0 */
+        total = _mm512_add_ps(total, e);
     }
     for (int64_t c = 0; c < vecs; c++) acc[c] = _mm512_setzero_ps();
     for (int64_t j = 0; j < columns; j++) {
@@ -426,16 +432,17 @@ static void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t
     }
 }
 
-/* Attention of one query per row against that row's keys and values, no mask:
- * out[r][h] = softmax(q k^T * scale) v over the row's `columns` keys, query head h
+/* Attention of one query per row against that row's keys and values: out[r][h] =
+ * softmax(q k^T * scale) v over the row's `columns` keys (those whose byte in the
+ * row's mask [rows][mask_row] is set, where a mask is given), query head h
  * reading kv head h / (heads / kv_heads) (grouped-query, nothing repeated). Float32
  * throughout, the softmax with its maximum subtracted. Strides are in floats:
  * q [rows][heads][dim] (q_row, q_head), keys and values [rows][kv_heads][columns][dim]
  * (kv_row, kv_head, column stride dim); out [rows][heads][dim], contiguous. */
 static int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
-                      const float *values, int64_t kv_row, int64_t kv_head, int64_t rows,
-                      int64_t heads, int64_t kv_heads, int64_t columns, int64_t dim,
-                      float scale, float *out, int threads) {
+                      const float *values, int64_t kv_row, int64_t kv_head, const uint8_t *mask,
+                      int64_t mask_row, int64_t rows, int64_t heads, int64_t kv_heads,
+                      int64_t columns, int64_t dim, float scale, float *out, int threads) {
     const int64_t group = heads / kv_heads, work = rows * heads * columns * dim;
     const int avx = use_avx512() && dim % 16 == 0 && dim <= 256;
     int failed = 0;
@@ -453,15 +460,16 @@ static int attend_one(const float *q, int64_t q_row, int64_t q_head, const float
             const float *qv = q + r * q_row + hd * q_head;
             const float *k = keys + r * kv_row + (hd / group) * kv_head;
             const float *v = values + r * kv_row + (hd / group) * kv_head;
+            const uint8_t *seen = mask ? mask + r * mask_row : NULL;
             float *o = out + rh * dim, top = -INFINITY;
 #if HAVE_X86
             if (avx) {
-                attend_head_avx512(qv, k, v, columns, dim, scale, p, o);
+                attend_head_avx512(qv, k, v, seen, columns, dim, scale, p, o);
                 continue;
             }
 #endif
             for (int64_t j = 0; j < columns; j++) {
-                p[j] = dot(qv, k + j * dim, dim) * scale;
+                p[j] = seen && !seen[j] ? -INFINITY : dot(qv, k + j * dim, dim) * scale;
                 top = p[j] > top ? p[j] : top;
             }
             float total = 0.0f;
@@ -594,13 +602,13 @@ static PyObject *py_rotary(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_attend_one(PyObject *self, PyObject *args) {
-    unsigned long long q, keys, values, out;
-    long long q_row, q_head, kv_row, kv_head, rows, heads, kv_heads, columns, dim;
+    unsigned long long q, keys, values, mask, out;
+    long long q_row, q_head, kv_row, kv_head, mask_row, rows, heads, kv_heads, columns, dim;
     float scale;
     int threads, ok;
-    if (!PyArg_ParseTuple(args, "KLLKKLLLLLLLfKi", &q, &q_row, &q_head, &keys, &values, &kv_row,
-                          &kv_head, &rows, &heads, &kv_heads, &columns, &dim, &scale, &out,
-                          &threads))
+    if (!PyArg_ParseTuple(args, "KLLKKLLKLLLLLLfKi", &q, &q_row, &q_head, &keys, &values, &kv_row,
+                          &kv_head, &mask, &mask_row, &rows, &heads, &kv_heads, &columns, &dim,
+                          &scale, &out, &threads))
         return NULL;
     if (rows < 0 || kv_heads <= 0 || heads % kv_heads || columns <= 0 || dim <= 0 ||
         threads < 1) {
@@ -610,8 +618,8 @@ static PyObject *py_attend_one(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     ok = attend_one((const float *)q, q_row, q_head, (const float *)keys, (const float *)values,
-                    kv_row, kv_head, rows, heads, kv_heads, columns, dim, scale, (float *)out,
-                    threads);
+                    kv_row, kv_head, (const uint8_t *)mask, mask_row, rows, heads, kv_heads,
+                    columns, dim, scale, (float *)out, threads);
     Py_END_ALLOW_THREADS
     if (!ok) return PyErr_NoMemory();
     Py_RETURN_NONE;
@@ -639,8 +647,8 @@ static PyMethodDef methods[] = {
     {"rotary", py_rotary, METH_VARARGS,
      "rotary(x, rows, width, heads, dim, cos, sin, threads): rotary embeddings in place"},
     {"attend_one", py_attend_one, METH_VARARGS,
-     "attend_one(q, q_row, q_head, keys, values, kv_row, kv_head, rows, heads, kv_heads, "
-     "columns, dim, scale, out, threads): one query per row, no mask"},
+     "attend_one(q, q_row, q_head, keys, values, kv_row, kv_head, mask, mask_row, rows, heads, "
+     "kv_heads, columns, dim, scale, out, threads): one query per row (mask 0: none)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -23,6 +23,8 @@ def attend_one(
     values: int,
     kv_row: int,
     kv_head: int,
+    mask: int,
+    mask_row: int,
     rows: int,
     heads: int,
     kv_heads: int,

@@ -104,12 +104,18 @@ def rotary_(qkv: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: tor
 
 
 def attend_one(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
 ) -> torch.Tensor | None:
-    """softmax(q k^T * scale) v with no mask for q [rows, heads, 1, D] against keys and
-    values [rows, kv heads, K, D] read in place, grouped-query: [rows, 1, heads * D].
-    None where the layout is not one the kernel reads (each head's D floats and each
-    key's in a row; keys and values alike), so the caller keeps torch's SDPA."""
+    """softmax(q k^T * scale) v for q [rows, heads, 1, D] against keys and values [rows,
+    kv heads, K, D] read in place, grouped-query, over the keys ``mask`` [rows, 1, 1, K]
+    (bool, as kv_rows.attention_mask builds it; None: all) lets each row see:
+    [rows, 1, heads * D]. None where the layout is not one the kernel reads (each
+    head's D floats and each key's in a row; keys and values alike), so the caller
+    keeps torch's SDPA."""
     assert kernels is not None
     rows, heads, one, dim = q.shape
     key_rows, kv_heads, columns, key_dim = keys.shape
@@ -125,10 +131,15 @@ def attend_one(
         or keys.stride(2) != dim
     ):
         return None
+    seen = None
+    if mask is not None:
+        if mask.dtype != torch.bool or tuple(mask.shape) != (rows, 1, 1, columns):
+            return None
+        seen = mask.reshape(rows, columns).contiguous().view(torch.uint8)
     out = q.new_empty(rows, 1, heads * dim)
     kernels.attend_one(
         q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(),
-        keys.stride(0), keys.stride(1), rows, heads, kv_heads, columns, dim, scale,
-        out.data_ptr(), _threads(),
+        keys.stride(0), keys.stride(1), 0 if seen is None else seen.data_ptr(), columns,
+        rows, heads, kv_heads, columns, dim, scale, out.data_ptr(), _threads(),
     )  # fmt: skip
     return out

@@ -209,15 +209,10 @@ def sdpa(layer_attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, values: tor
     """Attention for one layer: [R, W, heads * D]. One query per row (a decode step)
     calls torch's SDPA directly (grouped-query, no mask without padding): half the
     time of transformers' wrapper around it for one query; with ``fused`` (the lean
-    forward's C glue) and no mask, the C kernel; wider steps go through
-    transformers' SDPA."""
+    forward's C glue), the C kernel; wider steps go through transformers' SDPA."""
     if q.shape[2] == 1:
         scale = float(layer_attn.scaling)  # type: ignore[arg-type]
-        if fused and mask is None:
-            out = fused_ops.attend_one(q, keys, values, scale)
-            if out is not None:
-                return out
-        return _one_query(q, keys, values, mask, scale)
+        return _one_query(q, keys, values, mask, scale, fused)
     out, _ = sdpa_attention_forward(
         layer_attn,
         q,
@@ -236,9 +231,15 @@ def _one_query(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    fused: bool,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [R, heads, 1, D] against keys/values [R, kv heads,
-    K, D] read in place (no repeated kv heads), as [R, 1, heads * D]."""
+    K, D] read in place (no repeated kv heads), as [R, 1, heads * D]: in C with
+    ``fused`` where the kernel reads the layout, else torch's SDPA."""
+    if fused:
+        out = fused_ops.attend_one(q, keys, values, mask, scale)
+        if out is not None:
+            return out
     rows, heads, _one, dim = q.shape
     out = functional.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True

@@ -100,24 +100,32 @@ def _cache(rows: int, columns: int, generator: torch.Generator, dim: int = DIM) 
     return buffer[:, :, :columns]
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize(
     ("rows", "columns", "dim"),
     [(1, 1, DIM), (1, 37, DIM), (8, 300, DIM), (3, 1000, DIM), (2, 40, 24)],
 )  # dim 24: not a multiple of 16, so the portable loop even where AVX-512 is
 @torch.inference_mode()
-def test_attend_one_is_grouped_query_sdpa(rows: int, columns: int, dim: int) -> None:
+def test_attend_one_is_grouped_query_sdpa(rows: int, columns: int, dim: int, masked: bool) -> None:
     """q read in place from the fused qkv product; keys and values from the cache's
-    buffers; each query head against its group's kv head."""
+    buffers; each query head against its group's kv head; with a mask as a padded
+    decode batch has (kv_rows.attention_mask: each row sees its newest column)."""
     generator = torch.Generator().manual_seed(columns)
     qkv = torch.randn(rows, 1, (HEADS + 2 * KV_HEADS) * dim, generator=generator) * 2
     q = qkv.view(rows, 1, -1, dim).transpose(1, 2)[:, :HEADS]
     keys, values = _cache(rows, columns, generator, dim), _cache(rows, columns, generator, dim)
+    mask = None
+    if masked:
+        mask = torch.rand(rows, 1, 1, columns, generator=generator) < 0.6
+        mask[..., -1] = True
     scale = dim**-0.5
-    mine = fused_ops.attend_one(q, keys, values, scale)
+    mine = fused_ops.attend_one(q, keys, values, mask, scale)
     assert mine is not None
-    trusted = functional.scaled_dot_product_attention(q, keys, values, scale=scale, enable_gqa=True)
+    trusted = functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     exact = functional.scaled_dot_product_attention(
-        q.double(), keys.double(), values.double(), scale=scale, enable_gqa=True
+        q.double(), keys.double(), values.double(), attn_mask=mask, scale=scale, enable_gqa=True
     )
     assert_float32_close(
         mine, trusted.reshape(rows, 1, -1), exact.reshape(rows, 1, -1)
@@ -129,12 +137,16 @@ def test_attend_one_declines_layouts_it_does_not_read() -> None:
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, HEADS, 1, DIM, generator=generator)
     keys, values = _cache(2, 5, generator), _cache(2, 5, generator)
-    assert fused_ops.attend_one(q, keys, values, 0.125) is not None
-    assert fused_ops.attend_one(q.double(), keys.double(), values.double(), 0.125) is None
+    assert fused_ops.attend_one(q, keys, values, None, 0.125) is not None
+    assert fused_ops.attend_one(q.double(), keys.double(), values.double(), None, 0.125) is None
     assert fused_ops.attend_one(q, keys.transpose(2, 3).contiguous().transpose(2, 3),
-                                values, 0.125) is None  # fmt: skip
-    assert fused_ops.attend_one(torch.randn(2, HEADS, 2, DIM), keys, values, 0.125) is None
-    assert fused_ops.attend_one(q, keys[:, :, :0], values[:, :, :0], 0.125) is None
+                                values, None, 0.125) is None  # fmt: skip
+    assert fused_ops.attend_one(torch.randn(2, HEADS, 2, DIM), keys, values, None, 0.125) is None
+    assert fused_ops.attend_one(q, keys[:, :, :0], values[:, :, :0], None, 0.125) is None
+    causal = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    assert fused_ops.attend_one(q, keys, values, causal, 0.125) is not None
+    assert fused_ops.attend_one(q, keys, values, causal.float(), 0.125) is None  # additive
+    assert fused_ops.attend_one(q, keys, values, causal[..., :4], 0.125) is None
 
 
 def test_bad_tensors_are_refused_naming_the_argument() -> None:
