@@ -52,9 +52,11 @@ def _threads() -> int:
 
 
 def _check(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+    """Every call checks (a wrong pointer is memory corruption, not an exception), as
+    cheaply as it can: this runs a few times a layer."""
+    if tensor.dtype is not torch.float32 or not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous float32, not {tensor.dtype} {tensor.stride()}")
-    if tuple(tensor.shape) != shape:
+    if tensor.shape != shape:
         raise ValueError(f"{name} must be {list(shape)}, not {list(tensor.shape)}")
 
 
@@ -119,16 +121,22 @@ def attend_one(
     assert kernels is not None
     rows, heads, one, dim = q.shape
     key_rows, kv_heads, columns, key_dim = keys.shape
-    tensors = (q, keys, values)
+    q_strides, key_strides = q.stride(), keys.stride()
+    float32 = torch.float32
     if (
         one != 1
-        or (key_rows, key_dim) != (rows, dim)
+        or key_rows != rows
+        or key_dim != dim
         or columns == 0
         or heads % kv_heads
-        or any(t.dtype != torch.float32 or t.stride(-1) != 1 for t in tensors)
+        or q.dtype is not float32
+        or keys.dtype is not float32
+        or values.dtype is not float32
+        or q_strides[3] != 1
+        or key_strides[3] != 1
+        or key_strides[2] != dim
         or keys.shape != values.shape
-        or keys.stride() != values.stride()
-        or keys.stride(2) != dim
+        or key_strides != values.stride()
     ):
         return None
     seen = None
@@ -138,8 +146,8 @@ def attend_one(
         seen = mask.reshape(rows, columns).contiguous().view(torch.uint8)
     out = q.new_empty(rows, 1, heads * dim)
     kernels.attend_one(
-        q.data_ptr(), q.stride(0), q.stride(1), keys.data_ptr(), values.data_ptr(),
-        keys.stride(0), keys.stride(1), 0 if seen is None else seen.data_ptr(), columns,
+        q.data_ptr(), q_strides[0], q_strides[1], keys.data_ptr(), values.data_ptr(),
+        key_strides[0], key_strides[1], 0 if seen is None else seen.data_ptr(), columns,
         rows, heads, kv_heads, columns, dim, scale, out.data_ptr(), _threads(),
     )  # fmt: skip
     return out
