@@ -188,7 +188,10 @@ class LeanForward:
             )
             delta = layer.down(fused_ops.silu_mul(layer.gate_up(x))).reshape(positions_n, size)
         states = fused_ops.add_rms_norm(h, delta, self.norm)
-        picked = states.view(rows, width, size)[:, -1] if keep is None else states[keep]
+        # Each row's last position, contiguous: not a view that holds all R * W rows.
+        picked = (
+            states.view(rows, width, size)[:, -1].contiguous() if keep is None else states[keep]
+        )
         return self.lm_head(picked).float(), picked if hidden else None
 
 
