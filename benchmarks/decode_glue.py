@@ -1,6 +1,7 @@
 """The lean forward's decode steps with its glue in C against torch's ops, side by side.
 
-    python benchmarks/decode_glue.py [--runs 3] [--steps 64] [--max-tokens 32] [--out FILE]
+    python benchmarks/decode_glue.py [--runs 3] [--steps 64] [--max-tokens 32] [--threads N]
+                                     [--out FILE]
 
 SmolLM2 on its GGUF blocks (float32, the lean forward) is loaded once, in the
 transformers engine; each run measures, once with the C glue (fused_ops.py) and once
@@ -89,8 +90,11 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, help="torch's threads (default: its own)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     settings = EngineSettings(
         cache_dir=environment.CACHE_DIR.get().expanduser(),
         max_batch_size=8,
