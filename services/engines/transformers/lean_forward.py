@@ -15,7 +15,7 @@ modules and weights, in as few calls as possible:
 - where the block kernels are built and the norms are Llama's (float32), the glue
   between the products is one C call each (fused_ops.py): the residual add with the
   next norm, rotary in place on the fused qkv product (q, k and v are views of it),
-  SiLU times up, and attention for one query per row without a mask.
+  SiLU times up, and attention for one query per row (a padded batch's mask too).
 
 It applies to decoders whose layers are ``input_layernorm``, ``self_attn`` (q, k, v,
 o projections, optional per-head q/k norms), ``post_attention_layernorm`` and a
