@@ -65,7 +65,7 @@ class KvRows:
                 layer = self.cache.layers[index]
                 assert isinstance(layer, GrowingLayer)
                 keys, values = layer.update(k, v)
-                return sdpa(lean.layers[index].attn, q, keys, values, mask)
+                return sdpa(lean.layers[index].attn, q, keys, values, mask, lean.fused)
 
             logits, states = lean(embeds, self.positions(valid), attend, None, hidden)
             self.advance(valid)

@@ -11,7 +11,11 @@ modules and weights, in as few calls as possible:
   original modules' buffers become views of them, so nothing is held twice;
 - the norms, rotary embeddings and SDPA are transformers' own functions, so each
   position's numbers are the ones the model's own forward computes;
-- no mask is built for a batch of decode rows with no padding.
+- no mask is built for a batch of decode rows with no padding;
+- where the block kernels are built and the norms are Llama's (float32), the glue
+  between the products is one C call each (fused_ops.py): the residual add with the
+  next norm, rotary in place on the fused qkv product (q, k and v are views of it),
+  SiLU times up, and attention for one query per row (a padded batch's mask too).
 
 It applies to decoders whose layers are ``input_layernorm``, ``self_attn`` (q, k, v,
 o projections, optional per-head q/k norms), ``post_attention_layernorm`` and a
@@ -31,6 +35,7 @@ from torch.nn import functional
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from services.engines.transformers import fused_ops
 from services.engines.transformers.block_linear import BlockLinear, Blocks
 
 # attend(layer index, q [R, heads, W, D], k, v [R, kv heads, W, D]) -> [R, W, heads * D]
@@ -105,6 +110,9 @@ class LeanForward:
                     k_norm=getattr(attn, "k_norm", None),
                 )
             )
+        norms = [self.norm, *(n for la in self.layers for n in (la.norm_in, la.norm_post))]
+        # The C glue where it is built and every norm is one it computes exactly so.
+        self.fused = fused_ops.unavailable() is None and all(map(fused_ops.plain_rms_norm, norms))
 
     def __call__(
         self,
@@ -117,6 +125,8 @@ class LeanForward:
         """Run ``embeds`` [R, W, hidden] at ``positions`` [R, W]. Returns float32 logits
         of the kept positions (``keep``: indices into the flattened R * W positions;
         None: each row's last) and, when ``hidden``, the last hidden state there."""
+        if self.fused and embeds.dtype == torch.float32:
+            return self._fused(embeds, positions, attend, keep, hidden)
         rows, width, _ = embeds.shape
         cos, sin = self.rotary(embeds, positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -138,6 +148,52 @@ class LeanForward:
         state = self.norm.forward(picked)
         return self.lm_head(state).float(), state if hidden else None
 
+    def _fused(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attend: Attend,
+        keep: torch.Tensor | None,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``__call__`` with the C glue: the residual stream ``h`` [R * W, hidden] is
+        one buffer that each layer's outputs are added into, in the pass that also
+        normalises it for the next product."""
+        rows, width, size = embeds.shape
+        positions_n, dim = rows * width, self.head_dim
+        cos, sin = (
+            t.reshape(positions_n, dim).contiguous() for t in self.rotary(embeds, positions)
+        )
+        h = embeds.reshape(positions_n, size).clone()  # added into in place: not the caller's
+        delta: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            qkv = layer.qkv(fused_ops.add_rms_norm(h, delta, layer.norm_in))
+            heads, kv_heads = layer.qkv_sizes[0] // dim, layer.qkv_sizes[1] // dim
+            if layer.q_norm is not None and layer.k_norm is not None:
+                per_head = qkv.view(positions_n, -1, dim)
+                per_head[:, :heads] = layer.q_norm.forward(per_head[:, :heads])
+                per_head[:, heads : heads + kv_heads] = layer.k_norm.forward(
+                    per_head[:, heads : heads + kv_heads]
+                )
+            fused_ops.rotary_(qkv, heads + kv_heads, dim, cos, sin)
+            grid = qkv.view(rows, width, -1, dim).transpose(1, 2)  # views, no copies
+            out = attend(
+                index,
+                grid[:, :heads],
+                grid[:, heads : heads + kv_heads],
+                grid[:, heads + kv_heads :],
+            )
+            x = fused_ops.add_rms_norm(
+                h, layer.o_proj(out).reshape(positions_n, size), layer.norm_post
+            )
+            delta = layer.down(fused_ops.silu_mul(layer.gate_up(x))).reshape(positions_n, size)
+        states = fused_ops.add_rms_norm(h, delta, self.norm)
+        # Each row's last position, contiguous: not a view that holds all R * W rows.
+        picked = (
+            states.view(rows, width, size)[:, -1].contiguous() if keep is None else states[keep]
+        )
+        return self.lm_head(picked).float(), picked if hidden else None
+
 
 def _rotate(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -152,13 +208,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa(layer_attn: nn.Module, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-         mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+         mask: torch.Tensor | None, fused: bool = False) -> torch.Tensor:  # fmt: skip
     """Attention for one layer: [R, W, heads * D]. One query per row (a decode step)
     calls torch's SDPA directly (grouped-query, no mask without padding): half the
-    time of transformers' wrapper around it for one query; wider steps go through
-    transformers' SDPA."""
+    time of transformers' wrapper around it for one query; with ``fused`` (the lean
+    forward's C glue), the C kernel; wider steps go through transformers' SDPA."""
     if q.shape[2] == 1:
-        return _one_query(q, keys, values, mask, float(layer_attn.scaling))  # type: ignore[arg-type]
+        scale = float(layer_attn.scaling)  # type: ignore[arg-type]
+        return _one_query(q, keys, values, mask, scale, fused)
     out, _ = sdpa_attention_forward(
         layer_attn,
         q,
@@ -177,9 +234,15 @@ def _one_query(
     values: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
+    fused: bool,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [R, heads, 1, D] against keys/values [R, kv heads,
-    K, D] read in place (no repeated kv heads), as [R, 1, heads * D]."""
+    K, D] read in place (no repeated kv heads), as [R, 1, heads * D]: in C with
+    ``fused`` where the kernel reads the layout, else torch's SDPA."""
+    if fused:
+        out = fused_ops.attend_one(q, keys, values, mask, scale)
+        if out is not None:
+            return out
     rows, heads, _one, dim = q.shape
     out = functional.scaled_dot_product_attention(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True

@@ -128,10 +128,10 @@ async def test_greedy_tokens_equal_the_models_own_forward(
     masked_rows: list[int] = []
 
     def recorded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:  # fmt: skip
+                 mask: torch.Tensor | None, scale: float, fused: bool) -> torch.Tensor:  # fmt: skip
         if mask is not None and not bool(mask.all()):
             masked_rows.append(int(q.shape[0]))
-        return one_query(q, keys, values, mask, scale)
+        return one_query(q, keys, values, mask, scale, fused)
 
     monkeypatch.setattr(lean_forward, "_one_query", recorded)  # records, then runs it
     together = CHAT_PROMPTS[:8]
