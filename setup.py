@@ -1,5 +1,6 @@
-"""The one C extension: the GGUF block kernels (services/engines/transformers/
-_block_kernels.c). Everything else is in pyproject.toml.
+"""The one C extension: the GGUF block products and a decode step's float32 glue
+(services/engines/transformers/_block_kernels.c, the module, with _block_products.c
+and _decode_glue.c). Everything else is in pyproject.toml.
 
 The extension is optional: where no C compiler is found the install still
 succeeds, and the transformers engine keeps its float32 weights (it logs why).
@@ -13,7 +14,12 @@ setup(
     ext_modules=[
         Extension(
             "services.engines.transformers._block_kernels",
-            sources=["services/engines/transformers/_block_kernels.c"],
+            sources=[
+                "services/engines/transformers/_block_kernels.c",
+                "services/engines/transformers/_block_products.c",
+                "services/engines/transformers/_decode_glue.c",
+            ],
+            depends=["services/engines/transformers/_kernels.h"],
             # -ffp-contract=off: (d * q) + m is rounded twice, as gguf-py does, so a
             # dequantised weight is bit for bit the float32 one the plain path loads.
             extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],

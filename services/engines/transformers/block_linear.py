@@ -2,7 +2,7 @@
 
 A decode step reads every weight once per token, so on a CPU its speed is the
 bytes per weight: float32 reads 32 bits, the file's Q4_1 blocks 5 (4-bit weights,
-a float16 scale and min per 32, kept as they are). ``_block_kernels.c`` multiplies float32
+a float16 scale and min per 32, kept as they are). ``_block_products.c`` multiplies float32
 activations straight from those blocks: the activations are not quantised (unlike
 llama.cpp's kernels), and each weight is dequantised exactly as the plain path
 dequantised it at conversion, ``(d * q) + m`` in float32. The answers are float32's

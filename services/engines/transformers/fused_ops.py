@@ -1,4 +1,4 @@
-"""The float32 glue of a decoder layer in one C call each (``_block_kernels.c``).
+"""The float32 glue of a decoder layer in one C call each (``_decode_glue.c``).
 
 With its products on GGUF blocks, a SmolLM2 decode token spent about as long in the
 ~35 small torch ops between them (RMSNorm's five, rotary's ten, the split copies,
