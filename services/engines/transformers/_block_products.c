@@ -272,8 +272,8 @@ static float *packed(const float *x, int64_t rows, int64_t k, int avx, int *fail
     return xp;
 }
 
-int q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
-                       const uint16_t *d, const uint16_t *m, int64_t n, float *y, int threads) {
+int q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs, const uint16_t *d,
+                const uint16_t *m, int64_t n, float *y, int threads) {
     const int avx = use_avx512();
     int failed;
     float *xp = packed(x, rows, k, avx, &failed);
@@ -293,8 +293,8 @@ int q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs,
     return 0;
 }
 
-int q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
-                       const uint16_t *d, int64_t n, float *y, int threads) {
+int q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs, const uint16_t *d,
+                int64_t n, float *y, int threads) {
     const int avx = use_avx512();
     int failed;
     float *xp = packed(x, rows, k, avx, &failed);
@@ -318,7 +318,7 @@ int q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs,
  * a float32 GEMM on the dequantised weight beats re-dequantising per row tile. The
  * same (d * q) + m, rounded twice, as gguf-py and the kernels above. */
 void q4_1_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64_t n,
-                         int64_t k, float *w, int threads) {
+                  int64_t k, float *w, int threads) {
     const int64_t blocks = n * (k / QK);
     const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -344,7 +344,7 @@ void q4_1_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64
 }
 
 void q8_0_dequant(const int8_t *qs, const uint16_t *d, int64_t n, int64_t k, float *w,
-                         int threads) {
+                  int threads) {
     const int64_t blocks = n * (k / QK);
     const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads)

@@ -101,7 +101,7 @@ TARGET_AVX512 static void attend_head_avx512(const float *qv, const float *k, co
  * residual add and the next RMSNorm (Llama's: float32, weight times the normalised
  * value) in one pass over the row. out may be h. */
 void add_rms_norm(float *h, const float *delta, int64_t rows, int64_t n,
-                         const float *weight, float eps, float *out, int threads) {
+                  const float *weight, float eps, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= GLUE_PARALLEL)
     for (int64_t r = 0; r < rows; r++) {
         float *hr = h + r * n, *o = out + r * n;
@@ -136,7 +136,7 @@ void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out, int
  * sin [rows][dim]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], the same
  * products and sums as transformers' apply_rotary_pos_emb, so bit for bit its result. */
 void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t dim,
-                   const float *cos, const float *sin, int threads) {
+            const float *cos, const float *sin, int threads) {
     const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * heads * dim >= GLUE_PARALLEL)
     for (int64_t r = 0; r < rows; r++) {
@@ -160,9 +160,9 @@ void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t dim,
  * q [rows][heads][dim] (q_row, q_head), keys and values [rows][kv_heads][columns][dim]
  * (kv_row, kv_head, column stride dim); out [rows][heads][dim], contiguous. */
 int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
-                      const float *values, int64_t kv_row, int64_t kv_head, const uint8_t *mask,
-                      int64_t mask_row, int64_t rows, int64_t heads, int64_t kv_heads,
-                      int64_t columns, int64_t dim, float scale, float *out, int threads) {
+               const float *values, int64_t kv_row, int64_t kv_head, const uint8_t *mask,
+               int64_t mask_row, int64_t rows, int64_t heads, int64_t kv_heads,
+               int64_t columns, int64_t dim, float scale, float *out, int threads) {
     const int64_t group = heads / kv_heads, work = rows * heads * columns * dim;
     const int avx = use_avx512() && dim % 16 == 0 && dim <= 256;
     int failed = 0;
