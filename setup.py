@@ -1,6 +1,6 @@
-"""The one C extension: the GGUF block products and a decode step's float32 glue
-(services/engines/transformers/_block_kernels.c, the module, with _block_products.c
-and _decode_glue.c). Everything else is in pyproject.toml.
+"""The one C extension: the GGUF block products, a decode step's float32 glue and its
+whole layer stack in one call (services/engines/transformers/_block_kernels.c, the
+module, with _block_products.c, _decode_glue.c and _decode_stack.c). Everything else is in pyproject.toml.
 
 The extension is optional: where no C compiler is found the install still
 succeeds, and the transformers engine keeps its float32 weights (it logs why).
@@ -18,6 +18,7 @@ setup(
                 "services/engines/transformers/_block_kernels.c",
                 "services/engines/transformers/_block_products.c",
                 "services/engines/transformers/_decode_glue.c",
+                "services/engines/transformers/_decode_stack.c",
             ],
             depends=["services/engines/transformers/_kernels.h"],
             # -ffp-contract=off: (d * q) + m is rounded twice, as gguf-py does, so a

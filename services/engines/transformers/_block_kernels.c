@@ -1,5 +1,6 @@
-/* The Python module of the C kernels: GGUF block products (_block_products.c) and
- * the float32 glue of a decode step (_decode_glue.c). Pointers come in as integers
+/* The Python module of the C kernels: GGUF block products (_block_products.c), the
+ * float32 glue of a decode step (_decode_glue.c) and the whole layer stack of one
+ * (_decode_stack.c). Pointers come in as integers
  * (torch's data_ptr()); the Python wrappers (block_linear.py, fused_ops.py) check
  * dtypes, shapes and contiguity before calling.
  *
@@ -7,6 +8,8 @@
  * these loops share torch's thread pool instead of fighting it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+
+#include <stddef.h>
 
 #include "_kernels.h"
 
@@ -150,6 +153,40 @@ static PyObject *py_attend_one(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_decode_stack(PyObject *self, PyObject *args) {
+    unsigned long long layers, caches, h, cos, sin, mask, norm, states;
+    long long count, rows, heads, kv_heads, dim, column;
+    float eps;
+    int threads, failed;
+    if (!PyArg_ParseTuple(args, "KKLKLLLLKKKLKfKi", &layers, &caches, &count, &h, &rows, &heads,
+                          &kv_heads, &dim, &cos, &sin, &mask, &column, &norm, &eps, &states,
+                          &threads))
+        return NULL;
+    if (count < 1 || rows < 1 || kv_heads < 1 || heads % kv_heads || dim < 2 || dim % 2 ||
+        column < 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "count, rows >= 1, heads a multiple of kv_heads >= 1, "
+                                          "dim even, column >= 0, threads >= 1");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    failed = decode_stack((const StackLayer *)layers, (const StackCache *)caches, count,
+                          (float *)h, rows, heads, kv_heads, dim, (const float *)cos,
+                          (const float *)sin, (const uint8_t *)mask, column, (const float *)norm,
+                          eps, (float *)states, threads);
+    Py_END_ALLOW_THREADS
+    if (failed) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* The layout of the structs decode_stack reads, for the ctypes mirror to check. */
+static PyObject *py_stack_layout(PyObject *self, PyObject *args) {
+    return Py_BuildValue("{s:n,s:n,s:n,s:n,s:n}", "BlockWeight", (Py_ssize_t)sizeof(BlockWeight),
+                         "StackLayer", (Py_ssize_t)sizeof(StackLayer), "StackLayer.qkv",
+                         (Py_ssize_t)offsetof(StackLayer, qkv), "StackLayer.down",
+                         (Py_ssize_t)offsetof(StackLayer, down), "StackCache",
+                         (Py_ssize_t)sizeof(StackCache));
+}
+
 static PyObject *py_simd(PyObject *self, PyObject *args) {
     return PyUnicode_FromString(use_avx512() ? "avx512" : "generic");
 }
@@ -174,6 +211,12 @@ static PyMethodDef methods[] = {
     {"attend_one", py_attend_one, METH_VARARGS,
      "attend_one(q, q_row, q_head, keys, values, kv_row, kv_head, mask, mask_row, rows, heads, "
      "kv_heads, columns, dim, scale, out, threads): one query per row (mask 0: none)"},
+    {"decode_stack", py_decode_stack, METH_VARARGS,
+     "decode_stack(layers, caches, count, h, rows, heads, kv_heads, dim, cos, sin, mask, column, "
+     "norm, eps, states, threads): a decode step through `count` layers (StackLayer, "
+     "StackCache arrays; mask 0: none)"},
+    {"stack_layout", py_stack_layout, METH_NOARGS,
+     "sizeof and offsetof of the structs decode_stack reads"},
     {NULL, NULL, 0, NULL},
 };
 

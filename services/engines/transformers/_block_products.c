@@ -86,7 +86,7 @@ static inline int64_t tile_width(int64_t left) {
 }
 
 /* x [rows][k] into tiles: tile by tile, each [k/32][its rows][32]; one row is itself. */
-static void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp) {
+void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp) {
     for (int64_t b0 = 0, bt; b0 < rows; b0 += bt) {
         bt = tile_width(rows - b0);
         float *tile = xp + b0 * k;
@@ -257,61 +257,60 @@ int use_avx512(void) {
 /* Blocks per OpenMP chunk of a dequantisation (128 KiB of float32 out). */
 #define DEQUANT_CHUNK 1024
 
-/* The activations packed into tiles for the AVX-512 path (NULL: use x as it is,
- * one row or the portable path; *failed when out of memory). */
-static float *packed(const float *x, int64_t rows, int64_t k, int avx, int *failed) {
-    *failed = 0;
-    if (!avx || rows == 1) return NULL;
-    /* 64-byte aligned: a 512-bit load never straddles two cache lines */
-    float *xp = aligned_alloc(64, ((size_t)(rows * k) * sizeof(float) + 63) & ~(size_t)63);
-    if (!xp) {
-        *failed = 1;
-        return NULL;
+int tiles_wanted(int64_t rows, int avx) { return avx && rows > 1; }
+
+void block_product_for(const BlockWeight *w, const float *x, int64_t rows, float *y, int avx) {
+    const int64_t n = w->n, k = w->k;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
+        if (w->kind == BLOCK_Q4_1) {
+#if HAVE_X86
+            if (avx) {
+                q4_1_rows_avx512(x, rows, k, w->qs, w->d, w->m, n0, n1, y, n);
+                continue;
+            }
+#endif
+            q4_1_rows_generic(x, rows, k, w->qs, w->d, w->m, n0, n1, y, n);
+        } else {
+#if HAVE_X86
+            if (avx) {
+                q8_0_rows_avx512(x, rows, k, w->qs, w->d, n0, n1, y, n);
+                continue;
+            }
+#endif
+            q8_0_rows_generic(x, rows, k, w->qs, w->d, n0, n1, y, n);
+        }
     }
-    pack_tiles(x, rows, k, xp);
-    return xp;
+}
+
+/* One product in its own parallel region: packs the activations where the tiles are
+ * wanted (64-byte aligned: a 512-bit load never straddles two cache lines). */
+static int block_linear(const BlockWeight *w, const float *x, int64_t rows, float *y,
+                        int threads) {
+    const int avx = use_avx512();
+    float *xp = NULL;
+    if (tiles_wanted(rows, avx)) {
+        xp = aligned_alloc(64, ((size_t)(rows * w->k) * sizeof(float) + 63) & ~(size_t)63);
+        if (!xp) return -1;
+        pack_tiles(x, rows, w->k, xp);
+    }
+#pragma omp parallel num_threads(threads)
+    block_product_for(w, xp ? xp : x, rows, y, avx);
+    free(xp);
+    return 0;
 }
 
 int q4_1_linear(const float *x, int64_t rows, int64_t k, const uint8_t *qs, const uint16_t *d,
                 const uint16_t *m, int64_t n, float *y, int threads) {
-    const int avx = use_avx512();
-    int failed;
-    float *xp = packed(x, rows, k, avx, &failed);
-    if (failed) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
-#if HAVE_X86
-        if (avx) {
-            q4_1_rows_avx512(xp ? xp : x, rows, k, qs, d, m, n0, n1, y, n);
-            continue;
-        }
-#endif
-        q4_1_rows_generic(x, rows, k, qs, d, m, n0, n1, y, n);
-    }
-    free(xp);
-    return 0;
+    const BlockWeight w = {BLOCK_Q4_1, qs, d, m, n, k, NULL};
+    return block_linear(&w, x, rows, y, threads);
 }
 
 int q8_0_linear(const float *x, int64_t rows, int64_t k, const int8_t *qs, const uint16_t *d,
                 int64_t n, float *y, int threads) {
-    const int avx = use_avx512();
-    int failed;
-    float *xp = packed(x, rows, k, avx, &failed);
-    if (failed) return -1;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t c = 0; c < (n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < n ? n0 + ROW_CHUNK : n;
-#if HAVE_X86
-        if (avx) {
-            q8_0_rows_avx512(xp ? xp : x, rows, k, qs, d, n0, n1, y, n);
-            continue;
-        }
-#endif
-        q8_0_rows_generic(x, rows, k, qs, d, n0, n1, y, n);
-    }
-    free(xp);
-    return 0;
+    const BlockWeight w = {BLOCK_Q8_0, qs, d, NULL, n, k, NULL};
+    return block_linear(&w, x, rows, y, threads);
 }
 
 /* Whole weights back to float32, [n][k], for many-row products (a prefill), where

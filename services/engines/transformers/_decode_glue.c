@@ -100,63 +100,98 @@ TARGET_AVX512 static void attend_head_avx512(const float *qv, const float *k, co
 /* h += delta (when delta), then out = weight * (h * rsqrt(mean(h^2) + eps)): the
  * residual add and the next RMSNorm (Llama's: float32, weight times the normalised
  * value) in one pass over the row. out may be h. */
+void rms_norm_row(float *h, const float *delta, int64_t n, const float *weight, float eps,
+                  float *out) {
+    if (delta)
+        for (int64_t i = 0; i < n; i++) h[i] += delta[i];
+    const float scale = 1.0f / sqrtf(dot(h, h, n) / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (h[i] * scale);
+}
+
 void add_rms_norm(float *h, const float *delta, int64_t rows, int64_t n,
                   const float *weight, float eps, float *out, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= GLUE_PARALLEL)
-    for (int64_t r = 0; r < rows; r++) {
-        float *hr = h + r * n, *o = out + r * n;
-        if (delta)
-            for (int64_t i = 0; i < n; i++) hr[i] += delta[r * n + i];
-        const float scale = 1.0f / sqrtf(dot(hr, hr, n) / (float)n + eps);
-        for (int64_t i = 0; i < n; i++) o[i] = weight[i] * (hr[i] * scale);
-    }
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row(h + r * n, delta ? delta + r * n : NULL, n, weight, eps, out + r * n);
 }
 
-/* out[r][i] = silu(g) * u for gate_up [rows][2 * inter] = [gate | up]: silu(g) =
- * g / (1 + exp(-g)), as torch computes it. */
+/* o[i] = silu(g[i]) * u[i], silu(g) = g / (1 + exp(-g)), as torch computes it. */
+void silu_row(const float *g, const float *u, float *o, int64_t n, int avx) {
+#if HAVE_X86
+    if (avx) {
+        silu_row_avx512(g, u, o, n);
+        return;
+    }
+#endif
+    (void)avx;
+    for (int64_t i = 0; i < n; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
+}
+
+/* out[r] = silu(gate) * up for gate_up [rows][2 * inter] = [gate | up]. */
 void silu_mul(const float *gate_up, int64_t rows, int64_t inter, float *out, int threads) {
     const int avx = use_avx512();
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * inter >= GLUE_PARALLEL)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *g = gate_up + r * 2 * inter, *u = g + inter;
-        float *o = out + r * inter;
-#if HAVE_X86
-        if (avx) {
-            silu_row_avx512(g, u, o, inter);
-            continue;
+    for (int64_t r = 0; r < rows; r++)
+        silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter, out + r * inter, inter,
+                 avx);
+}
+
+/* Rotary embeddings in place on the first `heads` heads of one row x (a fused qkv
+ * output: q's heads, then k's, then v's, which are left alone), with cos, sin [dim]:
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], the same products and
+ * sums as transformers' apply_rotary_pos_emb, so bit for bit its result. */
+void rotary_row(float *x, int64_t heads, int64_t dim, const float *c, const float *s) {
+    const int64_t half = dim / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *x1 = x + hd * dim, *x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] + (-b) * s[i];
+            x2[i] = b * c[half + i] + a * s[half + i];
         }
-#endif
-        (void)avx;
-        for (int64_t i = 0; i < inter; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
 }
 
-/* Rotary embeddings in place on the first `heads` heads of each row of x [rows][width]
- * (a fused qkv output: q's heads, then k's, then v's, which are left alone), with cos,
- * sin [rows][dim]: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], the same
- * products and sums as transformers' apply_rotary_pos_emb, so bit for bit its result. */
+/* rotary_row over each row of x [rows][width], cos and sin [rows][dim]. */
 void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t dim,
             const float *cos, const float *sin, int threads) {
-    const int64_t half = dim / 2;
 #pragma omp parallel for schedule(static) num_threads(threads) if (rows * heads * dim >= GLUE_PARALLEL)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *c = cos + r * dim, *s = sin + r * dim;
-        for (int64_t hd = 0; hd < heads; hd++) {
-            float *x1 = x + r * width + hd * dim, *x2 = x1 + half;
-            for (int64_t i = 0; i < half; i++) {
-                const float a = x1[i], b = x2[i];
-                x1[i] = a * c[i] + (-b) * s[i];
-                x2[i] = b * c[half + i] + a * s[half + i];
-            }
-        }
+    for (int64_t r = 0; r < rows; r++) rotary_row(x + r * width, heads, dim, cos + r * dim, sin + r * dim);
+}
+
+int attend_avx512(int64_t dim) { return use_avx512() && dim % 16 == 0 && dim <= 256; }
+
+/* softmax(q k^T * scale) v for one query qv [dim] against `columns` keys k and values
+ * v [columns][dim] (those whose byte in `seen` is set, where given): float32
+ * throughout, the softmax with its maximum subtracted; p is scratch for columns + 16
+ * floats, o [dim] the result. */
+void attend_head(const float *qv, const float *k, const float *v, const uint8_t *seen,
+                 int64_t columns, int64_t dim, float scale, float *p, float *o, int avx) {
+#if HAVE_X86
+    if (avx) {
+        attend_head_avx512(qv, k, v, seen, columns, dim, scale, p, o);
+        return;
     }
+#endif
+    (void)avx;
+    float top = -INFINITY;
+    for (int64_t j = 0; j < columns; j++) {
+        p[j] = seen && !seen[j] ? -INFINITY : dot(qv, k + j * dim, dim) * scale;
+        top = p[j] > top ? p[j] : top;
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < columns; j++) total += (p[j] = expf(p[j] - top));
+    for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+    for (int64_t j = 0; j < columns; j++)
+        for (int64_t i = 0; i < dim; i++) o[i] += p[j] * v[j * dim + i];
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < dim; i++) o[i] *= inv;
 }
 
 /* Attention of one query per row against that row's keys and values: out[r][h] =
- * softmax(q k^T * scale) v over the row's `columns` keys (those whose byte in the
- * row's mask [rows][mask_row] is set, where a mask is given), query head h
- * reading kv head h / (heads / kv_heads) (grouped-query, nothing repeated). Float32
- * throughout, the softmax with its maximum subtracted. Strides are in floats:
+ * attend_head over the row's `columns` keys (those whose byte in the row's mask
+ * [rows][mask_row] is set, where a mask is given), query head h reading kv head
+ * h / (heads / kv_heads) (grouped-query, nothing repeated). Strides are in floats:
  * q [rows][heads][dim] (q_row, q_head), keys and values [rows][kv_heads][columns][dim]
  * (kv_row, kv_head, column stride dim); out [rows][heads][dim], contiguous. */
 int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
@@ -164,7 +199,7 @@ int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
                int64_t mask_row, int64_t rows, int64_t heads, int64_t kv_heads,
                int64_t columns, int64_t dim, float scale, float *out, int threads) {
     const int64_t group = heads / kv_heads, work = rows * heads * columns * dim;
-    const int avx = use_avx512() && dim % 16 == 0 && dim <= 256;
+    const int avx = attend_avx512(dim);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (work >= 4 * GLUE_PARALLEL)
     {
@@ -177,28 +212,10 @@ int attend_one(const float *q, int64_t q_row, int64_t q_head, const float *keys,
         for (int64_t rh = 0; rh < rows * heads; rh++) {
             if (!p) continue;
             const int64_t r = rh / heads, hd = rh % heads;
-            const float *qv = q + r * q_row + hd * q_head;
-            const float *k = keys + r * kv_row + (hd / group) * kv_head;
-            const float *v = values + r * kv_row + (hd / group) * kv_head;
-            const uint8_t *seen = mask ? mask + r * mask_row : NULL;
-            float *o = out + rh * dim, top = -INFINITY;
-#if HAVE_X86
-            if (avx) {
-                attend_head_avx512(qv, k, v, seen, columns, dim, scale, p, o);
-                continue;
-            }
-#endif
-            for (int64_t j = 0; j < columns; j++) {
-                p[j] = seen && !seen[j] ? -INFINITY : dot(qv, k + j * dim, dim) * scale;
-                top = p[j] > top ? p[j] : top;
-            }
-            float total = 0.0f;
-            for (int64_t j = 0; j < columns; j++) total += (p[j] = expf(p[j] - top));
-            for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j < columns; j++)
-                for (int64_t i = 0; i < dim; i++) o[i] += p[j] * v[j * dim + i];
-            const float inv = 1.0f / total;
-            for (int64_t i = 0; i < dim; i++) o[i] *= inv;
+            attend_head(q + r * q_row + hd * q_head, keys + r * kv_row + (hd / group) * kv_head,
+                        values + r * kv_row + (hd / group) * kv_head,
+                        mask ? mask + r * mask_row : NULL, columns, dim, scale, p, out + rh * dim,
+                        avx);
         }
         free(p);
     }

@@ -22,7 +22,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from services.engines.transformers.lean_forward import lean_of, sdpa
+from services.engines.transformers.block_linear import MANY_ROWS
+from services.engines.transformers.decode_stack import DecodeStack
+from services.engines.transformers.lean_forward import LeanForward, lean_of, sdpa
 
 
 class KvRows:
@@ -56,6 +58,10 @@ class KvRows:
         ``hidden``, the last layer's hidden state there [rows, hidden].
         """
         lean = lean_of(self._model)
+        if lean is not None and lean.stack is not None and embeds.dtype == torch.float32:
+            caches = self._stack_caches(embeds.shape[1])
+            if caches is not None:
+                return self._stack_step(lean, lean.stack, caches, embeds, valid, hidden)
         if lean is not None:
             mask = attention_mask(self.mask, valid)
 
@@ -82,6 +88,41 @@ class KvRows:
         self.advance(valid)
         states = out.hidden_states[-1][:, -1] if hidden else None
         return out.logits[:, -1].float(), states
+
+    def _stack_caches(self, width: int) -> list[GrowingLayer] | None:
+        """The layers, each with room for one more column, where this step is one the
+        decode stack runs: one column per row, every layer already holding some."""
+        layers = self.cache.layers
+        if width != 1 or not 0 < self.rows < MANY_ROWS or self.width == 0:
+            return None
+        if not all(isinstance(layer, GrowingLayer) and layer.is_initialized for layer in layers):
+            return None
+        return layers  # type: ignore[return-value]
+
+    def _stack_step(
+        self,
+        lean: LeanForward,
+        stack: DecodeStack,
+        layers: list[GrowingLayer],
+        embeds: torch.Tensor,
+        valid: torch.Tensor,
+        hidden: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` for a decode step, the layer stack in one C call (decode_stack.py)."""
+        rows, column = self.rows, self.width
+        cos, sin = lean.rotary_rows(embeds, self.positions(valid))
+        seen = torch.cat([self.mask, valid], dim=1)
+        mask = None
+        if not bool(seen.all()):
+            mask = seen.to(torch.uint8)
+            mask[:, -1] = 1  # a padding query still sees itself, as attention_mask has it
+        caches = [layer.room(1) for layer in layers]
+        h = embeds.reshape(rows, -1).clone()  # the residual stream, added into in place
+        states = stack(h, cos, sin, caches, mask, column)
+        for layer in layers:
+            layer.extend(1)
+        self.advance(valid)
+        return lean.lm_head(states).float(), states if hidden else None
 
     def positions(self, valid: torch.Tensor) -> torch.Tensor:
         """Each row's rotary positions for the next W columns (``valid`` [rows, W])."""
@@ -205,21 +246,44 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        width, new = self._width(), key_states.shape[2]
+        keys, values = self.room(new, key_states, value_states)
+        keys[:, :, width : width + new] = key_states
+        values[:, :, width : width + new] = value_states
+        return self.extend(new)
+
+    def room(
+        self,
+        new: int,
+        like_keys: torch.Tensor | None = None,
+        like_values: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, with room for ``new`` more columns after ``keys``'s (grown into
+        new ones where needed; ``like_*``: the shape and dtype of what comes, where the
+        layer holds no columns yet)."""
         keys, values = _tensors(self)
-        width = keys.shape[2] if keys.dim() == 4 else 0
-        new = key_states.shape[2]
+        width = self._width()
         buffers = self._buffers
         if buffers is None or not _views_of(keys, buffers[0]) or width + new > buffers[0].shape[2]:
             room = width + new + max(16, (width + new) // 4)
             buffers = (
-                _grown(keys, key_states, width, room),
-                _grown(values, value_states, width, room),
+                _grown(keys, keys if like_keys is None else like_keys, width, room),
+                _grown(values, values if like_values is None else like_values, width, room),
             )
             self._buffers = buffers
-        buffers[0][:, :, width : width + new] = key_states
-        buffers[1][:, :, width : width + new] = value_states
-        self.keys, self.values = buffers[0][:, :, : width + new], buffers[1][:, :, : width + new]
+        return buffers
+
+    def extend(self, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``keys`` and ``values`` take in the next ``new`` columns of the buffers
+        (written there since ``room``)."""
+        assert self._buffers is not None, "room before extend"
+        width = self._width() + new
+        self.keys, self.values = self._buffers[0][:, :, :width], self._buffers[1][:, :, :width]
         return self.keys, self.values
+
+    def _width(self) -> int:
+        keys = _tensors(self)[0]
+        return keys.shape[2] if keys.dim() == 4 else 0
 
     def reset(self) -> None:
         self._buffers = None

@@ -37,6 +37,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from services.engines.transformers import fused_ops
 from services.engines.transformers.block_linear import BlockLinear, Blocks
+from services.engines.transformers.decode_stack import DecodeStack, StackParts
 
 # attend(layer index, q [R, heads, W, D], k, v [R, kv heads, W, D]) -> [R, W, heads * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -113,6 +114,47 @@ class LeanForward:
         norms = [self.norm, *(n for la in self.layers for n in (la.norm_in, la.norm_post))]
         # The C glue where it is built and every norm is one it computes exactly so.
         self.fused = fused_ops.unavailable() is None and all(map(fused_ops.plain_rms_norm, norms))
+        # A decode step's whole stack in one C call, where the layers are ones it reads
+        # (decode_stack.py); why not otherwise.
+        self.stack: DecodeStack | None = None
+        self.stack_declined: str | None = "the C glue does not apply"
+        if self.fused:
+            self.stack, self.stack_declined = self._decode_stack(config)
+
+    def _decode_stack(self, config: object) -> tuple[DecodeStack | None, str | None]:
+        dim, sizes = self.head_dim, self.layers[0].qkv_sizes
+        parts = [
+            StackParts(
+                norm_in=layer.norm_in,
+                norm_post=layer.norm_post,
+                qkv=layer.qkv,
+                o=layer.o_proj,
+                gate_up=layer.gate_up,
+                down=layer.down,
+                scale=float(layer.attn.scaling),  # type: ignore[arg-type]
+                per_head_norms=layer.q_norm is not None or layer.k_norm is not None,
+            )
+            for layer in self.layers
+        ]
+        return DecodeStack.of(
+            parts,
+            self.norm,
+            heads=sizes[0] // dim,
+            kv_heads=sizes[1] // dim,
+            dim=dim,
+            size=int(getattr(config, "hidden_size", 0)),
+            inter=int(getattr(config, "intermediate_size", 0)),
+        )
+
+    def rotary_rows(
+        self, embeds: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables of R * W positions, each [R * W, head_dim], contiguous."""
+        count = positions.numel()
+        cos, sin = self.rotary(embeds, positions)
+        return cos.reshape(count, self.head_dim).contiguous(), sin.reshape(
+            count, self.head_dim
+        ).contiguous()
 
     def __call__(
         self,
@@ -161,9 +203,7 @@ class LeanForward:
         normalises it for the next product."""
         rows, width, size = embeds.shape
         positions_n, dim = rows * width, self.head_dim
-        cos, sin = (
-            t.reshape(positions_n, dim).contiguous() for t in self.rotary(embeds, positions)
-        )
+        cos, sin = self.rotary_rows(embeds, positions)
         h = embeds.reshape(positions_n, size).clone()  # added into in place: not the caller's
         delta: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
