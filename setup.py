@@ -1,6 +1,7 @@
 """The one C extension: the GGUF block products, a decode step's float32 glue and its
 whole layer stack in one call (services/engines/transformers/_block_kernels.c, the
-module, with _block_products.c, _decode_glue.c and _decode_stack.c). Everything else is in pyproject.toml.
+module, with _block_products.c, _decode_glue.c and _decode_stack.c). Everything else
+is in pyproject.toml.
 
 The extension is optional: where no C compiler is found the install still
 succeeds, and the transformers engine keeps its float32 weights (it logs why).

@@ -20,6 +20,7 @@ import torch
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.transformers import TransformersEngine, lean_forward
 from services.engines.transformers.block_linear import BlockLinear
+from services.engines.transformers.decode_stack import DecodeStack
 from services.engines.transformers.lean_forward import lean_applies, lean_of
 from services.engines.transformers.loading import model_info
 from tests.helpers.chat_prompts import CHAT_PROMPTS
@@ -118,8 +119,8 @@ async def test_greedy_tokens_equal_the_models_own_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Four prompts alone, then eight at once: prompts of different lengths decode in
-    one batch padded on the left, so the one-query attention runs with its mask
-    (benchmarks/precision_agreement.py: 0 of 32 answers differ)."""
+    one batch padded on the left, so the one-query attention runs with its mask, in
+    the decode stack (benchmarks/precision_agreement.py: 0 of 32 answers differ)."""
     assert lean_of(own_engine.model) is None
     alone = CHAT_PROMPTS[:4]
     assert await answers(lean_engine, alone, False) == await answers(own_engine, alone, False)
@@ -134,6 +135,15 @@ async def test_greedy_tokens_equal_the_models_own_forward(
         return one_query(q, keys, values, mask, scale, fused)
 
     monkeypatch.setattr(lean_forward, "_one_query", recorded)  # records, then runs it
+    stack_step = DecodeStack.__call__
+
+    def stack_recorded(self: DecodeStack, h: torch.Tensor, *args: Any) -> torch.Tensor:
+        mask = args[3]
+        if mask is not None and not bool(mask.all()):
+            masked_rows.append(int(h.shape[0]))
+        return stack_step(self, h, *args)
+
+    monkeypatch.setattr(DecodeStack, "__call__", stack_recorded)
     together = CHAT_PROMPTS[:8]
     lean_tokens = await answers(lean_engine, together, True)
     assert max(masked_rows, default=0) == 8, masked_rows  # all eight, padded, in one step
