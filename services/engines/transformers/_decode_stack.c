@@ -55,7 +55,7 @@ int decode_stack(const StackLayer *layers, const StackCache *caches, int64_t cou
     int64_t widest = size > inter ? size : inter;
     widest = widest > heads * dim ? widest : heads * dim;
     const int avx = use_avx512(), avx_attend = attend_avx512(dim);
-    float *x = floats(rows * size), *xp = floats(rows * widest), *qkv = floats(rows * width);
+    float *x = floats(rows * size), *xp = floats(tiled_rows(rows) * widest), *qkv = floats(rows * width);
     float *att = floats(rows * heads * dim), *delta = floats(rows * size);
     float *gate_up = floats(rows * 2 * inter), *act = floats(rows * inter);
     float *scores = floats((int64_t)threads * (columns + 16));

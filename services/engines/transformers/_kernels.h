@@ -70,9 +70,11 @@ void q4_1_dequant(const uint8_t *qs, const uint16_t *d, const uint16_t *m, int64
 void q8_0_dequant(const int8_t *qs, const uint16_t *d, int64_t n, int64_t k, float *w,
                   int threads);
 /* The same products from inside a parallel region: x [rows][k] packed into tiles
- * (pack_tiles writes rows * k floats; only where tiles_wanted, else x as it is), the
+ * (pack_tiles writes tiled_rows(rows) * k floats; only where tiles_wanted, else x as
+ * it is), the
  * output rows shared out over the region's threads by an orphaned omp for (with its
  * barrier at the end). The bias is not added. */
+int64_t tiled_rows(int64_t rows);
 void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp);
 int tiles_wanted(int64_t rows, int avx); /* whether the products read packed tiles */
 void block_product_for(const BlockWeight *w, const float *x, int64_t rows, float *y, int avx);

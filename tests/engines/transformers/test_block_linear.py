@@ -40,9 +40,10 @@ pytestmark = pytest.mark.skipif(
 # token embeddings the output projection shares (49152 x 576).
 Q4_1_TENSOR = "blk.0.ffn_down.weight"
 Q8_0_TENSOR = "token_embd.weight"
-# 1 and 3 rows: part of one tile of 8; 8: a whole tile; 9: a tile and a remainder;
-# MANY_ROWS and beyond: the weight dequantised for torch's GEMM.
-ROWS = (1, 3, 8, 9, block_linear.MANY_ROWS, 2 * block_linear.MANY_ROWS + 1)
+# 1 row: itself; 3 and 7: one tile padded to 4 and to 8 with zero rows; 8: a whole
+# tile; 9: a tile and one row; 13: a tile and a padded one; MANY_ROWS and beyond: the
+# weight dequantised for torch's GEMM.
+ROWS = (1, 3, 7, 8, 9, 13, block_linear.MANY_ROWS, 2 * block_linear.MANY_ROWS + 1)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,18 @@ def test_block_linear_is_float32_close_to_float64(file_weight: FileWeight, with_
         errors, worst = _errors(layer, file_weight, x, bias)
         assert errors.ok, (label, errors)
         assert worst <= 1.0, (label, worst)
+
+
+@torch.inference_mode()
+def test_a_row_gets_the_same_sum_in_any_tile(file_weight: FileWeight) -> None:
+    """The kernel takes rows in tiles of 8, 4, 2 or 1, a last tile padded with zero
+    rows: each row's output is the one it gets alone, bit for bit, whatever the batch
+    (and the padding never reaches the output)."""
+    layer = BlockLinear(file_weight.blocks, None)
+    x = torch.randn(17, layer.in_features, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([layer(x[r : r + 1]) for r in range(17)])
+    for rows in range(2, 18):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), f"{rows} rows"
 
 
 def _one_block_off(blocks: Blocks, row: int, block: int) -> Blocks:
