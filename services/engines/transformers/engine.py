@@ -29,6 +29,7 @@ from services.engines.base import (
     SamplingParams,
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
+from services.engines.loop_post import loop_post
 from services.engines.prompt_size import longest_token_chars
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
@@ -172,14 +173,11 @@ class TransformersEngine:
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
         request, resolved = plan.request, plan.resolved
         rid = request.request_id
-        loop = asyncio.get_running_loop()
+        post = loop_post(asyncio.get_running_loop())
         inbox: asyncio.Queue[Delivery] = asyncio.Queue()
 
         def deliver(delivery: Delivery) -> None:  # on the model thread
-            try:
-                loop.call_soon_threadsafe(inbox.put_nowait, delivery)
-            except RuntimeError:  # the event loop has closed: nobody is listening
-                pass
+            post.post(inbox.put_nowait, delivery)
 
         sequence = self._sequence(request, resolved, deliver)
         if rid in self._active:

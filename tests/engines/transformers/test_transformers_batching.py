@@ -23,6 +23,7 @@ from services.engines.base import (
     TokenOutput,
 )
 from services.engines.transformers import TransformersEngine, mixed_step
+from services.engines.transformers.decode_stack import DecodeStack
 from services.mesh.errors import InvalidArgument
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close
@@ -49,8 +50,10 @@ def chat(rid: str, prompt: str, max_tokens: int = 12, **params: Any) -> EngineRe
 class Forwards:
     """(rows, columns) of every forward pass, recorded on the model thread: at the
     first layer's output projection, which the model's own forward and the lean one
-    (lean_forward.py) both call with [rows, columns, features]; and how many were
-    mixed steps (prefill and decode in one forward, mixed_step.mixed_forward)."""
+    (lean_forward.py) both call with [rows, columns, features], and at the decode
+    stack (decode_stack.py: a decode step's layers in one C call, one column a row);
+    and how many were mixed steps (prefill and decode in one forward,
+    mixed_step.mixed_forward)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.shapes: list[tuple[int, int]] = []
@@ -59,6 +62,14 @@ class Forwards:
         self._handle = projection.register_forward_pre_hook(self._record)
         self._mixed_forward = mixed_step.mixed_forward
         mixed_step.mixed_forward = self._count_mixed  # type: ignore[assignment]
+        self._stack_step = DecodeStack.__call__
+        recorder = self
+
+        def stacked(stack: DecodeStack, h: torch.Tensor, *args: Any) -> torch.Tensor:
+            recorder.shapes.append((int(h.shape[0]), 1))
+            return recorder._stack_step(stack, h, *args)
+
+        DecodeStack.__call__ = stacked  # type: ignore[method-assign]
 
     def _record(self, _module: Any, args: tuple[torch.Tensor, ...]) -> None:
         self.shapes.append((int(args[0].shape[0]), int(args[0].shape[1])))
@@ -74,6 +85,7 @@ class Forwards:
     def close(self) -> None:
         self._handle.remove()
         mixed_step.mixed_forward = self._mixed_forward
+        DecodeStack.__call__ = self._stack_step  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="module")
