@@ -1,33 +1,44 @@
 """LoopPost (services/engines/loop_post.py) hands a model thread's items to an event
-loop in order, with one wake for the items posted before the loop gets to them."""
+loop in order, with one wake for the items posted before the loop gets to them: by
+an eventfd written while holding the GIL (Linux), or call_soon_threadsafe."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from typing import Any
 
 import pytest
 
-from services.engines.loop_post import loop_post
+from services.engines import loop_post as module
+from services.engines.loop_post import LoopPost, loop_post
+
+
+@pytest.fixture(params=["eventfd", "call_soon_threadsafe"])
+def wake(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "eventfd":
+        if module._WRITE is None:
+            pytest.skip("no eventfd here")
+    else:
+        monkeypatch.setattr(module, "_WRITE", None)
+    return str(request.param)
 
 
 async def test_items_arrive_in_order_and_a_burst_costs_one_wake(
-    monkeypatch: pytest.MonkeyPatch,
+    wake: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     loop = asyncio.get_running_loop()
-    wakes = 0
-    real = loop.call_soon_threadsafe
+    drains = 0
+    real = LoopPost._drain
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        nonlocal wakes
-        wakes += 1
-        return real(*args, **kwargs)
+    def counted(self: LoopPost) -> None:
+        nonlocal drains
+        drains += 1
+        real(self)
 
-    monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
-    post = loop_post(loop)
-    assert loop_post(loop) is post  # one per loop
+    monkeypatch.setattr(LoopPost, "_drain", counted)
+    post = LoopPost(loop)
+    assert (post._fd is not None) == (wake == "eventfd")
     first: asyncio.Queue[int] = asyncio.Queue()
     second: asyncio.Queue[int] = asyncio.Queue()
     posted = threading.Event()
@@ -43,21 +54,26 @@ async def test_items_arrive_in_order_and_a_burst_costs_one_wake(
     got_second = [await asyncio.wait_for(second.get(), 10) for _ in range(25)]
     assert got_first == list(range(1, 50, 2))
     assert got_second == list(range(0, 50, 2))
-    assert wakes == 1
+    assert drains == 1
 
     # Items posted after the loop drained wake it again.
     later = threading.Thread(target=post.post, args=(first.put_nowait, 99))
     later.start()
     later.join()
     assert await asyncio.wait_for(first.get(), 10) == 99
-    assert wakes == 2
+    assert drains == 2
 
 
-def test_posting_to_a_closed_loop_is_dropped_quietly() -> None:
+async def test_one_post_per_loop() -> None:
+    loop = asyncio.get_running_loop()
+    assert loop_post(loop) is loop_post(loop)
+
+
+def test_posting_to_a_closed_loop_is_dropped_quietly(wake: str) -> None:
     loop = asyncio.new_event_loop()
-    post = loop_post(loop)
+    post = LoopPost(loop)
     loop.close()
     received: list[int] = []
     post.post(received.append, 1)  # no one is listening: no error
     time.sleep(0.01)
-    assert received == []
+    assert received == [] and post._pending == []
