@@ -1,17 +1,19 @@
-"""The lean forward's decode steps with its glue in C against torch's ops, side by side.
+"""The lean forward's decode steps three ways, side by side: torch's ops between the
+block products, the C glue (fused_ops.py: one C call per operation), and the decode
+stack (decode_stack.py: a step's whole layer stack in one C call).
 
     python benchmarks/decode_glue.py [--runs 3] [--steps 64] [--max-tokens 32] [--threads N]
                                      [--out FILE]
 
 SmolLM2 on its GGUF blocks (float32, the lean forward) is loaded once, in the
-transformers engine; each run measures, once with the C glue (fused_ops.py) and once
-with torch's ops, in alternating order:
+transformers engine; each run measures every path, in an order that rotates:
 - forward: ``--steps`` decode steps of 1 and of 8 rows through KvRows, as the step
-  loop calls it (prompts of one length, so no mask: the case the C attention takes);
+  loop calls it (prompts of one length, so no mask);
 - engine: greedy answers of ``--max-tokens`` to the chat prompts through the engine,
   4 one after another (1 concurrent) and 8 at once (prompts of different lengths, so
-  the batch is padded and attention keeps torch's SDPA with its mask).
-Reports tokens/s of each and their ratio per run; the load average goes into the JSON.
+  the batch is padded and attention runs with its mask).
+Reports tokens/s of each and the ratios to torch's ops per run; the load average goes
+into the JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from benchmarks._common import table, write_json
 from benchmarks.vs_llamacpp import gguf_path
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.transformers import TransformersEngine
+from services.engines.transformers.decode_stack import DecodeStack
 from services.engines.transformers.kv_rows import KvRows
 from services.engines.transformers.lean_forward import LeanForward, lean_of
 from services.mesh import environment
@@ -41,9 +44,17 @@ from tests.helpers.engine_runs import collect, generate, tokens_of
 PROMPT = [1, 504, 3458, 282, 4013, 314, 253, 3547]  # 8 tokens, every row the same length
 
 
+PATHS = ("torch", "glue", "stack")
+
+
+def take(lean: LeanForward, stack: DecodeStack, path: str) -> None:
+    """Make the lean forward run ``path``."""
+    lean.fused = path != "torch"
+    lean.stack = stack if path == "stack" else None
+
+
 @torch.inference_mode()
-def tokens_per_s(model: Any, lean: LeanForward, fused: bool, rows: int, steps: int) -> float:
-    lean.fused = fused
+def tokens_per_s(model: Any, lean: LeanForward, rows: int, steps: int) -> float:
     embed = model.get_input_embeddings()
     kv = KvRows(model)
     kv.add_rows(rows)
@@ -57,9 +68,8 @@ def tokens_per_s(model: Any, lean: LeanForward, fused: bool, rows: int, steps: i
 
 
 async def engine_tokens_per_s(
-    engine: TransformersEngine, lean: LeanForward, fused: bool, concurrent: int, max_tokens: int
+    engine: TransformersEngine, concurrent: int, max_tokens: int
 ) -> float:
-    lean.fused = fused
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
     async def answer(i: int) -> int:
@@ -74,14 +84,17 @@ async def engine_tokens_per_s(
     return sum(tokens) / (time.perf_counter() - start)
 
 
-def row(kind: str, run: int, rows: int, speed: dict[bool, float]) -> dict[str, Any]:
+def row(kind: str, run: int, rows: int, speed: dict[str, float]) -> dict[str, Any]:
     return {
         "measure": kind,
         "run": run,
         "rows": rows,
-        "torch glue tok/s": speed[False],
-        "C glue tok/s": speed[True],
-        "ratio": speed[True] / speed[False],
+        "torch ops tok/s": speed["torch"],
+        "C glue tok/s": speed["glue"],
+        "C stack tok/s": speed["stack"],
+        "glue / torch": speed["glue"] / speed["torch"],
+        "stack / torch": speed["stack"] / speed["torch"],
+        "stack / glue": speed["stack"] / speed["glue"],
     }
 
 
@@ -106,26 +119,32 @@ async def main() -> None:
     model = engine.model
     lean = lean_of(model)
     assert lean is not None and lean.fused, "needs the block kernels built (build_ext)"
+    stack = lean.stack
+    assert stack is not None, f"the decode stack does not apply: {lean.stack_declined}"
     # Warm both paths for seconds, not steps: the first seconds after loading ran at
     # about 1 token/s here on either path (the weights' pages coming in).
     warm_until = time.perf_counter() + 10
     while time.perf_counter() < warm_until:
         for rows in (1, 8):
-            tokens_per_s(model, lean, True, rows, 4)
-            tokens_per_s(model, lean, False, rows, 4)
+            for path in PATHS:
+                take(lean, stack, path)
+                tokens_per_s(model, lean, rows, 4)
     results: list[dict[str, Any]] = []
     for run in range(args.runs):
-        order = (True, False) if run % 2 == 0 else (False, True)
+        order = PATHS[run % 3 :] + PATHS[: run % 3]
         for rows in (1, 8):
-            speed = {fused: tokens_per_s(model, lean, fused, rows, args.steps) for fused in order}
+            speed = {}
+            for path in order:
+                take(lean, stack, path)
+                speed[path] = tokens_per_s(model, lean, rows, args.steps)
             results.append(row("forward", run, rows, speed))
         for concurrent in (1, 8):
-            speed = {
-                fused: await engine_tokens_per_s(engine, lean, fused, concurrent, args.max_tokens)
-                for fused in order
-            }
+            speed = {}
+            for path in order:
+                take(lean, stack, path)
+                speed[path] = await engine_tokens_per_s(engine, concurrent, args.max_tokens)
             results.append(row("engine", run, concurrent, speed))
-    lean.fused = True
+    take(lean, stack, "stack")
     engine.close()
     print(f"threads {torch.get_num_threads()}, load average {os.getloadavg()}")
     print(table(results, list(results[0])))

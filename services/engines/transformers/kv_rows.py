@@ -58,7 +58,12 @@ class KvRows:
         ``hidden``, the last layer's hidden state there [rows, hidden].
         """
         lean = lean_of(self._model)
-        if lean is not None and lean.stack is not None and embeds.dtype == torch.float32:
+        if (
+            lean is not None
+            and lean.fused
+            and lean.stack is not None
+            and embeds.dtype == torch.float32
+        ):
             caches = self._stack_caches(embeds.shape[1])
             if caches is not None:
                 return self._stack_step(lean, lean.stack, caches, embeds, valid, hidden)
