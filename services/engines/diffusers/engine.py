@@ -42,6 +42,7 @@ from services.engines.diffusers.loading import (
     model_bytes,
     native_size,
 )
+from services.engines.loop_post import loop_post
 from services.engines.prompt_size import PromptBound, longest_token_chars
 from services.engines.text_intake import EMBEDS
 from services.mesh.errors import Cancelled, FailedPrecondition, InitFailed
@@ -122,14 +123,11 @@ class DiffusersEngine:
 
     async def generate(self, plan: DiffusersPlan) -> AsyncGenerator[EngineEvent, None]:
         request, job = plan.request, plan.job
-        loop = asyncio.get_running_loop()
+        post = loop_post(asyncio.get_running_loop())
         queue: asyncio.Queue[ProgressOutput | Done] = asyncio.Queue()
 
-        def emit(item: ProgressOutput | Done) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop has closed: nobody is listening any more
-                pass
+        def emit(item: ProgressOutput | Done) -> None:  # a closed loop drops it
+            post.post(queue.put_nowait, item)
 
         member = Member(job, threading.Event(), emit)
         with self._arrivals:

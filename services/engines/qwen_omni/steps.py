@@ -16,19 +16,21 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from services.engines.loop_post import loop_post
+
 _DONE = object()
 
 
 class Steps:
     def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._post = loop_post(asyncio.get_running_loop())
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self.stopped = threading.Event()
         self.result: Any = None
 
     def put(self, item: Any) -> None:
         """From the generating thread: one step's output."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._post.post(self._queue.put_nowait, item)
 
     def stop_requested(self, *_: Any, **__: Any) -> bool:
         """A stopping criterion for ``generate``: the reader went away."""
