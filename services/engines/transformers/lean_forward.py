@@ -7,7 +7,7 @@ kernels are 19 % of it). This forward does the same arithmetic with the model's 
 modules and weights, in as few calls as possible:
 
 - q, k and v are one product, and gate and up another, where their weights are
-  blocks of one kind (``fuse``): the fused blocks are concatenated once and the
+  blocks of one kind (``fuse``, fused_linears.py): the fused blocks are concatenated once and the
   original modules' buffers become views of them, so nothing is held twice;
 - the norms, rotary embeddings and SDPA are transformers' own functions, so each
   position's numbers are the ones the model's own forward computes;
@@ -36,8 +36,8 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from services.engines.transformers import fused_ops
-from services.engines.transformers.block_linear import BlockLinear, Blocks
 from services.engines.transformers.decode_stack import DecodeStack, StackParts
+from services.engines.transformers.fused_linears import fuse
 
 # attend(layer index, q [R, heads, W, D], k, v [R, kv heads, W, D]) -> [R, W, heads * D]
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -288,54 +288,6 @@ def _one_query(
         q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.reshape(rows, 1, heads * dim)
-
-
-def fuse(modules: list[nn.Module]) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[int]]:
-    """One product for several linears of the same input, where all are blocks of one
-    kind: the blocks are concatenated by rows and each module's buffers become views
-    of its rows (no second copy). Otherwise their outputs are concatenated."""
-    sizes = [_out_features(m) for m in modules]
-    if all(type(m) is BlockLinear for m in modules) and len({m.kind for m in modules}) == 1:  # type: ignore[union-attr]
-        blocks = [m for m in modules if isinstance(m, BlockLinear)]
-        biases = [m.bias for m in blocks]
-        fused = BlockLinear(
-            Blocks(
-                blocks[0].kind,
-                torch.cat([m.qs for m in blocks]),
-                torch.cat([m.d for m in blocks]),
-                None
-                if blocks[0].m is None
-                else torch.cat([m.m for m in blocks if m.m is not None]),
-            ),
-            None
-            if all(b is None for b in biases)
-            else torch.cat(
-                [
-                    b if b is not None else m.d.new_zeros(m.out_features)
-                    for b, m in zip(biases, blocks, strict=True)
-                ]
-            ),
-        )
-        start = 0
-        for m in blocks:
-            end = start + m.out_features
-            m.qs, m.d = fused.qs[start:end], fused.d[start:end]
-            if fused.m is not None:
-                m.m = fused.m[start:end]
-            start = end
-        return fused, sizes
-
-    def separate(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([m(x) for m in modules], dim=-1)
-
-    return separate, sizes
-
-
-def _out_features(module: nn.Module) -> int:
-    features = getattr(module, "out_features", None)
-    if not isinstance(features, int):
-        raise TypeError(f"{type(module).__name__} has no out_features")
-    return features
 
 
 _LEAN: weakref.WeakKeyDictionary[PreTrainedModel, LeanForward | None] = weakref.WeakKeyDictionary()

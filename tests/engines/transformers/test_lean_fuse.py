@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from services.engines.transformers.block_linear import MANY_ROWS, QK, BlockLinear, Blocks
-from services.engines.transformers.lean_forward import fuse
+from services.engines.transformers.fused_linears import fuse
 from tests.helpers.float_error import assert_float32_close
 
 IN = 2 * QK
