@@ -95,8 +95,9 @@ class KvRows:
         return out.logits[:, -1].float(), states
 
     def _stack_caches(self, width: int) -> list[GrowingLayer] | None:
-        """The layers, each with room for one more column, where this step is one the
-        decode stack runs: one column per row, every layer already holding some."""
+        """The cache's layers, where this step is one the decode stack runs: one column
+        per row, fewer than MANY_ROWS rows, every layer already holding some; else None.
+        (``_stack_step`` makes room for the column.)"""
         layers = self.cache.layers
         if width != 1 or not 0 < self.rows < MANY_ROWS or self.width == 0:
             return None
