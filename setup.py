@@ -1,32 +1,68 @@
-"""The one C extension: the GGUF block products, a decode step's float32 glue and its
-whole layer stack in one call (services/engines/transformers/_block_kernels.c, the
-module, with _block_products.c, _decode_glue.c and _decode_stack.c). Everything else
-is in pyproject.toml.
+"""The one compiled part: the CPU kernels (services/kernels/csrc), a library of torch
+ops (torch.ops.omni_kernels) built against the torch installed in this environment.
+Everything else is in pyproject.toml.
 
-The extension is optional: where no C compiler is found the install still
-succeeds, and the transformers engine keeps its float32 weights (it logs why).
+Install with ``pip install --no-build-isolation`` (torch already installed): the
+kernels must be built against the very torch that loads them, which an isolated
+build environment would not have. They need a C++20 compiler with OpenMP (g++ and
+libgomp). Without either, or without torch, the install still succeeds and says so
+here; the engines then run without the kernels and say so at every start (a GGUF
+model on the float32 path, several times slower).
+
 OpenMP threads come from the libgomp that torch itself loads (same soname), so the
-kernels share torch's thread pool.
+kernels share torch's thread pool. -ffp-contract=off: (d * q) + m is rounded twice,
+as gguf-py does, so a dequantised weight is bit for bit the float32 the plain path
+loads.
 """
 
-from setuptools import Extension, setup
+import sys
+from pathlib import Path
 
-setup(
-    ext_modules=[
-        Extension(
-            "services.engines.transformers._block_kernels",
-            sources=[
-                "services/engines/transformers/_block_kernels.c",
-                "services/engines/transformers/_block_products.c",
-                "services/engines/transformers/_decode_glue.c",
-                "services/engines/transformers/_decode_stack.c",
-            ],
-            depends=["services/engines/transformers/_kernels.h"],
-            # -ffp-contract=off: (d * q) + m is rounded twice, as gguf-py does, so a
-            # dequantised weight is bit for bit the float32 one the plain path loads.
-            extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
-            extra_link_args=["-fopenmp"],
-            optional=True,
-        )
-    ]
-)
+from setuptools import setup
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "services" / "kernels"))
+from build_hash import CSRC, REBUILD, source_hash, sources
+
+NOT_BUILT = "\n*** omni-mesh: the CPU kernels were NOT built ({why}).\n*** {rebuild}\n"
+
+
+def kernels() -> dict:
+    try:
+        import torch
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:
+        print(NOT_BUILT.format(why="torch is not importable while building", rebuild=REBUILD))
+        return {}
+
+    class BuildKernels(BuildExtension):
+        """Optional for real: a failed compile is reported, never an install failure."""
+
+        def build_extension(self, ext):
+            try:
+                super().build_extension(ext)
+            except Exception as exc:
+                print(NOT_BUILT.format(why=exc, rebuild=f"fix that, then {REBUILD}"))
+
+    files = [str(p.relative_to(Path(__file__).resolve().parent)) for p in sources(CSRC)]
+    return {
+        "ext_modules": [
+            CppExtension(
+                "services.kernels._ops",
+                sources=[f for f in files if f.endswith(".cpp")],
+                depends=[f for f in files if f.endswith(".h")],
+                extra_compile_args=[
+                    "-O3",
+                    "-fopenmp",
+                    "-ffp-contract=off",
+                    "-std=c++20",
+                    "-Wno-maybe-uninitialized",  # GCC 12's own AVX-512 reduce headers
+                    f"-DOMNI_KERNELS_HASH={source_hash(torch.__version__)}",
+                ],
+                extra_link_args=["-fopenmp"],
+            )
+        ],
+        "cmdclass": {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)},
+    }
+
+
+setup(**kernels())

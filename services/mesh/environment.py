@@ -220,6 +220,34 @@ LOCK_DIR = Variable(
     shown="`/tmp/omni-locks-<uid>`",
 )
 
+KERNEL_VARIANTS = ("reference", "avx2", "avx512")
+
+
+def _kernel_variant(value: str) -> str:
+    if value not in KERNEL_VARIANTS:
+        raise ValueError(f"expected one of {', '.join(KERNEL_VARIANTS)}, got {value!r}")
+    return value
+
+
+KERNELS = Variable[str | None](
+    "OMNI_KERNELS",
+    _kernel_variant,
+    None,
+    "stage",
+    "the CPU kernel variant to run (`reference`, `avx2`, `avx512`) instead of the best "
+    "this CPU runs; one it cannot run is refused, naming what it lacks",
+    blank_is_unset=True,
+    shown="the best this CPU runs",
+)
+
+KERNELS_LIBRARY = _file(
+    "OMNI_KERNELS_LIBRARY",
+    "stage",
+    "a kernels library built elsewhere to load instead of the installed one (the tests "
+    "load a reference-only build this way)",
+    shown="the installed `services/kernels/_ops.so`",
+)
+
 # --- clients of the orchestrator: `omni generate`, `omni gateway` --------------------
 
 ADDRESS = Variable[str | None](
@@ -261,6 +289,8 @@ VARIABLES: tuple[Variable[Any], ...] = (
     MAX_PAUSE_S,
     CACHE_DIR,
     LOCK_DIR,
+    KERNELS,
+    KERNELS_LIBRARY,
     ADDRESS,
     TOKEN,
     TOKEN_FILE,

@@ -1,0 +1,157 @@
+/* The CPU kernels' one header, laid out as ggml-cpu is: the reference functions in
+ * reference.cpp (plain C++, any CPU), each instruction set's variant in its own file
+ * (x86/avx2.cpp, x86/avx512.cpp), the best variant this CPU runs picked once
+ * (dispatch.cpp), the OpenMP drivers over them (parallel.cpp), a decode step's layer
+ * stack (stack.cpp), and the torch ops that take tensors (ops.cpp).
+ *
+ * Weights in GGUF blocks (32 weights a block): Q4_1 (w = d * q + m, q in 0..15) and
+ * Q8_0 (w = d * q, q in -128..127); d and m stay the file's float16. Every variant
+ * dequantises a weight as gguf-py does, (d * q) + m rounded twice in float32 (so
+ * -ffp-contract=off, and no FMA in a dequantisation), so a weight is bit for bit the
+ * float32 the plain path loads; only the order of a product's additions differs
+ * between variants. */
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace omni {
+
+constexpr int64_t QK = 32;       /* weights per block */
+constexpr int64_t ROW_TILE = 8;  /* activation rows a product takes at a time */
+
+/* IEEE half to float, exactly (every half is a float). */
+inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+    uint32_t exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF, bits;
+    if (exponent == 0x1F) {
+        bits = sign | 0x7F800000 | (mantissa << 13); /* inf, nan */
+    } else if (exponent) {
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    } else if (mantissa) { /* subnormal: normalise */
+        exponent = 113;
+        while (!(mantissa & 0x400)) {
+            mantissa <<= 1;
+            exponent--;
+        }
+        bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+    } else {
+        bits = sign;
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* One weight in blocks. Q4_1: qs uint8 [n][k/32][16], byte j holding weight j (low
+ * nibble) and j + 16 (high); d, m float16 [n][k/32]. Q8_0: qs int8 [n][k/32][32], d
+ * float16 [n][k/32], m null. bias float32 [n] or null. */
+enum BlockKind : int64_t { Q4_1 = 0, Q8_0 = 1 };
+struct BlockWeight {
+    int64_t kind;
+    const void *qs;
+    const uint16_t *d, *m;
+    int64_t n, k;
+    const float *bias;
+};
+
+/* One instruction set's kernels. A product computes y[b][r] = sum_k W[r][k] x[b][k]
+ * for the output rows r in [n0, n1) and every activation row b (y is [rows][w.n]);
+ * where `packs`, x comes packed in tiles (pack_tiles) for rows > 1. */
+struct Variant {
+    const char *name;
+    const char *needs; /* the instruction sets it runs on, for messages */
+    bool (*supported)();
+    bool packs;
+    void (*product_rows)(const BlockWeight &w, const float *x, int64_t rows, int64_t n0,
+                         int64_t n1, float *y);
+    /* Blocks [b0, b1) of the weight (row-major: block j of row r is r * k/32 + j) to
+     * float32 at out + b * 32. */
+    void (*dequant)(const BlockWeight &w, int64_t b0, int64_t b1, float *out);
+    /* o[i] = silu(g[i]) * u[i] */
+    void (*silu_row)(const float *g, const float *u, float *o, int64_t n);
+    /* softmax(q k^T * scale) v for one query q [dim] against `columns` keys k and values
+     * v [columns][dim] (those whose byte in `seen` is set, where given); p is scratch
+     * for columns + 16 floats, o [dim] the result. */
+    void (*attend_head)(const float *q, const float *k, const float *v, const uint8_t *seen,
+                        int64_t columns, int64_t dim, float scale, float *p, float *o);
+};
+
+/* dispatch.cpp: the variants this build has, best first (the reference last), and
+ * the one in use: the best this CPU runs unless use_variant chose another. */
+const Variant *const *all_variants(int64_t *count);
+const Variant &active_variant();
+/* Makes `name` the active variant; returns null, or why not (unknown, or this CPU
+ * lacks what it needs). */
+const char *use_variant(const char *name);
+
+/* reference.cpp: the reference variant, and the row functions every variant shares. */
+extern const Variant reference_variant;
+int64_t tile_width(int64_t left);
+int64_t tiled_rows(int64_t rows);
+void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp);
+float dot(const float *a, const float *b, int64_t n);
+/* h += delta (when given), then out = weight * (h * rsqrt(mean(h^2) + eps)): Llama's
+ * float32 RMSNorm after the residual add; out may be h. */
+void rms_norm_row(float *h, const float *delta, int64_t n, const float *weight, float eps,
+                  float *out);
+/* Rotary embeddings in place on the first `heads` heads of x (rotate_half's layout),
+ * cos and sin [dim]: transformers' apply_rotary_pos_emb, bit for bit. */
+void rotary_row(float *x, int64_t heads, int64_t dim, const float *cos, const float *sin);
+
+#if defined(__x86_64__) && !defined(OMNI_GENERIC_KERNELS)
+extern const Variant avx2_variant, avx512_variant;
+#endif
+
+/* parallel.cpp: the drivers, each its own OpenMP region of `threads`. */
+float *aligned_floats(int64_t count); /* 64-byte aligned, freed with free() */
+int block_product(const Variant &v, const BlockWeight &w, const float *x, int64_t rows, float *y,
+                  int threads); /* 0, or -1 when out of memory */
+/* The same inside a parallel region: xp holds tiled_rows(rows) * k floats (packed by
+ * one thread where the variant packs), output rows shared out by an orphaned omp for;
+ * the bias added. */
+void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
+                 float *xp, float *y);
+void dequantize(const Variant &v, const BlockWeight &w, float *out, int threads);
+void add_rms_norm(float *h, const float *delta, int64_t rows, int64_t n, const float *weight,
+                  float eps, float *out, int threads);
+void silu_mul(const Variant &v, const float *gate_up, int64_t rows, int64_t inter, float *out,
+              int threads);
+void rotary(float *x, int64_t rows, int64_t width, int64_t heads, int64_t dim, const float *cos,
+            const float *sin, int threads);
+/* One query per row against that row's keys and values, grouped-query: out[r][h] over
+ * the row's `columns` keys (those set in mask [rows][mask_row], where given), query
+ * head h reading kv head h / (heads / kv_heads). Strides in floats: q (q_row,
+ * q_head), keys and values [rows][kv_heads][columns][dim] (kv_row, kv_head);
+ * out [rows][heads][dim]. 0, or -1 when out of memory. */
+int attend_one(const Variant &v, const float *q, int64_t q_row, int64_t q_head,
+               const float *keys, const float *values, int64_t kv_row, int64_t kv_head,
+               const uint8_t *mask, int64_t mask_row, int64_t rows, int64_t heads,
+               int64_t kv_heads, int64_t columns, int64_t dim, float scale, float *out,
+               int threads);
+
+/* stack.cpp: one layer of a Llama-shaped decoder. */
+struct StackLayer {
+    const float *norm_in, *norm_post; /* RMSNorm weights [size] */
+    const float *q_norm, *k_norm;     /* per-head RMSNorm weights [dim] (Qwen3), or null */
+    float eps_in, eps_post, eps_head, scale;
+    BlockWeight qkv, o, gate_up, down;
+};
+struct StackShape {
+    int64_t layers, heads, kv_heads, dim, size, inter;
+};
+/* A decode step through every layer: h [rows][size] (each row's new token embedded)
+ * is the residual stream, added into in place; layer l writes its keys and values at
+ * column `column` of keys/values + l * layer_stride ([rows][kv_heads][room][dim],
+ * row and head strides in floats), and attends columns 0..column (those set in mask
+ * [rows][column + 1], where given); states [rows][size] gets the final norm's
+ * output. 0, or -1 when out of memory. */
+int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &shape, float *h,
+                 int64_t rows, const float *cos, const float *sin, float *keys, float *values,
+                 int64_t layer_stride, int64_t row_stride, int64_t head_stride,
+                 const uint8_t *mask, int64_t column, const float *norm, float eps,
+                 float *states, int threads);
+
+}  // namespace omni

@@ -1,0 +1,143 @@
+/* The reference kernels: plain C++ that any CPU runs, the yardstick every variant is
+ * tested against (the same dequantisation bit for bit; sums in their own order), and
+ * the row functions every variant shares (the norm, rotary, tile packing). */
+#include "kernels.h"
+
+namespace omni {
+namespace {
+
+/* One 32-weight block of output row r, block j, as float32: (d * q) + m, rounded
+ * twice (this file is built with -ffp-contract=off). */
+void block_weights(const BlockWeight &w, int64_t block, float *out) {
+    const float d = half_to_float(w.d[block]);
+    if (w.kind == Q4_1) {
+        const uint8_t *q = static_cast<const uint8_t *>(w.qs) + block * (QK / 2);
+        const float m = half_to_float(w.m[block]);
+        for (int64_t i = 0; i < QK / 2; i++) {
+            out[i] = d * static_cast<float>(q[i] & 0x0F) + m;
+            out[i + QK / 2] = d * static_cast<float>(q[i] >> 4) + m;
+        }
+    } else {
+        const int8_t *q = static_cast<const int8_t *>(w.qs) + block * QK;
+        for (int64_t i = 0; i < QK; i++) out[i] = d * static_cast<float>(q[i]);
+    }
+}
+
+/* Each output row's blocks in order, each block's 32 products summed in order. */
+void product_rows(const BlockWeight &w, const float *x, int64_t rows, int64_t n0, int64_t n1,
+                  float *y) {
+    const int64_t nb = w.k / QK;
+    float wb[QK];
+    for (int64_t r = n0; r < n1; r++) {
+        for (int64_t b0 = 0; b0 < rows; b0 += ROW_TILE) {
+            const int64_t bt = rows - b0 < ROW_TILE ? rows - b0 : ROW_TILE;
+            float acc[ROW_TILE] = {0};
+            for (int64_t j = 0; j < nb; j++) {
+                block_weights(w, r * nb + j, wb);
+                for (int64_t b = 0; b < bt; b++) {
+                    const float *xb = x + (b0 + b) * w.k + j * QK;
+                    float s = 0.0f;
+                    for (int64_t i = 0; i < QK; i++) s += wb[i] * xb[i];
+                    acc[b] += s;
+                }
+            }
+            for (int64_t b = 0; b < bt; b++) y[(b0 + b) * w.n + r] = acc[b];
+        }
+    }
+}
+
+void dequant(const BlockWeight &w, int64_t b0, int64_t b1, float *out) {
+    for (int64_t b = b0; b < b1; b++) block_weights(w, b, out + b * QK);
+}
+
+void silu_row(const float *g, const float *u, float *o, int64_t n) {
+    for (int64_t i = 0; i < n; i++) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+}
+
+void attend_head(const float *q, const float *k, const float *v, const uint8_t *seen,
+                 int64_t columns, int64_t dim, float scale, float *p, float *o) {
+    float top = -INFINITY;
+    for (int64_t j = 0; j < columns; j++) {
+        p[j] = seen && !seen[j] ? -INFINITY : dot(q, k + j * dim, dim) * scale;
+        top = p[j] > top ? p[j] : top;
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < columns; j++) total += (p[j] = std::exp(p[j] - top));
+    for (int64_t i = 0; i < dim; i++) o[i] = 0.0f;
+    for (int64_t j = 0; j < columns; j++)
+        for (int64_t i = 0; i < dim; i++) o[i] += p[j] * v[j * dim + i];
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < dim; i++) o[i] *= inv;
+}
+
+bool always() { return true; }
+
+}  // namespace
+
+const Variant reference_variant = {
+    "reference", "nothing", always, false, product_rows, dequant, silu_row, attend_head,
+};
+
+/* Activation rows go in tiles of 8; what is left in one tile of 8, 4, 2 or 1 padded
+ * with zero rows (5 to 7 rows: 8; 3: 4). Each tile dequantises every weight block
+ * again, so 7 rows as 4 + 2 + 1 cost a quarter more than 8 (a stage's 7-row decode
+ * step: 26.7 ms against 21.2 once padded), while a padded row costs only its FMAs. A
+ * row's sum does not depend on its tile. */
+int64_t tile_width(int64_t left) { return left >= 5 ? 8 : left >= 3 ? 4 : left; }
+
+int64_t tiled_rows(int64_t rows) {
+    return rows / ROW_TILE * ROW_TILE + (rows % ROW_TILE ? tile_width(rows % ROW_TILE) : 0);
+}
+
+/* x [rows][k] into tiles: tile by tile, each [k/32][its rows][32], padding rows zero,
+ * so a tile's rows sit at fixed offsets from one pointer. */
+void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp) {
+    for (int64_t b0 = 0, bt; b0 < rows; b0 += bt) {
+        bt = tile_width(rows - b0);
+        const int64_t real = rows - b0 < bt ? rows - b0 : bt;
+        float *tile = xp + b0 * k;
+        for (int64_t j = 0; j < k / QK; j++)
+            for (int64_t b = 0; b < bt; b++) {
+                float *to = tile + (j * bt + b) * QK;
+                if (b < real)
+                    std::memcpy(to, x + (b0 + b) * k + j * QK, QK * sizeof(float));
+                else
+                    std::memset(to, 0, QK * sizeof(float));
+            }
+    }
+}
+
+/* A float32 dot product over 16 partial sums, added pairwise at the end. */
+float dot(const float *a, const float *b, int64_t n) {
+    constexpr int64_t lanes = 16;
+    float part[lanes] = {0}, tail = 0.0f;
+    int64_t i = 0;
+    for (; i + lanes <= n; i += lanes)
+        for (int64_t l = 0; l < lanes; l++) part[l] += a[i + l] * b[i + l];
+    for (; i < n; i++) tail += a[i] * b[i];
+    for (int64_t width = lanes / 2; width; width /= 2)
+        for (int64_t l = 0; l < width; l++) part[l] += part[l + width];
+    return part[0] + tail;
+}
+
+void rms_norm_row(float *h, const float *delta, int64_t n, const float *weight, float eps,
+                  float *out) {
+    if (delta)
+        for (int64_t i = 0; i < n; i++) h[i] += delta[i];
+    const float scale = 1.0f / std::sqrt(dot(h, h, n) / static_cast<float>(n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = weight[i] * (h[i] * scale);
+}
+
+void rotary_row(float *x, int64_t heads, int64_t dim, const float *c, const float *s) {
+    const int64_t half = dim / 2;
+    for (int64_t hd = 0; hd < heads; hd++) {
+        float *x1 = x + hd * dim, *x2 = x1 + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float a = x1[i], b = x2[i];
+            x1[i] = a * c[i] + (-b) * s[i];
+            x2[i] = b * c[half + i] + a * s[half + i];
+        }
+    }
+}
+
+}  // namespace omni
