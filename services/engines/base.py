@@ -196,6 +196,9 @@ class ModelInfo:
     model_bytes: int
     kv: KvGeometry | None = None  # None for engines without a KV cache
     description: str = ""
+    # How the engine computes (its runner, how its weights are held, the CPU kernels
+    # or vLLM's kernel variant): logged at start and reported by Describe.
+    compute: str = ""
 
 
 class Engine(Protocol[PlanT]):

@@ -22,8 +22,7 @@ from gguf import GGUFReader
 from torch.nn import functional
 
 from services import kernels
-from services.engines.transformers import block_linear
-from services.engines.transformers.block_linear import Blocks
+from services.engines.transformers.weights.blocks import Blocks
 from tests.helpers.float_error import FLOAT32_EPS, RowErrors, row_errors
 
 # One Q4_1 tensor (k = 1536: 48 blocks a row) and the file's one Q8_0 tensor, the
@@ -57,7 +56,7 @@ class FileWeight:
 def file_weight(request: pytest.FixtureRequest, reader: GGUFReader) -> FileWeight:
     tensor = next(t for t in reader.tensors if t.name == request.param)
     raw = np.asarray(tensor.data)
-    blocks = block_linear._blocks(raw, int(tensor.tensor_type))
+    blocks = Blocks.of_gguf(raw, int(tensor.tensor_type))
     weight = torch.from_numpy(gguf.quants.dequantize(raw, tensor.tensor_type)).float()
     return FileWeight(raw, blocks, weight, weight.double(), weight.double().abs())
 

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from services.engines.base import EngineSettings
 from services.engines.defaults import TextDefaults
 from services.engines.engine_args import EngineArgs, StageFacts
-from services.engines.transformers.packed_linear import bfloat16_supported
+from services.engines.transformers.weights.packed import bfloat16_supported
 from services.mesh.errors import InitFailed
 
 # Greedy answers (of the 32 fixed prompts, 32 tokens each) that differ from
@@ -52,21 +52,24 @@ class TransformersArgs(EngineArgs):
     # prefills faster, smaller stalls the running decoders less.
     prefill_tokens: int = Field(512, ge=1)
     # How long at most an idle engine waits after a request arrives for others the
-    # stage has checked with it (on their way: StepLoop.expect) or that keep
+    # stage has checked with it (on their way: Scheduler.expect) or that keep
     # arriving, so that they share their first step; a lone request waits ~4 ms.
     gather_ms: float = Field(10.0, ge=0, allow_inf_nan=False)
     # How the linear weights are held (CPU):
     #   gguf_blocks: the GGUF file's own Q4_1 / Q8_0 blocks, float32 activations
-    #     (block_linear.py): about a sixth of float32's bytes per token; layers whose
-    #     weight is in no such block stay packed. Needs a .gguf model, dtype float32.
-    #   packed: float32 or bfloat16 packed once for oneDNN (packed_linear.py), so a
+    #     (weights/blocks.py, on services/kernels): about a sixth of float32's bytes per
+    #     token; layers whose weight is in no such block stay packed. Needs a .gguf
+    #     model, dtype float32 and the CPU kernels.
+    #   packed: float32 or bfloat16 packed once for oneDNN (weights/packed.py), so a
     #     batched step costs far less than one step per request.
     #   plain: as loaded (torch's default linear).
-    #   auto: gguf_blocks where it applies, else packed.
+    #   auto: gguf_blocks where it applies and the kernels have a vector variant for
+    #     this CPU (AVX2 or AVX-512), else packed.
     weights: Literal["auto", "gguf_blocks", "packed", "plain"] = "auto"
-    # Llama-shaped decoders (Llama, Mistral, Qwen2/3) run a forward without
-    # transformers' per-call machinery (lean_forward.py); false keeps the model's own.
-    lean_forward: bool = True
+    # Which model runner (runners/) runs the model: auto, the fastest that takes it
+    # (llama_cpu for a Llama-shaped GGUF on its blocks); reference, transformers' own
+    # forward for any model.
+    runner: Literal["auto", "reference"] = "auto"
 
     @model_validator(mode="before")
     @classmethod

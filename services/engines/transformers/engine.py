@@ -1,8 +1,9 @@
 """The transformers engine: any causal LM that transformers can load, on CPU or GPU.
 
-Requests are batched continuously (step_loop.py): every running request shares
-each forward pass, new ones join between steps, and a request whose consumer
-stops iterating ``generate`` (aclose, task cancel) leaves at the next step.
+Requests are batched continuously by the shared scheduler (services/engines/
+scheduler): every running request shares each forward, new ones join between steps,
+and a request whose consumer stops iterating ``generate`` (aclose, task cancel)
+leaves at the next step. The model runner (runners/) is chosen once at load.
 """
 
 from __future__ import annotations
@@ -31,15 +32,12 @@ from services.engines.base import (
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.loop_post import loop_post
 from services.engines.prompt_size import longest_token_chars
+from services.engines.scheduler import Delivery, Limits, Scheduler
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
-from services.engines.transformers.loading import (
-    conversion_pending,
-    converted_folder,
-    load_model,
-)
-from services.engines.transformers.sequence import Delivery, Sequence
-from services.engines.transformers.step_loop import BatchLimits, StepLoop
+from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
+from services.engines.transformers.runners import KvBudget, TextRunner, runner_for, runner_name
+from services.engines.transformers.sequence import Sequence
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
@@ -69,8 +67,8 @@ class TransformersEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._loop: StepLoop | None = None
-        self._kv: tuple[int, int] | None = None  # (pages, page_size) of the stage's plan
+        self._scheduler: Scheduler[Sequence] | None = None
+        self._budget: KvBudget | None = None
         self._active: dict[str, Sequence] = {}
 
     # -- lifecycle -------------------------------------------------------------
@@ -101,16 +99,18 @@ class TransformersEngine:
         )
         self._eos_ids = _eos_ids(model, tokenizer)
         self._model, self._tokenizer = model, tokenizer
-        self._start_loop()
-        return loaded.info
+        runner = self._start()
+        compute = f"{runner_name(runner)} runner, {loaded.weights}"
+        logger.info("transformers engine: %s", compute)
+        return replace(loaded.info, compute=compute)
 
     def plan_kv_cache(self, pages: int, page_size: int) -> None:
         assert self._limits is not None, "plan_kv_cache before load"
-        self._kv = (pages, page_size)
+        self._budget = self.runner.budget = KvBudget(pages, page_size)
         self._limits = replace(self._limits, kv_tokens=pages * page_size, page_size=page_size)
-        self._start_loop()
         logger.info(
-            "transformers engine: %d KV pages of %d tokens, up to %d sequences a step",
+            "transformers engine: %d KV pages of %d positions (a padded cache), up to %d "
+            "requests a step",
             pages,
             page_size,
             self._settings.max_batch_size,
@@ -130,16 +130,16 @@ class TransformersEngine:
             elif any(isinstance(event, FinishOutput) for event in delivery):
                 done.set()
 
-        self._step_loop().submit(self._sequence(request, self._plan(request), deliver))
+        self._running().submit(self._sequence(request, self._plan(request), deliver))
         if not done.wait(_WARMUP_TIMEOUT_S) or failures:
             raise InitFailed("the transformers warm-up step failed (see the stage log)") from (
                 failures[0] if failures else None
             )
 
     def close(self) -> None:
-        if self._loop is not None:
-            self._loop.close()
-            self._loop = None
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
 
     @property
     def model(self) -> PreTrainedModel:
@@ -150,9 +150,17 @@ class TransformersEngine:
         return self._loaded()[1]
 
     @property
-    def kv_plan(self) -> tuple[int, int] | None:
-        """(pages, page_size) of the stage's memory plan; None before plan_kv_cache."""
-        return self._kv
+    def scheduler(self) -> Scheduler[Sequence]:
+        return self._running()
+
+    @property
+    def runner(self) -> TextRunner:
+        return self._running().runner  # type: ignore[return-value]
+
+    @property
+    def kv_budget(self) -> KvBudget | None:
+        """The stage's memory plan as this engine spends it; None before plan_kv_cache."""
+        return self._budget
 
     @property
     def active_requests(self) -> frozenset[str]:
@@ -165,9 +173,9 @@ class TransformersEngine:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
-        # Announced before the prompt is tokenized: requests checked together
-        # (threads) are all known to the step loop by the time the first arrives.
-        self._step_loop().expect()
+        # The scheduler hears of the request before its prompt is tokenized, so that
+        # requests checked together all count when it gathers the first arrival.
+        self._running().expect()
         return TransformersPlan(request, self._plan(request))
 
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
@@ -183,10 +191,10 @@ class TransformersEngine:
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
         self._active[rid] = sequence
-        step_loop = self._step_loop()
+        scheduler = self._running()
         logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
-            step_loop.submit(sequence)
+            scheduler.submit(sequence)
             while True:
                 delivery = await inbox.get()
                 if isinstance(delivery, BaseException):
@@ -202,11 +210,11 @@ class TransformersEngine:
                         )
                         return
         finally:
-            # Normal end, aclose() and task cancellation alike: the loop drops the
-            # request (and its KV rows) at its next step boundary.
+            # Normal end, aclose() and task cancellation alike: the scheduler drops the
+            # request (and its rows) at its next step boundary.
             if not sequence.finished:
                 sequence.cancelled = True
-                step_loop.wake()
+                scheduler.wake()
             if self._active.get(rid) is sequence:
                 del self._active[rid]
 
@@ -230,24 +238,23 @@ class TransformersEngine:
             eos_ids=self._eos_ids,
         )
 
-    def _start_loop(self) -> None:
-        """(Re)start the step loop with the current limits; only between requests."""
+    def _start(self) -> TextRunner:
+        """The runner for the loaded model and the scheduler over it."""
         model = self._loaded()[0]
         self.close()
-        pages, page_size = self._kv if self._kv is not None else (None, 16)
-        limits = BatchLimits(
+        runner = runner_for(model, self._budget, self._args.runner)
+        limits = Limits(
             max_batch_size=self._settings.max_batch_size,
             prefill_tokens=self._args.prefill_tokens,
             gather_s=self._args.gather_ms / 1e3,
-            kv_pages=pages,
-            page_size=page_size,
         )
-        self._loop = StepLoop(model, limits)
+        self._scheduler = Scheduler(runner, limits, name="transformers-steps")
+        return runner
 
-    def _step_loop(self) -> StepLoop:
-        if self._loop is None:
+    def _running(self) -> Scheduler[Sequence]:
+        if self._scheduler is None:
             raise RuntimeError("TransformersEngine: call load() first")
-        return self._loop
+        return self._scheduler
 
     def _loaded(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self._model is None or self._tokenizer is None:

@@ -26,12 +26,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from services import kernels
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
-from services.engines.transformers import block_linear
-from services.engines.transformers.block_linear import gguf_block_linears
 from services.engines.transformers.config import TransformersArgs
-from services.engines.transformers.lean_forward import keep_transformers_forward
-from services.engines.transformers.packed_linear import pack_linears
+from services.engines.transformers.weights.gguf_match import gguf_block_linears
+from services.engines.transformers.weights.packed import pack_linears
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
@@ -40,9 +39,14 @@ logger = logging.getLogger(__name__)
 # changes, so folders written by an older converter are converted again.
 # 2: tied weights under their source name, ``architectures`` in config.json.
 CONVERSION_FORMAT = 2
-# Which GGUF blocks each linear runs on (block_linear.py), kept beside the converted
+# Which GGUF blocks each linear runs on (weights/gguf_match.py), kept beside the converted
 # weights; the number changes whenever the layout's format does.
 BLOCKS_LAYOUT = "gguf-blocks-2.safetensors"  # 2: float16 scales and mins
+
+
+# What the float32 path costs a GGUF model where the kernels cannot run: SmolLM2-135M
+# decodes about 4x slower at one request (15-20 against 75-85 tokens/s, 2 cores).
+SLOWER = "about 4x slower a token than on its GGUF blocks"
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
+    weights: str  # how the linears are held, and the kernels that run them
 
 
 def load_model(
@@ -75,8 +80,6 @@ def load_model(
         )
     model.eval()
     weights = _place_weights(model, model_path, settings, args, dtype)
-    if not args.lean_forward:
-        keep_transformers_forward(model)
     info = model_info(
         model, description=f"{type(model).__name__} from {model_path.name}, {weights}"
     )
@@ -87,7 +90,7 @@ def load_model(
         dtype,
         info.model_bytes / 2**20,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, weights=weights)
 
 
 def _place_weights(
@@ -98,29 +101,47 @@ def _place_weights(
     dtype: torch.dtype,
 ) -> str:
     """Hold the linear weights as ``engine_args.weights`` says (see config.py); says
-    how they are held (the LOAD_DONE message shows it)."""
+    how they are held and on which kernels (the LOAD_DONE message and Describe show
+    it). Where a GGUF model cannot run on its blocks, the stage log says why and what
+    it costs, once, at start."""
     blocks = 0
     if args.weights in ("auto", "gguf_blocks"):
         why = blocks_refused(model_path, settings, dtype)
-        if why is None and args.weights == "auto" and block_linear.simd() != "avx512":
-            # The portable kernel is plain C: slower than oneDNN's float32 there.
-            why = f"the block kernels have no vector path for this CPU ({block_linear.simd()})"
+        machine = kernels_refuse(args.weights == "auto") if why is None else None
+        why = why or machine
         if why is None:
             layout = converted_folder(model_path, settings.cache_dir) / BLOCKS_LAYOUT
             blocks = gguf_block_linears(model, model_path, layout)
             logger.info("%d linear layers run on %s's own weight blocks", blocks, model_path.name)
         elif args.weights == "gguf_blocks":
             raise InitFailed(f"engine_args.weights: gguf_blocks {why}", field="engine_args.weights")
-        else:
-            logger.info("linear weights not in GGUF blocks: %s", why)
+        elif machine:  # the stage file asked for what the blocks run; this install can't
+            logger.warning(
+                "%s runs on float32 weights, not its GGUF blocks (%s): %s",
+                model_path.name,
+                machine,
+                SLOWER,
+            )
     packed = pack_linears(model) if args.weights != "plain" else 0
     held = [f"{blocks} linears on GGUF blocks"] if blocks else []
     held += [f"{packed} packed for oneDNN"] if packed else []
+    if blocks:
+        held.append(f"kernels {kernels.describe()}")
     return ", ".join(held) or "linears as loaded"
 
 
+def kernels_refuse(auto: bool = True) -> str | None:
+    """Why this machine or install cannot run the blocks: no kernels, or (for ``auto``)
+    only the reference ones, plain C++, slower than oneDNN's float32. The one place
+    that decides it: the tests that expect blocks or float32 ask here too."""
+    why = kernels.unavailable()
+    if why is None and auto and kernels.variant() == "reference":
+        why = "the CPU kernels have no vector variant for this CPU (neither AVX2 nor AVX-512)"
+    return why
+
+
 def blocks_refused(model_path: Path, settings: EngineSettings, dtype: torch.dtype) -> str | None:
-    """Why ``weights: gguf_blocks`` cannot run for this stage, or None."""
+    """Why the stage's own settings keep its weights off GGUF blocks, or None."""
     if model_path.suffix != ".gguf":
         return f"needs a .gguf model file, not {model_path.name}"
     if settings.load_format == "dummy":
@@ -129,7 +150,7 @@ def blocks_refused(model_path: Path, settings: EngineSettings, dtype: torch.dtyp
         return f"runs on the CPU, not {settings.device}"
     if dtype != torch.float32:
         return f"runs float32 activations (dtype is {str(dtype).removeprefix('torch.')})"
-    return block_linear.unavailable()
+    return None
 
 
 def _dummy_model(

@@ -1,7 +1,8 @@
-"""One request inside the step loop: its prompt, progress, sampler and text.
+"""One text request under the scheduler: its prompt, progress, sampler and text.
 
-The step loop (step_loop.py) owns every ``Sequence`` while it runs; the request's
-``generate`` only reads what ``deliver`` hands it and may set ``cancelled``.
+The scheduler and the runner own every ``Sequence`` while it runs (the runner reads
+its prompt and hands it each new token); the request's ``generate`` only reads what
+``deliver`` hands it and may set ``cancelled``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,12 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineEvent, FinishOutput, TokenOutput
+from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
 from services.engines.transformers.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger(__name__)
-
-# What the loop hands a request after each step: its new events, or the error
-# that ended the whole batch.
-Delivery = list[EngineEvent] | BaseException
 
 
 @dataclass(eq=False)
@@ -48,6 +46,10 @@ class Sequence:
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.tokenizer, self.plan.token_ids)
         self._stops = StopStrings(self.plan.stop)
+
+    @property
+    def ready(self) -> bool:
+        return True  # a text request's next input is its own last token
 
     @property
     def prompt_tokens(self) -> int:

@@ -15,19 +15,20 @@ import pytest
 import torch
 from torch import nn
 
+from services import kernels
 from services.engines.base import EngineRequest, EngineSettings, ModelInfo, SamplingParams
-from services.engines.transformers import TransformersEngine, block_linear
-from services.engines.transformers.block_linear import BlockLinear
+from services.engines.transformers import TransformersEngine
 from services.engines.transformers.loading import converted_folder
-from services.engines.transformers.packed_linear import PackedLinear, bfloat16_supported
+from services.engines.transformers.weights.blocks import BlockLinear
+from services.engines.transformers.weights.packed import PackedLinear, bfloat16_supported
 from services.mesh.errors import InitFailed
 from tests.helpers.chat_prompts import CHAT_PROMPTS
 from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.stage import TINY_LLAMA
 
 needs_kernels = pytest.mark.skipif(
-    block_linear.unavailable() is not None,
-    reason=f"block kernels not built: {block_linear.unavailable()} (pip install -e .)",
+    kernels.unavailable() is not None,
+    reason=f"CPU kernels: {kernels.unavailable()}",
 )
 # What benchmarks/precision_agreement.py measured 0 of 32 differing on: greedy, 32
 # tokens, the prompts sent together (one batch of 8 here).
@@ -144,7 +145,7 @@ def test_auto_where_gguf_blocks_cannot_run_packs_the_weights_silently(
         engine, _info = _engine(model, omni_cache_dir, **settings)
     try:
         layers = 2 * 7 + 1 if case == "dummy" else 30 * 7 + 1
-        # bfloat16 is packed only where oneDNN has bfloat16 kernels (packed_linear.py).
+        # bfloat16 is packed only where oneDNN has bfloat16 kernels (weights/packed.py).
         packs = case != "bfloat16" or bfloat16_supported()
         kinds = {"blocks": 0, "packed": layers if packs else 0, "plain": 0 if packs else layers}
         assert _kinds(engine.model) == kinds

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.config import CPU_DIFFERING, auto_dtype
-from services.engines.transformers.packed_linear import (
+from services.engines.transformers.weights.packed import (
     PackedLinear,
     bfloat16_supported,
     pack_linears,

@@ -1,8 +1,8 @@
 """Continuous batching in the transformers engine: requests share forward passes,
 join and leave a running batch, and get the same tokens as alone.
 
-Every forward the model runs is recorded (rows x columns), so the tests see the
-batches themselves, not only the answers.
+Every forward the scheduler runs is watched (the requests in it and their columns),
+so the tests see the batches themselves, not only the answers.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from services.engines.base import (
     SamplingParams,
     TokenOutput,
 )
-from services.engines.transformers import TransformersEngine, mixed_step
-from services.engines.transformers.decode_stack import DecodeStack
+from services.engines.scheduler import StepTaken
+from services.engines.transformers import TransformersEngine
 from services.mesh.errors import InvalidArgument
 from tests.helpers.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close
@@ -48,44 +48,37 @@ def chat(rid: str, prompt: str, max_tokens: int = 12, **params: Any) -> EngineRe
 
 
 class Forwards:
-    """(rows, columns) of every forward pass, recorded on the model thread: at the
-    first layer's output projection, which the model's own forward and the lean one
-    (lean_forward.py) both call with [rows, columns, features], and at the decode
-    stack (decode_stack.py: a decode step's layers in one C call, one column a row);
-    and how many were mixed steps (prefill and decode in one forward,
-    mixed_step.mixed_forward)."""
+    """(rows, columns) of every forward the engine's scheduler runs, in order (a
+    prefill: its rows, by the chunk's columns; a decode step: its rows, by one), and
+    how many were mixed steps (prefill and decode rows in one forward)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.shapes: list[tuple[int, int]] = []
-        self.mixed = 0
-        projection = model.model.layers[0].self_attn.o_proj  # type: ignore[union-attr,index]
-        self._handle = projection.register_forward_pre_hook(self._record)
-        self._mixed_forward = mixed_step.mixed_forward
-        mixed_step.mixed_forward = self._count_mixed  # type: ignore[assignment]
-        self._stack_step = DecodeStack.__call__
-        recorder = self
+    def __init__(self, engine: TransformersEngine) -> None:
+        self.taken: list[StepTaken] = []
+        self._stop = engine.scheduler.watch(self.taken.append)
 
-        def stacked(stack: DecodeStack, h: torch.Tensor, *args: Any) -> torch.Tensor:
-            recorder.shapes.append((int(h.shape[0]), 1))
-            return recorder._stack_step(stack, h, *args)
+    @property
+    def shapes(self) -> list[tuple[int, int]]:
+        shapes = []
+        for t in self.taken:
+            if t.prefill:
+                shapes.append((len(t.prefill), t.chunk))
+            if t.decode:
+                shapes.append((len(t.decode), 1))
+        return shapes
 
-        DecodeStack.__call__ = stacked  # type: ignore[method-assign]
-
-    def _record(self, _module: Any, args: tuple[torch.Tensor, ...]) -> None:
-        self.shapes.append((int(args[0].shape[0]), int(args[0].shape[1])))
-
-    def _count_mixed(self, *args: Any, **kwargs: Any) -> Any:
-        self.mixed += 1
-        return self._mixed_forward(*args, **kwargs)
+    @property
+    def mixed(self) -> int:
+        return sum(t.mixed for t in self.taken)
 
     @property
     def decode_rows(self) -> list[int]:
-        return [rows for rows, columns in self.shapes if columns == 1]
+        return [len(t.decode) for t in self.taken if t.decode]
+
+    def clear(self) -> None:
+        self.taken.clear()
 
     def close(self) -> None:
-        self._handle.remove()
-        mixed_step.mixed_forward = self._mixed_forward
-        DecodeStack.__call__ = self._stack_step  # type: ignore[method-assign]
+        self._stop()
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +100,7 @@ def exact(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[torch.nn.Module]
 
 @pytest.fixture
 def forwards(engine: TransformersEngine) -> Iterator[Forwards]:
-    recorder = Forwards(engine.model)
+    recorder = Forwards(engine)
     yield recorder
     recorder.close()
 
@@ -121,7 +114,7 @@ async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
 ) -> None:
     requests = [chat(f"r{i}", p, max_tokens=6) for i, p in enumerate(PROMPTS)]
     solo = [await alone(engine, r) for r in requests]
-    forwards.shapes.clear()
+    forwards.clear()
     together = await asyncio.gather(*(collect(generate(engine, r)) for r in requests))
     # Greedy: the same tokens in a batch as alone (measured over 32 prompts by
     # benchmarks/stage_batching.py; padding and batch-size-dependent fp32 sums could
@@ -129,7 +122,7 @@ async def test_concurrent_requests_share_each_step_and_match_their_solo_tokens(
     assert [r.tokens for r in together] == [r.tokens for r in solo]
     assert max(forwards.decode_rows) == len(PROMPTS)  # every request in one decode step
     steps = sum(len(r.tokens) for r in together)
-    assert len(forwards.shapes) < steps / 3  # shared forwards, not one per token
+    assert len(forwards.taken) < steps / 3  # shared forwards, not one per token
 
 
 async def test_requests_join_and_leave_a_running_batch(
@@ -139,7 +132,7 @@ async def test_requests_join_and_leave_a_running_batch(
     short_request = chat("short", PROMPTS[0], max_tokens=4)
     solo_long = await alone(engine, long_request)
     solo_short = await alone(engine, short_request)
-    forwards.shapes.clear()
+    forwards.clear()
     long_events = generate(engine, long_request)
     first = await anext(long_events)  # the long one is decoding alone now
     assert isinstance(first, TokenOutput)
@@ -166,7 +159,7 @@ async def test_a_mixed_step_gives_the_tokens_of_separate_prefill_and_decode(
         for i, p in enumerate(PROMPTS[:4])
     ]
     solo = [await alone(engine, r) for r in requests]
-    forwards.shapes.clear()
+    forwards.clear()
     first = generate(engine, requests[0])
     head = await anext(first)  # decoding alone now
     assert isinstance(head, TokenOutput)
@@ -175,7 +168,7 @@ async def test_a_mixed_step_gives_the_tokens_of_separate_prefill_and_decode(
     results = await asyncio.gather(*late)
     assert [*head.token_ids, *rest.tokens] == solo[0].tokens
     assert [r.tokens for r in results] == [r.tokens for r in solo[1:]]
-    assert forwards.mixed >= 1, forwards.shapes
+    assert forwards.mixed >= 1, forwards.taken
     mixed_hidden = [[head.hidden_states, *rest.hidden], results[0].hidden]
     for request, alone_run, hidden in zip(requests, solo, mixed_hidden, strict=False):
         reference = _exact_states(engine, exact, request, alone_run.tokens)
@@ -207,7 +200,7 @@ async def test_a_cancel_mid_batch_leaves_the_others_unchanged(
     prompts = [PROMPTS[3], PROMPTS[5], PROMPTS[6]]  # answers longer than 16 tokens
     requests = [chat(f"k{i}", p, max_tokens=16) for i, p in enumerate(prompts)]
     solo = [await alone(engine, r) for r in requests]
-    forwards.shapes.clear()
+    forwards.clear()
     keep = [asyncio.create_task(collect(generate(engine, r))) for r in requests[:2]]
     victim = generate(engine, requests[2])
     for _ in range(3):
@@ -286,7 +279,7 @@ def test_a_prompt_that_can_never_fit_the_kv_plan_is_refused(tiny: TransformersEn
 
 async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEngine) -> None:
     tiny.plan_kv_cache(pages=4, page_size=4)  # two requests of 8 tokens at once
-    recorder = Forwards(tiny.model)
+    recorder = Forwards(tiny)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
         requests = [EngineRequest(f"w{i}", token_ids=(5, 6, 7, 8), params=params) for i in range(3)]
@@ -303,7 +296,7 @@ async def test_requests_beyond_the_kv_plan_wait_their_turn(tiny: TransformersEng
 async def test_a_long_prompt_does_not_hold_back_a_short_one(tiny: TransformersEngine) -> None:
     """Prefill goes in chunks; the shortest remaining prompt sets the chunk, so a
     short prompt that arrives behind a long one still gets its first token first."""
-    recorder = Forwards(tiny.model)
+    recorder = Forwards(tiny)
     firsts: list[str] = []
 
     async def run(rid: str, prompt: tuple[int, ...]) -> Result:

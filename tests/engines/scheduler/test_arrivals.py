@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.engines.transformers.arrivals import ARRIVAL_GAP_S, Arrivals
+from services.engines.scheduler.arrivals import ARRIVAL_GAP_S, Arrivals
 
 
 class Clock:

@@ -1,12 +1,12 @@
-"""When an idle step loop stops gathering newcomers and starts its first step.
+"""When an idle scheduler stops gathering newcomers and starts its first step.
 
 Requests that arrive together should share their prefill, but a lone request
 must not wait for company that is not coming: its time to first token would be
-spent on nothing. So the loop waits (up to ``gather_s`` after the first arrival)
+spent on nothing. So the scheduler waits (up to ``gather_s`` after the first arrival)
 only while more arrivals are likely: requests the stage has checked that are on
 their way to ``submit`` (the stage checks each request just before it runs it),
 or news (a check, an arrival) less than ``ARRIVAL_GAP_S`` ago, as in a burst
-from one client. Plain Python with an injectable clock; the step loop's lock
+from one client. Plain Python with an injectable clock; the scheduler's lock
 guards every call.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-# Requests sent together (one client opening a stream per request) reach the step
-# loop 0.2-4 ms apart here (benchmarks/stage_ttft.py, timestamps at check and
-# submit): an idle loop keeps gathering while news comes at least this often.
+# Requests sent together (one client opening a stream per request) reach the
+# scheduler 0.2-4 ms apart here (benchmarks/stage_ttft.py, timestamps at check and
+# submit): an idle scheduler keeps gathering while news comes at least this often.
 ARRIVAL_GAP_S = 0.004
 
 
@@ -40,7 +40,7 @@ class Arrivals:
         self._last_news = self._clock()
 
     def wait_until(self, deadline: float) -> float:
-        """Until when an idle loop should keep gathering (<= now: start now)."""
+        """Until when an idle scheduler should keep gathering (<= now: start now)."""
         now = self._clock()
         # One checked but never submitted (refused meanwhile) is forgotten.
         while self._expected and self._expected[0] < now - self._gather_s:

@@ -1,6 +1,6 @@
 """One product for several linears of the same input (q, k and v; gate and up).
 
-Where all are GGUF blocks of one kind (block_linear.py), the blocks are concatenated
+Where all are GGUF blocks of one kind (blocks.py), the blocks are concatenated
 by rows once and each original module's buffers become views of its rows, so the
 fused weight is not held twice; otherwise their outputs are concatenated.
 """
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from services.engines.transformers.block_linear import BlockLinear, Blocks
+from services.engines.transformers.weights.blocks import BlockLinear, Blocks
 
 
 def fuse(modules: list[nn.Module]) -> tuple[Callable[[torch.Tensor], torch.Tensor], list[int]]:

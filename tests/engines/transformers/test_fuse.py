@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from services.engines.transformers.block_linear import MANY_ROWS, QK, BlockLinear, Blocks
-from services.engines.transformers.fused_linears import fuse
+from services.engines.transformers.weights.blocks import MANY_ROWS, QK, BlockLinear, Blocks
+from services.engines.transformers.weights.fused import fuse
 from tests.helpers.float_error import assert_float32_close
 
 IN = 2 * QK

@@ -1,11 +1,12 @@
-"""Time to first token in the transformers step loop, by order of events (never by
-wall time): a request's first token is handed over before the model runs
-anything else, and an idle loop waits for company only when some is on its way.
+"""Time to first token under the scheduler, by order of events (never by wall time):
+a request's first token is handed over before the model runs anything else, an idle
+scheduler waits for company only when some is on its way, and what a watcher sees
+is what ran.
 
-A step loop of its own runs the tiny random-weight Llama; every forward it runs
-(seen where it makes logits: the output projection, which every forward path
-calls as a module) and every delivery it makes are recorded in one list, in the
-order they happened.
+A scheduler of its own runs the tiny random-weight Llama (the reference runner);
+every forward it runs (seen where it makes logits: the output projection, which
+every forward calls as a module) and every delivery it makes are recorded in one
+list, in the order they happened.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch
 from transformers import PreTrainedModel
 
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
+from services.engines.scheduler import Delivery, Limits, Scheduler, StepTaken
 from services.engines.transformers import TransformersEngine
-from services.engines.transformers.sequence import Delivery, Sequence
-from services.engines.transformers.step_loop import BatchLimits, StepLoop
+from services.engines.transformers.runners import runner_for
+from services.engines.transformers.sequence import Sequence
 from tests.helpers.stage import TINY_LLAMA
 
-# Far longer than any test here takes: a loop that waited this long would fail it.
+# Far longer than any test here takes: a scheduler that waited this long would fail it.
 LONG_GATHER_S = 120.0
 
 
@@ -96,9 +98,9 @@ def log(tiny: TransformersEngine) -> Iterator[Log]:
     recorder.close()
 
 
-def loop_of(engine: TransformersEngine, gather_s: float = 0.0) -> StepLoop:
-    limits = BatchLimits(max_batch_size=4, prefill_tokens=64, gather_s=gather_s)
-    return StepLoop(engine.model, limits)
+def loop_of(engine: TransformersEngine, gather_s: float = 0.0) -> Scheduler[Sequence]:
+    limits = Limits(max_batch_size=4, prefill_tokens=64, gather_s=gather_s)
+    return Scheduler(runner_for(engine.model, None), limits)
 
 
 def test_the_first_token_is_delivered_before_the_next_forward(
@@ -136,7 +138,7 @@ def test_requests_on_their_way_are_gathered_into_one_prefill(
         loop.expect()  # two requests checked, as a stage checks each before it runs it
         loop.expect()
         loop.submit(log.sequence(tiny, "first", max_tokens=2))
-        time.sleep(0.2)  # the second is late, but announced: the loop waits for it
+        time.sleep(0.2)  # the second is late, but announced: the scheduler waits for it
         loop.submit(log.sequence(tiny, "second", max_tokens=2))
         log.wait("first")
         log.wait("second")
@@ -157,3 +159,23 @@ def test_an_announced_request_that_never_comes_is_not_waited_for_long(
     finally:
         loop.close()
     assert log.entries[0] == ("forward", "rows", 1), log.entries
+
+
+def test_a_watcher_sees_each_forward_and_what_it_ran(tiny: TransformersEngine, log: Log) -> None:
+    loop = loop_of(tiny, gather_s=LONG_GATHER_S)
+    taken: list[StepTaken] = []
+    stop = loop.watch(taken.append)
+    try:
+        loop.expect()
+        loop.expect()
+        loop.submit(log.sequence(tiny, "one", max_tokens=3))
+        loop.submit(log.sequence(tiny, "two", max_tokens=2))
+        log.wait("one")
+        log.wait("two")
+    finally:
+        stop()
+        loop.close()
+    forwards = [e[2] for e in log.entries if e[0] == "forward"]
+    assert [len(t.prefill) + len(t.decode) for t in taken] == forwards
+    assert taken[0] == StepTaken(("one", "two"), 4, ())  # one prefill of both 4-token prompts
+    assert [t.decode for t in taken[1:]] == [("one", "two"), ("one",)]

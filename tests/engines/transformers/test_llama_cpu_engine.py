@@ -1,10 +1,10 @@
-"""The lean forward inside the engine: on the real SmolLM2 GGUF blocks (its fused q/k/v
-and gate/up products hold no second copy of the weights, and its greedy tokens are
-the model's own forward's, alone and eight at a time), and off where it does not
-apply (the engine then runs the model's own forward).
+"""The fast CPU runner inside the engine: the shipped default, SmolLM2 on its GGUF
+blocks, takes it (its fused q/k/v and gate/up products hold no second copy of the
+weights, its decode steps run the stack, and its greedy tokens are the reference
+runner's, alone and eight at once, padded); where it does not apply, the engine runs
+the model's own forward.
 
-test_lean_forward.py checks the arithmetic on tiny models; this checks the engine's
-use of it.
+test_runners.py checks the arithmetic on tiny models; this checks the engine's use of it.
 """
 
 from __future__ import annotations
@@ -17,12 +17,14 @@ from typing import Any
 import pytest
 import torch
 
+from services import kernels
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
-from services.engines.transformers import TransformersEngine, lean_forward
-from services.engines.transformers.block_linear import BlockLinear
-from services.engines.transformers.decode_stack import DecodeStack
-from services.engines.transformers.lean_forward import lean_applies, lean_of
+from services.engines.scheduler import StepTaken
+from services.engines.transformers import TransformersEngine
 from services.engines.transformers.loading import model_info
+from services.engines.transformers.runners import runner_name
+from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner, llama_cpu_refuses
+from services.engines.transformers.weights.blocks import BlockLinear
 from tests.helpers.chat_prompts import CHAT_PROMPTS
 from tests.helpers.engine_runs import generate
 from tests.helpers.stage import TINY_LLAMA
@@ -31,11 +33,18 @@ from tests.helpers.text_engine import collect
 MAX_TOKENS = 16
 
 
-def blocks_engine(gguf: Path, cache_dir: Path, lean: bool) -> TransformersEngine:
+pytestmark = pytest.mark.skipif(
+    kernels.variant() in ("none", "reference"),
+    reason=f"the GGUF blocks run by default only on a vector variant of the CPU kernels "
+    f"(here: {kernels.describe()})",
+)
+
+
+def blocks_engine(gguf: Path, cache_dir: Path, runner: str) -> TransformersEngine:
     settings = EngineSettings(
         cache_dir=cache_dir,
         max_batch_size=8,
-        engine_args={"weights": "gguf_blocks", "lean_forward": lean},
+        engine_args={"weights": "gguf_blocks", "runner": runner},
     )
     engine = TransformersEngine(settings)
     engine.load(gguf)
@@ -44,15 +53,15 @@ def blocks_engine(gguf: Path, cache_dir: Path, lean: bool) -> TransformersEngine
 
 
 @pytest.fixture(scope="module")
-def lean_engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
-    engine = blocks_engine(smollm2_gguf, omni_cache_dir, lean=True)
+def fast_engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
+    engine = blocks_engine(smollm2_gguf, omni_cache_dir, "auto")
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
 def own_engine(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[TransformersEngine]:
-    engine = blocks_engine(smollm2_gguf, omni_cache_dir, lean=False)
+    engine = blocks_engine(smollm2_gguf, omni_cache_dir, "reference")
     yield engine
     engine.close()
 
@@ -73,12 +82,13 @@ async def answers(
     return [run.tokens for run in runs]
 
 
-def test_fused_blocks_are_the_layers_own(lean_engine: TransformersEngine) -> None:
+def test_fused_blocks_are_the_layers_own(fast_engine: TransformersEngine) -> None:
     """fuse() concatenates the q/k/v (and gate/up) blocks once and leaves the layers'
     buffers as views of them: the model holds each weight once, as before."""
-    model = lean_engine.model
-    lean = lean_of(model)  # built by warmup's first forward
-    assert lean is not None
+    model = fast_engine.model
+    runner = fast_engine.runner
+    assert isinstance(runner, LlamaCpuRunner)
+    lean = runner.lean
     for index, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         fused = {"qkv": lean.layers[index].qkv, "gate_up": lean.layers[index].gate_up}
@@ -113,41 +123,29 @@ def test_fused_blocks_are_the_layers_own(lean_engine: TransformersEngine) -> Non
     assert 200 * 2**20 < info.model_bytes < 230 * 2**20  # Q4_1 blocks and float32 embeddings
 
 
-async def test_greedy_tokens_equal_the_models_own_forward(
-    lean_engine: TransformersEngine,
-    own_engine: TransformersEngine,
-    monkeypatch: pytest.MonkeyPatch,
+async def test_greedy_tokens_equal_the_reference_runners(
+    fast_engine: TransformersEngine, own_engine: TransformersEngine
 ) -> None:
     """Four prompts alone, then eight at once: prompts of different lengths decode in
-    one batch padded on the left, so the one-query attention runs with its mask, in
-    the decode stack (benchmarks/precision_agreement.py: 0 of 32 answers differ)."""
-    assert lean_of(own_engine.model) is None
+    one batch padded on the left, in the decode stack, with its mask
+    (benchmarks/precision_agreement.py: 0 of 32 answers differ)."""
+    assert runner_name(own_engine.runner) == "reference"
     alone = CHAT_PROMPTS[:4]
-    assert await answers(lean_engine, alone, False) == await answers(own_engine, alone, False)
-
-    one_query = lean_forward._one_query
-    masked_rows: list[int] = []
-
-    def recorded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 mask: torch.Tensor | None, scale: float, fused: bool) -> torch.Tensor:  # fmt: skip
-        if mask is not None and not bool(mask.all()):
-            masked_rows.append(int(q.shape[0]))
-        return one_query(q, keys, values, mask, scale, fused)
-
-    monkeypatch.setattr(lean_forward, "_one_query", recorded)  # records, then runs it
-    stack_step = DecodeStack.__call__
-
-    def stack_recorded(self: DecodeStack, h: torch.Tensor, *args: Any) -> torch.Tensor:
-        mask = args[3]
-        if mask is not None and not bool(mask.all()):
-            masked_rows.append(int(h.shape[0]))
-        return stack_step(self, h, *args)
-
-    monkeypatch.setattr(DecodeStack, "__call__", stack_recorded)
+    assert await answers(fast_engine, alone, False) == await answers(own_engine, alone, False)
+    runner = fast_engine.runner
+    assert isinstance(runner, LlamaCpuRunner)
+    taken: list[StepTaken] = []
+    stop = fast_engine.scheduler.watch(taken.append)
+    stacked = runner.stack_steps
     together = CHAT_PROMPTS[:8]
-    lean_tokens = await answers(lean_engine, together, True)
-    assert max(masked_rows, default=0) == 8, masked_rows  # all eight, padded, in one step
-    assert lean_tokens == await answers(own_engine, together, True)
+    try:
+        fast_tokens = await answers(fast_engine, together, True)
+    finally:
+        stop()
+    assert max(len(t.decode) for t in taken) == 8, taken  # all eight in one step
+    assert runner.stack_steps - stacked == sum(1 for t in taken if t.decode and not t.prefill)
+    assert len({len(CHAT_PROMPTS[i]) for i in range(8)}) > 1  # padded: a mask in the stack
+    assert fast_tokens == await answers(own_engine, together, True)
 
 
 def _own_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
@@ -160,7 +158,7 @@ def _own_greedy(model: Any, prompt: list[int], count: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-async def test_where_lean_does_not_apply_the_engine_runs_the_models_forward(
+async def test_where_the_fast_runner_does_not_apply_the_engine_runs_the_models_forward(
     smollm2_gguf: Path, omni_cache_dir: Path
 ) -> None:
     torch.manual_seed(0)
@@ -172,8 +170,9 @@ async def test_where_lean_does_not_apply_the_engine_runs_the_models_forward(
     engine = TransformersEngine(settings)
     engine.load(smollm2_gguf)
     try:
-        why = lean_applies(engine.model)
+        why = llama_cpu_refuses(engine.model)
         assert why is not None and "gelu" in why
+        assert runner_name(engine.runner) == "reference"
         calls: list[int] = []
         handle = engine.model.register_forward_pre_hook(lambda *_: calls.append(1))
         prompt = (5, 6, 7, 8, 9)
@@ -182,7 +181,6 @@ async def test_where_lean_does_not_apply_the_engine_runs_the_models_forward(
             generate(engine, EngineRequest("gelu", token_ids=prompt, params=params))
         )
         handle.remove()
-        assert lean_of(engine.model) is None
         assert len(calls) == 8  # a prefill and seven decode steps, each the model's forward
         assert run.tokens == _own_greedy(engine.model, list(prompt), 8)
     finally:

@@ -1,0 +1,27 @@
+"""The scheduler every generating engine runs under: admission, waiting, gathering,
+prefill / mixed / decode planning, retiring, cancellation and delivery, knowing no
+model (scheduler.py); what it asks of a request and of a model runner (contract.py);
+when an idle scheduler stops gathering newcomers (arrivals.py)."""
+
+from __future__ import annotations
+
+from services.engines.scheduler.contract import (
+    Delivery,
+    ModelRunner,
+    Outbox,
+    Scheduled,
+    Step,
+    StepTaken,
+)
+from services.engines.scheduler.scheduler import Limits, Scheduler
+
+__all__ = [
+    "Delivery",
+    "Limits",
+    "ModelRunner",
+    "Outbox",
+    "Scheduled",
+    "Scheduler",
+    "Step",
+    "StepTaken",
+]
