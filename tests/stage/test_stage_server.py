@@ -12,6 +12,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services import kernels
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.loading import kernels_refuse
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
@@ -284,6 +285,13 @@ async def test_describe_names_the_engine_and_its_parameters(stage) -> None:
     assert list(info.output_tensors) == ["hidden_states"] and info.node.hostname
     needs = {t.name: list(t.needs_tensors) for t in info.transforms}
     assert needs == {"text": [], "tokens": [], "hidden_states_to_prompt_embeds": ["hidden_states"]}
+    # How it computes: the SmolLM2 GGUF on the kernels' best variant here, or float32
+    # on the reference runner where they cannot run it (the same function decides).
+    if kernels_refuse() is None:
+        assert info.compute.startswith("llama_cpu runner, 211 linears on GGUF blocks")
+        assert f"kernels {kernels.variant()} (" in info.compute
+    else:
+        assert info.compute == "reference runner, 211 packed for oneDNN"
 
 
 async def test_the_stream_outlives_a_request_error_and_grpc_status_is_ok(stage) -> None:

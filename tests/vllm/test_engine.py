@@ -6,7 +6,6 @@ embeddings and concurrent requests. One engine for the module (it starts in
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from services.engines.base import EngineEvent, EngineSettings, FinishOutput, TokenOutput
-from services.engines.vllm import VllmEngine
+from services.engines.vllm import VllmEngine, cpu
 from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.vllm_parts import embeds_request, request
 from tests.vllm.conftest import FRANCE, MAX_TOKENS, PROMPTS
@@ -138,25 +137,36 @@ async def test_prompt_embeddings_give_the_token_prompts_answer(
 
 async def test_concurrent_requests_run_together(engine: VllmEngine) -> None:
     n = 8
-    first: dict[int, float] = {}
-    done: dict[int, float] = {}
-
-    async def one(i: int) -> list[EngineEvent]:
-        events = []
-        async for event in generate(
-            engine, request(text=PROMPTS[i % len(PROMPTS)], max_tokens=MAX_TOKENS, temperature=0.0)
-        ):
-            first.setdefault(i, time.monotonic())
-            events.append(event)
-        done[i] = time.monotonic()
-        return events
-
-    results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(n))), 300)
+    before = len(engine.steps.running)
+    results = await asyncio.wait_for(
+        asyncio.gather(
+            *(
+                collect(generate(engine, request(text=PROMPTS[i % len(PROMPTS)],
+                                                 max_tokens=MAX_TOKENS, temperature=0.0)))
+                for i in range(n)
+            )
+        ),
+        300,
+    )  # fmt: skip
     # Each ran to its length or its end of text (the haiku ends early).
     assert {finish(r).reason for r in results} <= {"length", "eos"}
     assert all(finish(r).completion_tokens == len(tokens_of(r)) > 0 for r in results)
-    # Batched, not queued: every request had its first token before any finished.
-    assert max(first.values()) < min(done.values())
+    # Batched, not queued, as vLLM's scheduler ran them: all eight in one step (its own
+    # count of running requests, per step), not one after another.
+    during = list(engine.steps.running)[before:]
+    assert during and max(during) == n, during
     # The same prompt, the same greedy answer, whichever batch it ran in.
     for i in range(len(PROMPTS), n):
         assert tokens_of(results[i]) == tokens_of(results[i - len(PROMPTS)])
+
+
+def test_the_engine_reports_the_kernels_vllm_loaded(engine: VllmEngine) -> None:
+    """What the engine says vLLM runs is what this process mapped, named without
+    importing any build by name (cpu.py)."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # what vLLM does at start; a no-op if done
+    with open("/proc/self/maps") as maps:
+        mapped = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/vllm/_C" in line}
+    assert mapped == {cpu.kernels().split()[0] + ".abi3.so"}, mapped
+    assert cpu.refuses() is None

@@ -17,6 +17,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import load_pipeline
 from orchestrator.stages.launcher import Launcher
 from orchestrator.stages.processes import StageProcess
+from services.engines.vllm import cpu
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.__main__ import EXIT_ENGINE_DEAD
@@ -49,6 +50,7 @@ async def test_a_dead_vllm_engine_fails_the_stage_process(
         address = await stage.start(timeout_s=120)
         async with StageClient(address) as client:
             events = await client.wait_ready(timeout_s=300)
+            described = await client.describe()
             held = client.open_stream()
             await held.write(chat("held", "Count from one to a thousand.", max_tokens=1500))
             first = await held.read()
@@ -69,6 +71,8 @@ async def test_a_dead_vllm_engine_fails_the_stage_process(
     # The stage may be gone before a client could ask it: its log has the event.
     assert "FAILED the engine died" in (tmp_path / "stage.log").read_text()
     assert code == EXIT_ENGINE_DEAD
+    # Describe says which of vLLM's CPU kernel builds it runs (named, never imported).
+    assert described.compute.startswith("vLLM ") and f"kernels {cpu.kernels()}" in described.compute
 
 
 async def test_a_vllm_thinker_answers_through_the_orchestrator(

@@ -114,7 +114,8 @@ class VllmArgs(EngineArgs):
         kwargs: dict[str, Any] = {
             "model": str(model_path),
             "dtype": settings.dtype or "auto",
-            # The stage reports its own metrics; vLLM's periodic stat lines are noise here.
+            # The stage reports its own metrics; vLLM's periodic stat lines are noise here
+            # (the engine's own stat logger still sees every step: steps.py).
             "disable_log_stats": True,
         }
         if settings.load_format == "dummy":

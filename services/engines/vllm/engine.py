@@ -29,9 +29,10 @@ from services.engines.base import (
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
 from services.engines.transformers.loading import conversion_pending, converted_folder
-from services.engines.vllm import intake
+from services.engines.vllm import cpu, intake
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.sizing import kv_geometry, model_bytes
+from services.engines.vllm.steps import StepCounts
 from services.mesh.errors import EngineDead, FailedPrecondition, InitFailed, InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ class VllmEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
+        # Requests in each scheduler step, as vLLM's stat loggers report them.
+        self.steps = StepCounts()
 
     def preparation(self, model_path: Path) -> str | None:
         return conversion_pending(model_path, self._settings.cache_dir)
@@ -83,6 +86,8 @@ class VllmEngine:
         device = self._settings.device
         if device != "cpu" and not device.startswith("cuda"):
             raise InitFailed(f"the vllm engine runs on cpu or cuda, not {device}")
+        if device == "cpu" and (why := cpu.refuses()) is not None:
+            raise InitFailed(why, field="runtime.device")
         try:
             from vllm.engine.arg_utils import AsyncEngineArgs
             from vllm.platforms import current_platform
@@ -107,7 +112,7 @@ class VllmEngine:
         except TypeError as exc:  # a key vLLM does not know
             raise InitFailed(f"engine_args: {exc}", field="engine_args") from exc
         try:
-            llm = AsyncLLM.from_engine_args(engine_args)
+            llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[self.steps.factory()])
         except Exception as exc:
             logger.exception("vLLM failed to start for %s", model_path)
             raise InitFailed(
@@ -133,8 +138,15 @@ class VllmEngine:
             f"vLLM {model_config.model} ({model_config.dtype}, tp={tp}): "
             f"{cache.num_gpu_blocks} KV blocks of {cache.block_size} tokens"
         )
-        logger.info("loaded %s", description)
-        return ModelInfo(model_bytes=size, kv=kv_geometry(vllm_config), description=description)
+        import vllm
+
+        compute = f"vLLM {vllm.__version__} on {device}"
+        if device == "cpu":
+            compute += f", kernels {cpu.kernels()}"
+        logger.info("loaded %s; computes on %s", description, compute)
+        return ModelInfo(
+            model_bytes=size, kv=kv_geometry(vllm_config), description=description, compute=compute
+        )
 
     def kv_cache(self) -> tuple[int, int]:
         cache = self._llm.vllm_config.cache_config

@@ -36,6 +36,7 @@ class InitBus:
         self._wall_clock = wall_clock
         self._origin = clock()
         self._events: list[stage_pb2.InitEvent] = []
+        self.compute = ""  # how the loaded engine computes (ModelInfo.compute): Describe
         self._lock = threading.Lock()
         self._changed = asyncio.Event()
 

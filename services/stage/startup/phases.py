@@ -156,6 +156,9 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             free_before = free_device_memory(runtime.device)
         t0 = time.monotonic()
         info = await asyncio.to_thread(engine.load, model_path)
+        bus.compute = info.compute
+        if info.compute:
+            logger.info("stage %s computes on: %s", config.name, info.compute)
         bus.publish(
             stage_pb2.LOAD_DONE, duration_ms=(time.monotonic() - t0) * 1e3, message=info.description
         )

@@ -80,6 +80,15 @@ async def test_serve_generate_and_probe(stages, tmp_path: Path) -> None:
         )
         states = {s["name"]: s["state"] for s in json_stream(watched.stdout)}
         assert states == {"thinker": "STAGE_READY", "renderer": "STAGE_READY"}
+        stages_listed = await asyncio.to_thread(
+            subprocess.run,
+            [GRPCURL, "-plaintext", address, "omni.v1.Orchestrator/ListStages"],
+            capture_output=True,
+            text=True,
+        )
+        thinker = {s["name"]: s for s in json.loads(stages_listed.stdout)["stages"]}["thinker"]
+        # What its engine runs on, from its Describe (a tiny random Llama: float32).
+        assert thinker["compute"].startswith("reference runner, "), thinker
         out = tmp_path / "out"
         done = await asyncio.to_thread(
             subprocess.run,
