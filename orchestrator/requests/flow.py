@@ -295,8 +295,9 @@ class RequestFlow:
         if event.WhichOneof("kind") == "segment":
             tensors = event.segment.tensors
             if not self._client_hidden.get(stage, False):
-                # Asked for by an edge, not by the client: they are not its to see.
-                kept = [t for t in tensors if t.name != "hidden_states"]
+                # Asked for by an edge, not by the client: they are not its to see (a
+                # thinker's hand-off names its prompt's "prompt_hidden_states").
+                kept = [t for t in tensors if not t.name.endswith("hidden_states")]
                 del tensors[:]
                 tensors.extend(kept)
             for index, tensor in enumerate(tensors):

@@ -3,6 +3,7 @@ run through them in order the way the mesh hands it on (engine level, no wire)."
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from services.engines.base import (
     EngineSettings,
     SamplingParams,
     TensorOutput,
+    TokenOutput,
 )
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
@@ -55,22 +57,47 @@ class Thought:
 
 
 async def think(engine: QwenOmniThinker, request: EngineRequest) -> Thought:
+    """The thinker's answer and its whole hand-off, as a window -1 edge joins it (the
+    answer's per-token rows as one "hidden_states" tensor)."""
     events = await collect(generate(engine, request))
     tensors: dict[str, torch.Tensor] = {}
+    rows = []
     for event in events:
         if isinstance(event, TensorOutput):
             tensors.update(event.tensors)
+        if isinstance(event, TokenOutput) and event.hidden_states is not None:
+            rows.append(event.hidden_states)
+    if rows:
+        tensors["hidden_states"] = torch.cat(rows)
     text = "".join(getattr(e, "text", "") for e in events)
     return Thought(tokens_of(events), text, tensors)
 
 
-async def talk(engine: QwenOmniTalker, thought: Thought, request_id: str = "r1") -> torch.Tensor:
-    """The codes [T, groups], joined from the talker's per-step outputs."""
-    request = EngineRequest(
-        request_id, token_ids=tuple(thought.answer_ids), tensors=thought.handoff,
-        params=SamplingParams(),
-    )  # fmt: skip
-    events = await collect(generate(engine, request))
+async def talk(
+    engine: QwenOmniTalker, thought: Thought, request_id: str = "r1", windows: int = 0
+) -> torch.Tensor:
+    """The codes [T, groups], joined from the talker's per-step outputs: the hand-off
+    whole (a window -1 edge), or its answer in windows of ``windows`` tokens after a
+    first window of the prompt's part and the first token, as a stage runs them
+    (each window checked as it comes, run in order, then the input's end)."""
+    ids, rows = list(thought.answer_ids), thought.handoff["hidden_states"]
+    size = len(ids) if windows <= 0 else 1
+    bounds = [0, size]
+    while bounds[-1] < len(ids):
+        bounds.append(min(bounds[-1] + max(windows, 1), len(ids)))
+    plans = []
+    for n, (a, b) in enumerate(itertools.pairwise(bounds)):
+        tensors = dict(thought.handoff) if n == 0 else {}
+        tensors["hidden_states"] = rows[a:b]
+        window = EngineRequest(
+            request_id, token_ids=tuple(ids[a:b]), tensors=tensors, params=SamplingParams()
+        )
+        plans.append(engine.check(window))
+    end = engine.input_ended(request_id)
+    events = []
+    for plan in [*plans, *([end] if end is not None else [])]:
+        events += await collect(engine.generate(plan))
+    engine.release(request_id)
     return torch.cat([e.tensors["codes"] for e in events if isinstance(e, TensorOutput)])
 
 

@@ -8,11 +8,11 @@ one, with the ``left_context_size`` codes before it, and the rest when the
 input ends: the same slices ``code2wav.chunked_decode`` cuts, so the joined
 audio equals chunked_decode's on the whole codes however the windows fell.
 Each chunk's audio is one "audio" segment (float32 mono, AudioFormat), in order.
+Chunks of many requests are decoded together (decode_batch.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator
@@ -36,6 +36,7 @@ from services.engines.base import (
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading
 from services.engines.qwen_omni.config import Code2WavArgs
+from services.engines.qwen_omni.decode_batch import DecodeBatches
 from services.engines.request_checks import refuse, refuse_unknown_tensors, tensor_field
 
 logger = logging.getLogger(__name__)
@@ -72,12 +73,14 @@ class QwenOmniCode2Wav:
         self._groups = 0
         self._codebook = 0
         self._requests: OrderedDict[str, _Codes] = OrderedDict()
+        self._batches: DecodeBatches | None = None
 
     def load(self, model_path: Path | None) -> ModelInfo:
         part = loading.load_engine_part(model_path, self.settings, self.name, "code2wav")
         self._model = part.model
         self._groups = part.config.code2wav_config.num_quantizers
         self._codebook = part.config.code2wav_config.codebook_size
+        self._batches = DecodeBatches(self._decode, max(self.settings.max_batch_size, 1))
         return part.info
 
     def warmup(self) -> None:
@@ -132,19 +135,27 @@ class QwenOmniCode2Wav:
     async def generate(self, plan: Code2WavPlan) -> AsyncGenerator[EngineEvent, None]:
         upsample = int(self._model.total_upsample)
         fmt = self.audio_format
+        assert self._batches is not None, "generate before load"
         for step, (codes, context) in enumerate(plan.chunks, 1):
-            wav = await asyncio.to_thread(self._decode, codes)
+            wav = await self._batches.decode(codes)
             audio = wav[0, 0, context * upsample :].float().cpu()
             yield TensorOutput({"audio": audio}, audio_format=fmt)
             yield ProgressOutput(step=step, total_steps=len(plan.chunks))
         yield FinishOutput("done", completion_tokens=len(plan.chunks))
 
+    @property
+    def batches(self) -> list[int]:
+        """Chunks per code2wav forward, the last ones (metrics, tests)."""
+        return [] if self._batches is None else list(self._batches.batches)
+
     def _decode(self, codes: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            out: torch.Tensor = self._model(codes.to(self.settings.device))
-            return out
+        out: torch.Tensor = self._model(codes.to(self.settings.device))
+        return out
 
     def close(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
         self._model = None
         self._requests.clear()
 

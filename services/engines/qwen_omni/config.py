@@ -7,19 +7,21 @@ from pydantic import Field
 
 from services.engines.engine_args import EngineArgs
 
-# thinker -> talker (window -1): one tensor of both hidden-state layers the talker
-# reads, [prompt + answer - 1, 2, hidden] (layer 0, the embeddings, then
-# talker.accept_hidden_layer; the answer's last token is never fed back, so it has
-# no row), named "hidden_states" so a client that did not ask never receives it;
-# the prompt's ids (the answer's ids are the edge's token ids); the thinker's
-# embeddings of tts_bos, tts_eos and tts_pad [3, hidden]; for images and audio
-# the grid and feature lengths the talker's 3D positions need.
+# thinker -> talker, on a windowed edge or whole (window -1): right after its prefill
+# the thinker sends the prompt's part as one tokenless segment: the prompt's hidden
+# states [prompt, 2, hidden] (layer 0, the embeddings, then the talker's
+# accept_hidden_layer), its ids, the thinker's embeddings of tts_bos, tts_eos and
+# tts_pad [3, hidden], and for images and audio the grid and feature lengths the
+# talker's 3D positions need; then each answer token with its layer-0 row (its
+# embedding) as per-token "hidden_states" [1, hidden], which windows split with the
+# tokens. Names ending in "hidden_states" reach no client that did not ask.
 HIDDEN = "hidden_states"
+PROMPT_HIDDEN = "prompt_hidden_states"
 PROMPT_IDS = "prompt_ids"
 TTS_EMBEDS = "tts_embeds"
 IMAGE_GRID = "image_grid_thw"
 AUDIO_LENGTHS = "audio_feature_lengths"
-HANDOFF = (HIDDEN, PROMPT_IDS, TTS_EMBEDS, IMAGE_GRID, AUDIO_LENGTHS)
+HANDOFF = (HIDDEN, PROMPT_HIDDEN, PROMPT_IDS, TTS_EMBEDS, IMAGE_GRID, AUDIO_LENGTHS)
 # talker -> code2wav: the codec codes of one step per segment, [1, num_code_groups]
 # int64, rows in time order (a window joins steps along the first dim).
 CODES = "codes"

@@ -1,24 +1,21 @@
-"""``QwenOmniTalker``: the talker of a Qwen3-Omni checkpoint (with its code
-predictor) as a stage engine.
+"""``QwenOmniTalker``: the talker of a Qwen3-Omni checkpoint (with its code predictor)
+as a stage engine, batched under the shared scheduler (talker_runner.py).
 
-Its input is the thinker's hand-off (config.py) over a window -1 edge: the
-answer's token ids and the thinker's tensors. It builds the talker's prompt as
-the monolithic ``generate`` does (handoff.py) and runs ``talker.generate``; the
-codes of each step ([1, num_code_groups] int64: the talker's token and the code
-predictor's residual codes) are emitted as they are made, one segment per step,
-so the edge to code2wav can be windowed.
-
-Not streamed on the thinker's windows: the talker's prompt needs the answer's
-first token and whether the answer has ended (the tts_eos marker), and
-transformers' ``generate`` takes the trailing text as one tensor at the start;
-feeding it row by row as the thinker writes would need a talker loop of our own.
+Its input is the thinker's hand-off (config.py), whole (a window -1 edge) or window
+by window as the thinker writes (``runtime.streaming_input``): each window's rows
+are fed to the request the moment the window is checked, so its talker steps while
+the thinker goes on; a window's ``generate`` hands out the codes made until the
+talker has used every row it was given (or has finished), and ``input_ended`` (the
+thinker's answer is whole: where the text ends) the rest. The codes of each step
+([1, num_code_groups] int64: the step's token and its residual codes) are one
+segment each, so the edge to code2wav can be windowed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,30 +29,36 @@ from services.engines.base import (
     EngineSettings,
     FinishOutput,
     ModelInfo,
-    ProgressOutput,
-    TensorOutput,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
+from services.engines.loop_post import loop_post
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading
 from services.engines.qwen_omni.config import TalkerArgs
-from services.engines.qwen_omni.handoff import Handoff, talker_inputs
-from services.engines.qwen_omni.steps import Steps
-from services.engines.request_checks import (
-    TOKEN_IDS,
-    check_seed,
-    refuse,
-    refuse_unknown_tensors,
-    tensor_field,
-)
+from services.engines.qwen_omni.handoff import Handoff
+from services.engines.qwen_omni.sampling import CodeSampling
+from services.engines.qwen_omni.talker_intake import answer_rows, first_handoff
+from services.engines.qwen_omni.talker_runner import Starved, TalkerRequest, TalkerRunner
+from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
+from services.engines.sampling import Sampling
+from services.engines.scheduler import Delivery, Limits, Scheduler
 from services.mesh.errors import InitFailed
+
+
+@dataclass
+class _Talk:
+    """One request's talker state across its windows, and its events not yet handed out."""
+
+    request: TalkerRequest
+    inbox: asyncio.Queue[Delivery]
+    submitted: bool = False
+    done: bool = False
 
 
 @dataclass(frozen=True)
 class TalkerPlan(EnginePlan):
-    handoff: Handoff
-    speaker_id: int
-    generation: dict[str, Any]
+    talk: _Talk
+    final: bool = False  # the input has ended: run to the talker's end
 
 
 class QwenOmniTalker:
@@ -77,7 +80,8 @@ class QwenOmniTalker:
         self._defaults = DefaultLayers(settings.defaults, built_in=built_in)
         self._model: Any = None
         self._config: Any = None
-        self._lock = asyncio.Lock()  # generate keeps per-call state (rope deltas) on the model
+        self._scheduler: Scheduler[TalkerRequest] | None = None
+        self._talks: dict[str, _Talk] = {}
 
     def load(self, model_path: Path | None) -> ModelInfo:
         part = loading.load_engine_part(model_path, self.settings, self.name, "talker")
@@ -89,18 +93,42 @@ class QwenOmniTalker:
                 f"(offered: {sorted(speakers)})",
                 field="engine_args.speaker",
             )
+        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
+        self._scheduler = Scheduler(
+            TalkerRunner(self._model, self._config), limits, name="talker-steps"
+        )
         return part.info
 
     def warmup(self) -> None:
         return None
 
+    @property
+    def scheduler(self) -> Scheduler[TalkerRequest]:
+        if self._scheduler is None:
+            raise RuntimeError("QwenOmniTalker: call load() first")
+        return self._scheduler
+
+    # -- a request's windows ------------------------------------------------------
+
     def check(self, request: EngineRequest) -> TalkerPlan:
         refuse_unknown_tensors(request, names.HANDOFF)
+        talk = self._talks.get(request.request_id)
+        size = self._config.talker_config.thinker_hidden_size
+        if talk is not None:  # a later window: its rows, fed now
+            ids, rows = answer_rows(request, size)
+            talk.request.handoff.add(ids, rows)
+            self.scheduler.wake()
+            return TalkerPlan(request, talk)
+        talk = _Talk(self._request(request, first_handoff(request, size)), asyncio.Queue())
+        self._talks[request.request_id] = talk
+        return TalkerPlan(request, talk)
+
+    def _request(self, request: EngineRequest, handoff: Handoff) -> TalkerRequest:
         params = resolve(request.params, self._defaults)
         check_seed(params.seed)
-        handoff = self._handoff(request)
         extra = dict(params.extra)
-        speakers = self._config.talker_config.speaker_id
+        talker = self._config.talker_config
+        speakers = talker.speaker_id
         speaker = str(extra.get("speaker", self.args.speaker)).lower()
         if speaker not in speakers:
             refuse(
@@ -109,107 +137,70 @@ class QwenOmniTalker:
         penalty = extra.get("repetition_penalty", self.args.repetition_penalty)
         if isinstance(penalty, bool) or not isinstance(penalty, int | float) or penalty <= 0:
             refuse("params.extra.repetition_penalty", f"expected a number > 0, got {penalty!r}")
-        talker = self._config.talker_config
         vocab = talker.text_config.vocab_size
-        sample = bool(params.temperature)
-        generation: dict[str, Any] = {
-            "max_new_tokens": params.max_tokens,
-            "do_sample": sample,
-            "eos_token_id": talker.codec_eos_token_id,
-            "repetition_penalty": float(penalty),
-            # As the monolithic model: the top 1024 ids are special, but the end.
-            "suppress_tokens": [
-                i for i in range(vocab - 1024, vocab) if i != talker.codec_eos_token_id
-            ],
-            "seed": params.seed,
-        }
-        if sample:
-            generation.update(
-                temperature=params.temperature, top_k=params.top_k, top_p=params.top_p
-            )
-        return TalkerPlan(request, handoff, speakers[speaker], generation)
-
-    def _handoff(self, request: EngineRequest) -> Handoff:
-        tensors = request.tensors
-        for name in (names.HIDDEN, names.PROMPT_IDS, names.TTS_EMBEDS):
-            if name not in tensors:
-                refuse(tensor_field(name), "missing: the thinker's hand-off (a window -1 edge "
-                       "from a qwen_omni_thinker with engine_args.handoff)")  # fmt: skip
-        if not request.token_ids:
-            refuse(TOKEN_IDS, "the thinker's answer ids are missing")
-        prompt = tensors[names.PROMPT_IDS].long().reshape(-1)
-        answer = torch.tensor(request.token_ids, dtype=torch.long)
-        hidden = tensors[names.HIDDEN]
-        size = self._config.talker_config.thinker_hidden_size
-        rows = len(prompt) + len(answer) - 1
-        if tuple(hidden.shape) != (rows, 2, size):
-            why = "prompt + answer - 1 rows; layer 0 and the accept layer"
-            got = list(hidden.shape)
-            refuse(tensor_field(names.HIDDEN), f"expected [{rows}, 2, {size}] ({why}), got {got}")
-        tts = tensors[names.TTS_EMBEDS]
-        if tuple(tts.shape) != (3, size):
-            refuse(tensor_field(names.TTS_EMBEDS), f"expected [3, {size}], got {list(tts.shape)}")
-        grid = tensors.get(names.IMAGE_GRID)
-        lengths = tensors.get(names.AUDIO_LENGTHS)
-        return Handoff(
-            prompt_ids=prompt,
-            answer_ids=answer,
-            embed=hidden[:, 0],
-            hidden=hidden[:, 1],
-            tts=tts,
-            image_grid_thw=grid.long() if grid is not None else None,
-            audio_feature_lengths=lengths.long() if lengths is not None else None,
+        # As the monolithic model: the top 1024 ids are special, but the end.
+        suppress = torch.zeros(vocab, dtype=torch.bool, device=self.settings.device)
+        suppress[vocab - 1024 :] = True
+        suppress[talker.codec_eos_token_id] = False
+        generator = torch.Generator(device=self.settings.device)
+        if params.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(params.seed)
+        first = Sampling(params.temperature or 0.0, params.top_p or 1.0, params.top_k or 0)
+        return TalkerRequest(
+            request_id=request.request_id,
+            handoff=handoff.to(self.settings.device),
+            speaker_id=speakers[speaker],
+            sampling=CodeSampling(first, float(penalty), suppress, generator),
+            max_tokens=params.max_tokens or 1,
+            deliver=None,
+            submitted=time.monotonic(),
         )
+
+    def input_ended(self, request_id: str) -> TalkerPlan | None:
+        talk = self._talks.get(request_id)
+        if talk is None:
+            return None
+        talk.request.handoff.ended = True  # the talker may read where the text ends now
+        self.scheduler.wake()
+        return TalkerPlan(EngineRequest(request_id), talk, final=True)
+
+    def release(self, request_id: str) -> None:
+        talk = self._talks.pop(request_id, None)
+        if talk is not None and not talk.request.finished:
+            talk.request.cancelled = True
+            self.scheduler.wake()
+
+    # -- running ------------------------------------------------------------------
 
     async def generate(self, plan: TalkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        # Closed from outside, a nested generator would be closed later by the loop,
-        # after the lock is let go: aclosing closes it (and stops its thread) first.
-        async with self._lock, aclosing(self._speak(plan)) as events:
-            async for event in events:
+        talk = plan.talk
+        if not talk.submitted:
+            post = loop_post(asyncio.get_running_loop())
+            talk.request.deliver = lambda delivery: post.post(talk.inbox.put_nowait, delivery)
+            talk.submitted = True
+            self.scheduler.submit(talk.request)
+        request = talk.request
+        while not talk.done:
+            if not plan.final and not request.ready and talk.inbox.empty():
+                break  # waiting for more of the thinker: the next window goes on
+            delivery = await talk.inbox.get()
+            if isinstance(delivery, BaseException):
+                raise delivery
+            for event in delivery:
+                if isinstance(event, Starved):
+                    if not plan.final and event.rows == len(request.handoff.answer_embeds):
+                        return  # every row this window brought is used
+                    continue
                 yield event
-
-    async def _speak(self, plan: TalkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        generation = dict(plan.generation)
-        seed = generation.pop("seed")
-        eos = self.args.thinker_eos_token_id
-        if eos is None:
-            eos = self._config.im_end_token_id
-        steps = Steps()
-
-        def codes_of_step(_: Any, __: Any, kwargs: dict[str, Any]) -> None:
-            # Each step's forward gets the previous token's codes (None at prefill).
-            codes = kwargs.get("residual_codes")
-            if codes is not None:
-                steps.put(codes.detach().to("cpu", copy=True))
-
-        def call() -> Any:
-            from transformers import StoppingCriteriaList
-
-            model = self._model
-            with torch.no_grad():
-                handoff = plan.handoff.to(self.settings.device)
-                inputs = talker_inputs(model, self._config, handoff, plan.speaker_id, eos)
-                if seed is not None:
-                    torch.manual_seed(seed)
-                hook = model.register_forward_pre_hook(codes_of_step, with_kwargs=True)
-                try:
-                    stop = StoppingCriteriaList([steps.stop_requested])  # type: ignore[list-item]
-                    return model.generate(
-                        **inputs, **generation, stopping_criteria=stop,
-                        output_hidden_states=True, return_dict_in_generate=True,
-                    )  # fmt: skip
-                finally:
-                    hook.remove()
-
-        count = 0
-        async with aclosing(steps.run(call)) as produced:
-            async for codes in produced:
-                count += 1
-                yield TensorOutput({names.CODES: codes})
-                yield ProgressOutput(step=count, total_steps=generation["max_new_tokens"])
-        yield FinishOutput(
-            "done", prompt_tokens=len(plan.handoff.prompt_ids), completion_tokens=count
-        )
+                if isinstance(event, FinishOutput):
+                    talk.done = True
+                    return
 
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
         self._model = None
+        self._talks.clear()

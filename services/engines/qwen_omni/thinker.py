@@ -1,18 +1,17 @@
 """``QwenOmniThinker``: the thinker of a Qwen3-Omni checkpoint as a stage engine.
 
-It answers a chat (text, images, audio: ``request.turns``) with the model's own
-``generate``, streaming each token as it comes. At the end of the answer it
-emits what the talker needs (config.py names them): the thinker's hidden
-states of layer 0 and of the talker's accept layer for prompt and answer, the
-prompt ids, the tts embeddings and the media grids, as one tokenless segment,
-so a window -1 edge hands them over whole (by shm on one node).
+It answers a chat (text, images, audio: ``request.turns``) under the shared
+scheduler (thinker_runner.py): requests are batched continuously, each token
+streamed as it comes; with ``engine_args.handoff`` it sends the talker its part
+(config.py) as it goes, so a windowed edge lets the talker start speaking while
+the thinker is still writing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,17 +25,17 @@ from services.engines.base import (
     EngineSettings,
     FinishOutput,
     ModelInfo,
-    ProgressOutput,
-    TensorOutput,
-    TokenOutput,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
+from services.engines.loop_post import loop_post
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading, media
 from services.engines.qwen_omni import processor as processors
 from services.engines.qwen_omni.config import ThinkerArgs
-from services.engines.qwen_omni.steps import Steps
+from services.engines.qwen_omni.thinker_runner import ThinkerRequest, ThinkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
+from services.engines.sampling import Sampling
+from services.engines.scheduler import Delivery, Limits, Scheduler
 
 BUILT_IN = RequestDefaults(max_tokens=128, temperature=0.0, top_p=1.0, top_k=0)
 
@@ -44,7 +43,9 @@ BUILT_IN = RequestDefaults(max_tokens=128, temperature=0.0, top_p=1.0, top_k=0)
 @dataclass(frozen=True)
 class ThinkerPlan(EnginePlan):
     inputs: dict[str, torch.Tensor]
-    generation: dict[str, Any]
+    max_tokens: int
+    sampling: Sampling
+    seed: int | None
 
 
 class QwenOmniThinker:
@@ -63,16 +64,26 @@ class QwenOmniThinker:
         self._model: Any = None
         self._config: Any = None
         self._processor: Any = None
-        self._lock = asyncio.Lock()  # generate keeps per-call state (rope deltas) on the model
+        self._scheduler: Scheduler[ThinkerRequest] | None = None
 
     def load(self, model_path: Path | None) -> ModelInfo:
         part = loading.load_engine_part(model_path, self.settings, self.name, "thinker")
         self._model, self._config = part.model, part.config
         self._processor = processors.load(part.folder)
+        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
+        self._scheduler = Scheduler(
+            ThinkerRunner(self._model, self._config), limits, name="thinker-steps"
+        )
         return part.info
 
     def warmup(self) -> None:
         return None
+
+    @property
+    def scheduler(self) -> Scheduler[ThinkerRequest]:
+        if self._scheduler is None:
+            raise RuntimeError("QwenOmniThinker: call load() first")
+        return self._scheduler
 
     def check(self, request: EngineRequest) -> ThinkerPlan:
         refuse_unknown_tensors(request, ())
@@ -96,104 +107,52 @@ class QwenOmniThinker:
             refuse(
                 "inputs", f"the prompt is {prompt} tokens, over {self.settings.max_prompt_tokens}"
             )
-        sample = bool(params.temperature)
-        generation: dict[str, Any] = {
-            "max_new_tokens": params.max_tokens,
-            "do_sample": sample,
-            "eos_token_id": self._config.im_end_token_id,
-            "seed": params.seed,
-        }
-        if sample:
-            generation.update(
-                temperature=params.temperature, top_p=params.top_p, top_k=params.top_k
-            )
-        return ThinkerPlan(request, inputs, generation)
+        sampling = Sampling(params.temperature or 0.0, params.top_p or 1.0, params.top_k or 0)
+        return ThinkerPlan(request, inputs, params.max_tokens or 1, sampling, params.seed)
 
     async def generate(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        # Closed from outside, a nested generator would be closed later by the loop,
-        # after the lock is let go: aclosing closes it (and stops its thread) first.
-        async with self._lock, aclosing(self._answer(plan)) as events:
-            async for event in events:
-                yield event
-
-    async def _answer(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        inputs = {k: v.to(self.settings.device) for k, v in plan.inputs.items()}
-        generation = dict(plan.generation)
-        seed = generation.pop("seed")
-        steps = Steps()
-        streamer = _Streamer(steps)
-        handoff = self.args.handoff
-
-        def call() -> Any:
-            from transformers import StoppingCriteriaList
-
-            if seed is not None:
-                torch.manual_seed(seed)
-            stop = StoppingCriteriaList([steps.stop_requested])  # type: ignore[list-item]
-            return self._model.generate(
-                **inputs, **generation, streamer=streamer, stopping_criteria=stop,
-                output_hidden_states=handoff, return_dict_in_generate=True,
-            )  # fmt: skip
-
-        text = _Text(self._processor.tokenizer)
-        answer: list[int] = []
-        async with aclosing(steps.run(call)) as produced:
-            async for token in produced:
-                answer.append(token)
-                yield TokenOutput((token,), text.add(answer))
-        if tail := text.rest(answer):  # an incomplete character at the very end
-            yield TokenOutput((), tail)
-        prompt_ids = inputs["input_ids"][0]
-        if handoff:
-            yield ProgressOutput(step=len(answer), total_steps=len(answer))  # the text goes first
-            yield TensorOutput(self._handoff(steps.result, prompt_ids, inputs))
-        reason = "stop" if answer and answer[-1] == generation["eos_token_id"] else "length"
-        yield FinishOutput(reason, prompt_tokens=len(prompt_ids), completion_tokens=len(answer))
-
-    def _handoff(
-        self, result: Any, prompt_ids: torch.Tensor, inputs: dict[str, torch.Tensor]
-    ) -> dict[str, torch.Tensor]:
-        accept = self._config.talker_config.accept_hidden_layer
-        embed = torch.cat([h[0] for h in result.hidden_states], dim=1)[0]
-        hidden = torch.cat([h[accept] for h in result.hidden_states], dim=1)[0]
-        specials = torch.tensor(
-            [self._config.tts_bos_token_id, self._config.tts_eos_token_id,
-             self._config.tts_pad_token_id],
-            device=prompt_ids.device,
-        )  # fmt: skip
-        with torch.no_grad():
-            tts = self._model.get_input_embeddings()(specials)
-        out = {
-            names.HIDDEN: torch.stack((embed, hidden), dim=1).cpu(),
-            names.PROMPT_IDS: prompt_ids.cpu(),
-            names.TTS_EMBEDS: tts.cpu(),
-        }
-        if "image_grid_thw" in inputs:
-            out[names.IMAGE_GRID] = inputs["image_grid_thw"].cpu()
-        if "feature_attention_mask" in inputs:
-            out[names.AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=1).cpu()
-        return out
+        post = loop_post(asyncio.get_running_loop())
+        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        generator = torch.Generator(device=self.settings.device)
+        if plan.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(plan.seed)
+        request = ThinkerRequest(
+            request_id=plan.request.request_id,
+            inputs={k: v.to(self.settings.device) for k, v in plan.inputs.items()},
+            max_tokens=plan.max_tokens,
+            sampling=plan.sampling,
+            generator=generator,
+            eos=self._config.im_end_token_id,
+            handoff=self.args.handoff,
+            text=_Text(self._processor.tokenizer),
+            deliver=lambda delivery: post.post(inbox.put_nowait, delivery),
+            submitted=time.monotonic(),
+        )
+        scheduler = self.scheduler
+        try:
+            scheduler.submit(request)
+            while True:
+                delivery = await inbox.get()
+                if isinstance(delivery, BaseException):
+                    raise delivery
+                for event in delivery:
+                    yield event
+                    if isinstance(event, FinishOutput):
+                        return
+        finally:
+            # Normal end, aclose() and task cancellation alike: the scheduler drops the
+            # request (and its row) at its next step.
+            if not request.finished:
+                request.cancelled = True
+                scheduler.wake()
 
     def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+            self._scheduler = None
         self._model = None
-
-
-class _Streamer:
-    """A transformers streamer: skips the prompt, puts each new token id."""
-
-    def __init__(self, steps: Steps) -> None:
-        self._steps = steps
-        self._prompt_seen = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        for token in value.reshape(-1).tolist():
-            self._steps.put(int(token))
-
-    def end(self) -> None:
-        return None
 
 
 class _Text:

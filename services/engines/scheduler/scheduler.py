@@ -141,8 +141,8 @@ class Scheduler(Generic[R]):
         return bool(self.waiting or self.prefilling or self.running)
 
     def _has_work(self) -> bool:
-        """Whether a step would do anything: waiting, prefilling, a ready running
-        request, or one gone (to retire)."""
+        """Whether a step would do anything: a request waiting, a ready one, or one
+        gone (to retire)."""
         return bool(
             self.waiting or self.prefilling or any(r.ready or _gone(r) for r in self.running)
         )
@@ -153,15 +153,16 @@ class Scheduler(Generic[R]):
     def step(self) -> None:
         self._retire()
         self._admit()
+        prefill = [r for r in self.prefilling if r.ready]
         ready = [r for r in self.running if r.ready]
-        if not (self.prefilling or ready):
+        if not (prefill or ready):
             return
-        chunk = self._chunk_width([r.remaining_prompt for r in self.prefilling])
-        if self.prefilling and ready and self.runner.mixes:
-            self._run(Step(self.prefilling, chunk, ready))
+        chunk = self._chunk_width([r.remaining_prompt for r in prefill])
+        if prefill and ready and self.runner.mixes:
+            self._run(Step(prefill, chunk, ready))
             return
-        if self.prefilling:
-            self._run(Step(prefill=self.prefilling, chunk=chunk))
+        if prefill:
+            self._run(Step(prefill=prefill, chunk=chunk))
             # those whose prompt just completed decode in this step's decode forward
             ready = [r for r in self.running if r.ready]
         if ready:

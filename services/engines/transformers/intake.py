@@ -17,7 +17,7 @@ from services.engines import text_intake
 from services.engines.base import EngineRequest
 from services.engines.defaults import DefaultLayers
 from services.engines.request_checks import refuse
-from services.engines.transformers.sampling import Sampling
+from services.engines.sampling import Sampling
 
 EMBEDS = text_intake.EMBEDS
 

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from services.engines.base import EngineEvent, FinishOutput, TokenOutput
 from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
-from services.engines.transformers.sampling import sample
+from services.engines.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger(__name__)

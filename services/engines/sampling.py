@@ -1,4 +1,4 @@
-"""Choosing the next token from one row of logits."""
+"""Choosing the next token from one row of logits (the text engines and the Qwen3-Omni thinker)."""
 
 from __future__ import annotations
 

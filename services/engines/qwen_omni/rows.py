@@ -1,0 +1,68 @@
+"""The decoding rows of a Qwen3-Omni part (the thinker, the talker): one padded KV
+cache (services/engines/kv_cache.py) and each row's multimodal rotary offset.
+
+Qwen3-Omni rotates by 3D positions (time, height, width) where a prompt holds an
+image or audio, and by the text position plus a per-request offset (its
+``rope_delta``) after it. Each request's prompt runs alone (its own media, its own
+positions: ``prefilled``), then its row joins the batch, carrying its offset, so a
+decode step's positions are every row's own: [4, rows, 1], the text positions
+(which the causal mask reads) then the three rotary ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic, TypeVar
+
+import torch
+
+from services.engines.kv_cache import KvCache, KvShape
+
+R = TypeVar("R")
+
+
+class OmniRows(Generic[R]):
+    def __init__(self, shape: KvShape) -> None:
+        self.shape = shape
+        self.requests: list[R] = []
+        self.kv = KvCache(shape)
+        self.deltas = torch.zeros(0, dtype=torch.long, device=shape.device)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def join(self, request: R, kv: KvCache, delta: int) -> None:
+        """A prefilled request's row (``kv`` of one row) joins the batch."""
+        self.kv.concat(kv)
+        self.requests.append(request)
+        self.deltas = torch.cat([self.deltas, self.deltas.new_tensor([delta])])
+
+    def keep(self, leaving: set[R]) -> None:
+        keep = [i for i, r in enumerate(self.requests) if r not in leaving]
+        if len(keep) != len(self.requests):
+            self.kv.select(keep)
+            self.requests = [self.requests[i] for i in keep]
+            self.deltas = self.deltas[keep]
+
+    def positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """[4, rows, W]: each row's text positions, then its rotary ones (+ its delta)."""
+        text = self.kv.positions(valid)
+        rotary = (text + self.deltas[:, None])[None].expand(3, -1, -1)
+        return torch.cat([text[None], rotary], dim=0)
+
+    def step_mask(self, stepping: Sequence[R]) -> torch.Tensor:
+        """valid [rows, 1]: 1 for the rows that take this step, 0 for the others (a
+        talker waiting for its thinker: a padding column it does not see)."""
+        taking = set(map(id, stepping))
+        return torch.tensor(
+            [[1 if id(r) in taking else 0] for r in self.requests],
+            dtype=torch.long,
+            device=self.shape.device,
+        )
+
+
+def prompt_positions(positions: torch.Tensor) -> torch.Tensor:
+    """[4, 1, S] from a prompt's rotary positions [3, 1, S]: the text positions first."""
+    length = positions.shape[-1]
+    text = torch.arange(length, device=positions.device).view(1, 1, -1)
+    return torch.cat([text, positions], dim=0)

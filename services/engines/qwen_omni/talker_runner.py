@@ -1,0 +1,222 @@
+"""The Qwen3-Omni talker as a model runner under the shared scheduler: a generation
+loop of our own (the monolithic ``talker.generate``'s steps, line for line), so that
+many requests share each forward and a request can start before its thinker is done.
+
+A request prefills alone (its prompt from handoff.py, its 3D positions) once the
+thinker's prompt part and first token are there. Each decode step, for every row
+whose next text row is there (``TalkerRequest.ready``): the code predictor draws
+the residual codes of the row's last token for all those rows together (its own
+small forward per code group), their embeddings are summed with the row's text row,
+and one talker forward gives every row its next token. A row whose thinker is
+behind takes a padding column instead and waits, without a busy loop: the
+scheduler sleeps until its input comes (``Scheduler.wake``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from services.engines.base import EngineEvent, FinishOutput, TensorOutput
+from services.engines.kv_cache import KvCache, KvShape
+from services.engines.qwen_omni import config as names
+from services.engines.qwen_omni.handoff import Handoff, Prompt, talker_prompt, trailing
+from services.engines.qwen_omni.rows import OmniRows
+from services.engines.qwen_omni.sampling import CodeSampling
+from services.engines.scheduler import Outbox, Step
+
+
+class Starved:
+    """Delivered when a request's next step waits for its thinker: ``rows`` answer
+    rows were all it had (the engine's window ends there)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+
+@dataclass(eq=False)
+class TalkerRequest:
+    """One talker request under the scheduler; ``handoff`` grows as the thinker's
+    windows come (from the event loop; the model thread reads it at steps)."""
+
+    request_id: str
+    handoff: Handoff
+    speaker_id: int
+    sampling: CodeSampling
+    max_tokens: int
+    deliver: Any
+    submitted: float
+    admitted: float = 0.0
+    cancelled: bool = False
+    finished: bool = False
+    prompt: Prompt | None = None
+    tokens: list[int] = field(default_factory=list)  # first codebook, as sampled
+    steps: int = 0  # decode steps done (the monolithic generation_step)
+    last_hidden: torch.Tensor | None = None  # [1, 1, Ht]: the last forward's, last layer
+
+    @property
+    def remaining_prompt(self) -> int:
+        return 0 if self.prompt is not None else 1
+
+    @property
+    def ready(self) -> bool:
+        if self.prompt is None:
+            return bool(self.handoff.answer_ids)  # the talker's prompt ends with token 0
+        return self.handoff.has_row(self.steps)
+
+
+class TalkerRunner:
+    mixes = False
+
+    def __init__(self, model: Any, config: Any) -> None:
+        self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
+        self._config = config
+        self._text_config = model.config.text_config
+        self._device = next(model.parameters()).device
+        self._shape = KvShape.of(self._text_config, model.dtype, self._device)
+        self.rows: OmniRows[TalkerRequest] = OmniRows(self._shape)
+        self._groups = model.config.num_code_groups
+        self._eos = model.config.codec_eos_token_id
+        parameters = inspect.signature(type(model.model).forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    def fits(self, members: Sequence[TalkerRequest]) -> bool:
+        return True
+
+    def admit(self, admitted: Sequence[TalkerRequest]) -> None:
+        return None
+
+    def run(self, step: Step[TalkerRequest]) -> Outbox[TalkerRequest]:
+        outbox: Outbox[TalkerRequest] = {}
+        for request in step.prefill:
+            self._prefill(request, outbox)
+        if step.decode:
+            self._decode(step.decode, outbox)
+        return outbox
+
+    def free(self, gone: Sequence[TalkerRequest]) -> None:
+        self.rows.keep(set(gone))
+
+    def reset(self) -> None:
+        self.rows = OmniRows(self._shape)
+
+    # -- forwards ---------------------------------------------------------------
+
+    def _forward(self, kv: KvCache, embeds: torch.Tensor, positions: torch.Tensor,
+                 mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(logits of every position [rows, W, V] float32, last layer's last [rows, 1, Ht])."""
+        kv.reserve(embeds.shape[1])
+        out = self.model.model(
+            inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True,
+            output_hidden_states=True,
+            **{self._cache_argument: kv.transformers_cache(self._text_config)},
+        )  # fmt: skip
+        logits = self.model.codec_head(out.last_hidden_state).float()
+        return logits, out.hidden_states[-1][:, -1:]
+
+    def _prefill(self, request: TalkerRequest, outbox: Outbox[TalkerRequest]) -> None:
+        model, handoff = self.model, request.handoff
+        prompt = talker_prompt(model, self._config, handoff, request.speaker_id)
+        embeds = prompt.inputs_embeds
+        length = embeds.shape[1]
+        mask = torch.ones(1, length, dtype=torch.long, device=self._device)
+        if prompt.grids:
+            grids = prompt.grids
+            rotary, delta = model.get_rope_index(
+                prompt.talker_input_ids, grids.get("image_grid_thw"), None, mask, False,
+                grids.get("audio_feature_lengths"), None,
+            )  # fmt: skip
+        else:
+            rotary = torch.arange(length, device=self._device).view(1, 1, -1).expand(3, 1, -1)
+            delta = torch.zeros(1, 1, dtype=torch.long)
+        text = torch.arange(length, device=self._device).view(1, 1, -1)
+        kv = KvCache(self._shape, rows=1)
+        logits, last = self._forward(kv, embeds, torch.cat([text, rotary]), mask)
+        kv.extend(mask)
+        request.prompt, request.last_hidden = prompt, last
+        outbox[request] = self._take(request, logits[0, -1], codes=None)
+        if not request.finished:
+            self.rows.join(request, kv, int(delta))
+            self._starved(request, outbox)
+
+    def _starved(self, request: TalkerRequest, outbox: Outbox[TalkerRequest]) -> None:
+        """Tell a request whose next step must wait for its thinker (it emits that
+        window's end), once per wait."""
+        if not request.finished and not request.ready:
+            rows = len(request.handoff.answer_embeds)
+            outbox.setdefault(request, []).append(Starved(rows))  # type: ignore[arg-type]
+
+    def _decode(self, stepping: Sequence[TalkerRequest], outbox: Outbox[TalkerRequest]) -> None:
+        rows = self.rows
+        at = {id(r): i for i, r in enumerate(rows.requests)}
+        order = sorted(stepping, key=lambda r: at[id(r)])
+        codes = self._residuals(order)  # [R, G]: each row's last token and its residuals
+        embeds = torch.zeros(len(rows), 1, self.model.config.text_config.hidden_size,
+                             dtype=self.model.dtype, device=self._device)  # fmt: skip
+        for n, request in enumerate(order):
+            assert request.prompt is not None
+            text = trailing(self.model, request.handoff, request.prompt, request.steps)
+            embeds[at[id(request)]] = self._codec_sum(codes[n : n + 1]) + text[0]
+        valid = rows.step_mask(order)
+        logits, last = self._forward(
+            rows.kv, embeds, rows.positions(valid), torch.cat([rows.kv.mask, valid], dim=1)
+        )
+        rows.kv.extend(valid)
+        for n, request in enumerate(order):
+            row = at[id(request)]
+            request.steps += 1
+            request.last_hidden = last[row : row + 1]
+            outbox[request] = self._take(request, logits[row, -1], codes[n : n + 1])
+        for request in order:
+            self._starved(request, outbox)
+
+    def _residuals(self, order: Sequence[TalkerRequest]) -> torch.Tensor:
+        """The code predictor, all rows together: from each row's last hidden state and
+        last token, its num_code_groups - 1 residual codes; [R, G] with the token first."""
+        predictor = self.model.code_predictor
+        last = torch.tensor([[r.tokens[-1]] for r in order], device=self._device)
+        hidden = torch.cat([r.last_hidden for r in order])  # type: ignore[misc]
+        embeds = torch.cat((hidden, self.model.get_input_embeddings()(last)), dim=1)
+        cache = DynamicCache(config=predictor.config)
+        drawn = [last]
+        out = predictor(inputs_embeds=embeds, use_cache=True, **{self._cache_argument: cache})
+        for group in range(1, self._groups):
+            logits = out.logits[:, -1].float()
+            drawn.append(torch.tensor([[r.sampling.residual(logits[n])] for n, r in
+                                       enumerate(order)], device=self._device))  # fmt: skip
+            if group < self._groups - 1:
+                out = predictor(input_ids=drawn[-1], generation_steps=group, use_cache=True,
+                                **{self._cache_argument: cache})  # fmt: skip
+        return torch.cat(drawn, dim=1)
+
+    def _codec_sum(self, codes: torch.Tensor) -> torch.Tensor:
+        """The monolithic loop's next input from one row's codes [1, G]: the token's
+        embedding and each residual's, summed (their order kept)."""
+        tables = self.model.code_predictor.get_input_embeddings()
+        parts = [self.model.get_input_embeddings()(codes[:, :1])]
+        parts += [tables[k - 1](codes[:, k : k + 1]) for k in range(1, self._groups)]
+        return torch.cat(parts, dim=1).sum(1, keepdim=True)[0]
+
+    def _take(self, request: TalkerRequest, logits: torch.Tensor,
+              codes: torch.Tensor | None) -> list[EngineEvent]:  # fmt: skip
+        """The codes this forward consumed go out; the next token is drawn."""
+        events: list[EngineEvent] = []
+        if codes is not None:
+            events.append(TensorOutput({names.CODES: codes.to("cpu", copy=True)}))
+        try:
+            token = request.sampling.token(logits, request.tokens)
+        except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
+            request.finished = True
+            request.deliver(exc)
+            return []
+        request.tokens.append(token)
+        if token == self._eos or len(request.tokens) >= request.max_tokens:
+            request.finished = True
+            prompt_tokens = len(request.handoff.prompt_ids)
+            events.append(FinishOutput("done", prompt_tokens, len(request.tokens) - 1))
+        return events

@@ -1,0 +1,198 @@
+"""The Qwen3-Omni thinker as a model runner under the shared scheduler: each request's
+prompt (text, images, audio) prefilled alone, its encoders run once; every running
+request decoded together, one token a step, from one padded KV cache (rows.py).
+
+Per request it emits its tokens, and for the talker (``handoff``): after its prefill,
+the prompt's hidden states of layer 0 and of the talker's accept layer, the prompt
+ids, the tts embeddings and the media grids, as one tokenless segment; then with
+each token its layer-0 row (the token's embedding: what the talker reads of the
+answer), as per-token "hidden_states" the edge's windows split with the tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from services.engines.base import (
+    EngineEvent,
+    FinishOutput,
+    ProgressOutput,
+    TensorOutput,
+    TokenOutput,
+)
+from services.engines.kv_cache import KvCache, KvShape
+from services.engines.qwen_omni import config as names
+from services.engines.qwen_omni.rows import OmniRows, prompt_positions
+from services.engines.sampling import Sampling, sample
+from services.engines.scheduler import Outbox, Step
+
+
+@dataclass(eq=False)
+class ThinkerRequest:
+    """One thinker request under the scheduler."""
+
+    request_id: str
+    inputs: dict[str, torch.Tensor]  # the processor's, on the model's device
+    max_tokens: int
+    sampling: Sampling
+    generator: torch.Generator
+    eos: int
+    handoff: bool
+    text: Any  # _Text: the text new tokens add
+    deliver: Any
+    submitted: float
+    admitted: float = 0.0
+    cancelled: bool = False
+    finished: bool = False
+    answer: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.inputs["input_ids"].shape[1])
+
+    @property
+    def remaining_prompt(self) -> int:
+        return 0 if self.answer else self.prompt_tokens
+
+    @property
+    def ready(self) -> bool:
+        return True
+
+    def add(self, token: int, row: torch.Tensor | None) -> list[EngineEvent]:
+        self.answer.append(token)
+        events: list[EngineEvent] = [TokenOutput((token,), self.text.add(self.answer), row)]
+        reason = "stop" if token == self.eos else "length"
+        if token == self.eos or len(self.answer) >= self.max_tokens:
+            self.finished = True
+            if tail := self.text.rest(self.answer):  # an incomplete character at the end
+                events.append(TokenOutput((), tail))
+            events.append(FinishOutput(reason, self.prompt_tokens, len(self.answer)))
+        return events
+
+
+class ThinkerRunner:
+    mixes = False
+
+    def __init__(self, model: Any, config: Any) -> None:
+        self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
+        self._config = config
+        self._text_config = model.config.text_config
+        device = next(model.parameters()).device
+        self._shape = KvShape.of(self._text_config, model.dtype, device)
+        self.rows: OmniRows[ThinkerRequest] = OmniRows(self._shape)
+        self._embed = model.get_input_embeddings()
+        self._accept = config.talker_config.accept_hidden_layer
+        self._tts = torch.tensor(
+            [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
+            device=device,
+        )
+        parameters = inspect.signature(type(model.model).forward).parameters
+        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+
+    # -- the scheduler's ModelRunner -------------------------------------------
+
+    def fits(self, members: Sequence[ThinkerRequest]) -> bool:
+        return True
+
+    def admit(self, admitted: Sequence[ThinkerRequest]) -> None:
+        return None
+
+    def run(self, step: Step[ThinkerRequest]) -> Outbox[ThinkerRequest]:
+        outbox: Outbox[ThinkerRequest] = {}
+        for request in step.prefill:
+            self._prefill(request, outbox)
+        if step.decode:
+            self._decode(step.decode, outbox)
+        return outbox
+
+    def free(self, gone: Sequence[ThinkerRequest]) -> None:
+        self.rows.keep(set(gone))
+
+    def reset(self) -> None:
+        self.rows = OmniRows(self._shape)
+
+    # -- forwards ---------------------------------------------------------------
+
+    def _forward(self, kv: KvCache, positions: torch.Tensor, hidden: bool, **inputs: Any) -> Any:
+        width = positions.shape[-1]
+        kv.reserve(width)
+        out = self.model.model(
+            **inputs, position_ids=positions, use_cache=True, output_hidden_states=hidden,
+            **{self._cache_argument: kv.transformers_cache(self._text_config)},
+        )  # fmt: skip
+        return out
+
+    def _prefill(self, request: ThinkerRequest, outbox: Outbox[ThinkerRequest]) -> None:
+        inputs = request.inputs
+        ids, mask = inputs["input_ids"], inputs["attention_mask"]
+        audio = inputs.get("feature_attention_mask")
+        rotary, delta = self.model.model.get_rope_index(
+            ids, inputs.get("image_grid_thw"), None, mask, False,
+            None if audio is None else audio.sum(dim=1), None,
+        )  # fmt: skip
+        kv = KvCache(self._shape, rows=1)
+        out = self._forward(kv, prompt_positions(rotary), request.handoff, **inputs)
+        kv.extend(mask)
+        # The whole prompt's logits, as the model's own generate takes them (the last
+        # row of a product over every position can differ in its last bits from a
+        # product over that row alone).
+        logits = self.model.lm_head(out.last_hidden_state)[0, -1].float()
+        events: list[EngineEvent] = []
+        if request.handoff:
+            events += self._handoff(request, out.hidden_states)
+        events += self._take(request, logits)
+        outbox[request] = events
+        if not request.finished:
+            self.rows.join(request, kv, int(delta))
+
+    def _decode(self, stepping: Sequence[ThinkerRequest], outbox: Outbox[ThinkerRequest]) -> None:
+        rows = self.rows
+        assert len(stepping) == len(rows), "a thinker steps all its rows"
+        ids = torch.tensor([[r.answer[-1]] for r in rows.requests], device=self._shape.device)
+        valid = torch.ones_like(ids)
+        out = self._forward(
+            rows.kv, rows.positions(valid), False, input_ids=ids,
+            attention_mask=torch.cat([rows.kv.mask, valid], dim=1),
+        )  # fmt: skip
+        rows.kv.extend(valid)
+        logits = self.model.lm_head(out.last_hidden_state[:, -1]).float()
+        for row, request in enumerate(rows.requests):
+            outbox[request] = self._take(request, logits[row])
+
+    def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[EngineEvent]:
+        """The request's next token from its logits, and the events it makes."""
+        try:
+            token = sample(logits, request.sampling, request.generator)
+        except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
+            request.finished = True
+            request.deliver(exc)
+            return []
+        row = None
+        if request.handoff:
+            with torch.no_grad():
+                embed = self._embed(torch.tensor([token], device=self._shape.device))
+            row = embed.to("cpu", copy=True)
+        return request.add(token, row)
+
+    def _handoff(
+        self, request: ThinkerRequest, hidden: Sequence[torch.Tensor]
+    ) -> list[EngineEvent]:
+        """The prompt's part of the talker's hand-off, flushed as its own segment."""
+        inputs = request.inputs
+        with torch.no_grad():
+            tts = self._embed(self._tts)
+        tensors = {
+            names.PROMPT_HIDDEN: torch.stack((hidden[0][0], hidden[self._accept][0]), dim=1).cpu(),
+            names.PROMPT_IDS: inputs["input_ids"][0].cpu(),
+            names.TTS_EMBEDS: tts.cpu(),
+        }
+        if "image_grid_thw" in inputs:
+            tensors[names.IMAGE_GRID] = inputs["image_grid_thw"].cpu()
+        if "feature_attention_mask" in inputs:
+            tensors[names.AUDIO_LENGTHS] = inputs["feature_attention_mask"].sum(dim=1).cpu()
+        return [TensorOutput(tensors), ProgressOutput(step=0, total_steps=request.max_tokens)]
