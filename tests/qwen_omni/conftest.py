@@ -3,11 +3,14 @@ monolithic model's answers on it (one per prompt kind), computed once."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.engines.qwen_omni import tiny
+from tests.qwen_omni.concurrency import COUNTS, Engines, Spoken
 from tests.qwen_omni.reference import Reference, monolithic
 
 
@@ -27,3 +30,26 @@ def reference(tiny_omni: Path):  # type: ignore[no-untyped-def]
         return _REFERENCES[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def engines(tiny_omni: Path) -> Iterator[Engines]:
+    """The three engines in float32, as the stages run them, recording logit rows."""
+    built = Engines(tiny_omni)
+    yield built
+    built.close()
+
+
+@pytest.fixture(scope="session")
+def alone(tiny_omni: Path, engines: Engines) -> tuple[list[Spoken], list[Spoken]]:
+    """Each of the concurrency requests served alone, in float32 and in float64 (where
+    the two part at a near-tie, the rule compares a batched run up to there only)."""
+    exact = Engines(tiny_omni, dtype="float64")
+
+    async def each(built: Engines, tag: str) -> list[Spoken]:
+        return [await built.speak(i, f"{tag}{i}") for i in range(max(COUNTS))]
+
+    try:
+        return asyncio.run(each(engines, "alone")), asyncio.run(each(exact, "exact"))
+    finally:
+        exact.close()

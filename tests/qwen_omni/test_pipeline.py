@@ -8,6 +8,7 @@ code2wav decodes windows of 8 codes as they come."""
 
 from __future__ import annotations
 
+import asyncio
 import wave
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,16 +23,20 @@ from orchestrator.client import Result
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.codec import from_proto
+from tests.helpers.float_error import assert_float32_close
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
+from tests.qwen_omni.concurrency import CHUNK, CONTEXT, KINDS, QUESTIONS, decided
 from tests.qwen_omni.reference import QUESTION, TALKER_TOKENS, THINKER_TOKENS, png, wav_clip
 
-NAMES = ["thinker", "talker", "code2wav", "code2wav_8"]
+NAMES = ["thinker", "talker", "code2wav", "code2wav_8", "code2wav_12"]
 TO_TALKER = {"from": "thinker", "to": "talker", "window": -1}
+# The streamed edge: the prompt's part and the first token, then two tokens at a time.
+STREAMED = {"from": "thinker", "to": "talker", "first_window": 2, "window": 2}
 
 
 def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
     def stage(name: str, engine: str, **extra: Any) -> dict[str, Any]:
-        runtime = {"torch_threads": 1, **extra.pop("runtime", {})}
+        runtime = {"torch_threads": 1, "max_batch_size": 16, **extra.pop("runtime", {})}
         return {"name": name, "engine": f"qwen_omni_{engine}", "model": str(folder),
                 "cache_dir": str(cache), "runtime": runtime, **extra}  # fmt: skip
 
@@ -44,7 +49,10 @@ def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
             defaults={"temperature": 0.0, "max_tokens": THINKER_TOKENS},
         ),
         "talker": stage(
-            "talker", "talker", defaults={"temperature": 0.0, "max_tokens": TALKER_TOKENS}
+            "talker",
+            "talker",
+            runtime={"streaming_input": True},
+            defaults={"temperature": 0.0, "max_tokens": TALKER_TOKENS},
         ),
         "code2wav": stage("code2wav", "code2wav", runtime={"streaming_input": True}),
         "code2wav_8": stage(
@@ -52,6 +60,12 @@ def configs(folder: Path, cache: Path) -> dict[str, dict[str, Any]]:
             "code2wav",
             runtime={"streaming_input": True},
             engine_args={"chunk_size": 8, "left_context_size": 25},
+        ),
+        "code2wav_12": stage(
+            "code2wav_12",
+            "code2wav",
+            runtime={"streaming_input": True},
+            engine_args={"chunk_size": CHUNK, "left_context_size": CONTEXT},
         ),
     }
 
@@ -84,11 +98,12 @@ def media(kind: str) -> list[stage_pb2.ContentPart]:
 
 
 async def run(
-    mesh: Stages, vocoder: str, window: dict[str, int], out: Path, kind: str = "text"
-) -> Result:
+    mesh: Stages, vocoder: str, window: dict[str, int], out: Path, kind: str = "text",
+    to_talker: dict[str, Any] = TO_TALKER,
+) -> Result:  # fmt: skip
     edge = {"from": "talker", "to": vocoder, **window}
     config = pipeline(
-        mesh, ["thinker", "talker", vocoder], [TO_TALKER, edge],
+        mesh, ["thinker", "talker", vocoder], [to_talker, edge],
         outputs=["thinker", "talker", vocoder],
     )  # fmt: skip
     async with orchestrator(config) as (_, client):
@@ -99,15 +114,19 @@ async def run(
     return result
 
 
+@pytest.mark.parametrize("to_talker", [TO_TALKER, STREAMED], ids=["whole", "streamed"])
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])
 async def test_text_codes_and_audio_equal_the_monolithic_model(
-    mesh, reference, tmp_path, kind
+    mesh, reference, tmp_path, kind, to_talker
 ) -> None:  # type: ignore[no-untyped-def]
     want = reference(kind)
-    result = await run(mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path, kind)
+    result = await run(
+        mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path, kind, to_talker
+    )
     thinker = result.stages["thinker"]
     assert thinker.token_ids == want.answer_ids
-    assert "hidden_states" not in thinker.tensors  # the hand-off is not the client's
+    # The hand-off is not the client's.
+    assert not {"hidden_states", "prompt_hidden_states"} & set(thinker.tensors)
     assert torch.equal(codes_of(result), want.codes)
     assert torch.equal(audio_of(result, "code2wav"), want.audio)
     with wave.open(str(tmp_path / "omni-code2wav.wav")) as clip:
@@ -146,3 +165,50 @@ async def test_a_video_is_refused_naming_the_stage_and_kind(mesh) -> None:  # ty
     assert result.done is not None and result.done.code_name == "INVALID_ARGUMENT"
     assert "thinker" in result.done.message and "video" in result.done.message
     assert "talker" not in result.stages and "code2wav" not in result.stages
+
+
+async def test_concurrent_requests_through_the_mesh_give_what_they_give_alone(
+    mesh, alone, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """Eight requests at once through the three stage processes and the orchestrator,
+    on the streamed edge, one of them cancelled mid-answer: the other seven's text,
+    codes and audio are their own served alone (by concurrency.py's rule: every
+    choice here is decided, so the same ids and codes; the audio within float32's
+    error of float64), and the cancelled one ends CANCELLED."""
+    trusted, exact = alone
+    config = pipeline(
+        mesh, ["thinker", "talker", "code2wav_12"],
+        [STREAMED, {"from": "talker", "to": "code2wav_12", "window": CHUNK}],
+        outputs=["thinker", "talker", "code2wav_12"],
+    )  # fmt: skip
+    count, victim = 8, 3
+
+    async def one(client: Any, index: int) -> Result:
+        result, aborted = Result(), False
+        question, kind = QUESTIONS[index], KINDS[index % len(KINDS)]
+        stream = client.generate(question, media=media(kind), request_id=f"m{index}")
+        async for event in stream:
+            result.add(event)
+            spoken = "code2wav_12" in result.stages  # its first audio: mid-answer
+            if index == victim and spoken and not aborted:
+                aborted = True
+                await client.abort(f"m{index}")
+        return result
+
+    async with orchestrator(config) as (_, client):
+        results = await asyncio.gather(*(one(client, i) for i in range(count)))
+    assert results[victim].done is not None and results[victim].done.code_name == "CANCELLED"
+    compared = 0
+    for index, result in enumerate(results):
+        if index == victim:
+            continue
+        assert result.ok, result.done
+        if not decided(trusted[index], exact[index]):
+            continue  # a near-tie alone: the engine-level rule covers it
+        compared += 1
+        audio = [from_proto(t) for t in result.stages["code2wav_12"].tensors["audio"]]
+        assert result.stages["thinker"].token_ids == trusted[index].ids
+        assert torch.equal(codes_of(result), trusted[index].codes)
+        for m, t, e in zip(audio, trusted[index].audio, exact[index].audio, strict=True):
+            assert_float32_close(m[None], t[None], e[None])
+    assert compared >= 5

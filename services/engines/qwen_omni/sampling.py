@@ -23,8 +23,13 @@ class CodeSampling:
     suppress: torch.Tensor  # bool [vocab]: ids never drawn
     generator: torch.Generator
 
-    def token(self, logits: torch.Tensor, drawn: list[int]) -> int:
-        """The first codebook's next code from the talker's logits [vocab]."""
+    def token(self, scores: torch.Tensor) -> int:
+        """The first codebook's next code from ``scores`` (``scores`` of its logits)."""
+        return sample(scores, self.first, self.generator)
+
+    def scores(self, logits: torch.Tensor, drawn: list[int]) -> torch.Tensor:
+        """The talker's logits [vocab] as the code is drawn from them: the repetition
+        penalty over the codes ``drawn`` before, the suppressed ids at -inf."""
         scores = logits.clone()
         if drawn and self.repetition_penalty != 1.0:
             seen = torch.tensor(drawn, device=scores.device)
@@ -32,8 +37,7 @@ class CodeSampling:
             score = torch.where(score < 0, score * self.repetition_penalty,
                                 score / self.repetition_penalty)  # fmt: skip
             scores.scatter_(0, seen, score)
-        scores = torch.where(self.suppress, -float("inf"), scores)
-        return sample(scores, self.first, self.generator)
+        return torch.where(self.suppress, -float("inf"), scores)
 
     def residual(self, logits: torch.Tensor) -> int:
         """A residual code from the code predictor's logits [codebook]."""

@@ -15,7 +15,7 @@ scheduler sleeps until its input comes (``Scheduler.wake``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +84,9 @@ class TalkerRunner:
         self._eos = model.config.codec_eos_token_id
         parameters = inspect.signature(type(model.model).forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # Called with each request's logits before a code is drawn, the first codebook's
+        # (group 0) and the code predictor's (1 ..): tests, as the thinker's.
+        self.watch: Callable[[str, int, torch.Tensor], None] | None = None
 
     def fits(self, members: Sequence[TalkerRequest]) -> bool:
         return True
@@ -187,6 +190,9 @@ class TalkerRunner:
         out = predictor(inputs_embeds=embeds, use_cache=True, **{self._cache_argument: cache})
         for group in range(1, self._groups):
             logits = out.logits[:, -1].float()
+            if self.watch is not None:
+                for n, request in enumerate(order):
+                    self.watch(request.request_id, group, logits[n])
             drawn.append(torch.tensor([[r.sampling.residual(logits[n])] for n, r in
                                        enumerate(order)], device=self._device))  # fmt: skip
             if group < self._groups - 1:
@@ -206,10 +212,13 @@ class TalkerRunner:
               codes: torch.Tensor | None) -> list[EngineEvent]:  # fmt: skip
         """The codes this forward consumed go out; the next token is drawn."""
         events: list[EngineEvent] = []
+        scores = request.sampling.scores(logits, request.tokens)
+        if self.watch is not None:
+            self.watch(request.request_id, 0, scores)
         if codes is not None:
             events.append(TensorOutput({names.CODES: codes.to("cpu", copy=True)}))
         try:
-            token = request.sampling.token(logits, request.tokens)
+            token = request.sampling.token(scores)
         except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
             request.finished = True
             request.deliver(exc)

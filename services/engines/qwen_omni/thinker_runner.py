@@ -12,7 +12,7 @@ answer), as per-token "hidden_states" the edge's windows split with the tokens.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,9 @@ class ThinkerRunner:
         )
         parameters = inspect.signature(type(model.model).forward).parameters
         self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        # Called with each request's logits before its token is drawn (tests: how far
+        # batching moves them, how close a choice was).
+        self.watch: Callable[[str, torch.Tensor], None] | None = None
 
     # -- the scheduler's ModelRunner -------------------------------------------
 
@@ -166,6 +169,8 @@ class ThinkerRunner:
 
     def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[EngineEvent]:
         """The request's next token from its logits, and the events it makes."""
+        if self.watch is not None:
+            self.watch(request.request_id, logits)
         try:
             token = sample(logits, request.sampling, request.generator)
         except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
