@@ -11,7 +11,7 @@ import binascii
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.errors import ApiError
 from services.gateway.schema import validate
@@ -105,6 +105,13 @@ class ResponseParams(BaseModel):
     conversation: Literal["auto"] | None = None  # "none" (out of band) is refused
     tools: list[None] | None = Field(None, max_length=0)
     tool_choice: Literal["auto", "none"] | None = None
+
+    @field_validator("max_output_tokens")
+    @classmethod
+    def _positive(cls, value: int | str | None) -> int | str | None:
+        if isinstance(value, int) and value < 1:
+            raise ValueError("expected a positive number of tokens, or 'inf'")
+        return value
 
 
 class ResponseCreate(_Event):
