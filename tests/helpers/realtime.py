@@ -20,7 +20,9 @@ class Turn:
 
     @property
     def pcm(self) -> bytes:
-        return b"".join(base64.b64decode(e["delta"]) for e in self.of("response.output_audio.delta"))
+        return b"".join(
+            base64.b64decode(e["delta"]) for e in self.of("response.output_audio.delta")
+        )
 
     @property
     def transcript(self) -> str:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable
+from dataclasses import dataclass
 
 import grpc
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from services.gateway.catalog import Catalog, Pipeline
+from services.gateway.catalog import Catalog
 from services.gateway.errors import ApiError
 from services.gateway.http_io import bearer_token
 from services.gateway.realtime import client_events as ce
@@ -32,6 +34,18 @@ logger = logging.getLogger(__name__)
 
 FULL, POLICY, IDLE = 1013, 1008, 1001
 CLOSE_GRACE_S = 2.0  # for the last events (the error saying why) before the close
+# A stalled client gets this long to read again and be told why its session ends;
+# past it the gateway lets go of the session (the socket flushes or dies alone).
+STALLED_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Ending:
+    """Why the gateway ends a session: the error event, the close code."""
+
+    failure: ApiError
+    code: int
+    stalled: bool = False  # the client stopped reading: what is queued is dropped
 
 
 class Sessions:
@@ -43,51 +57,50 @@ class Sessions:
         self.open = 0
 
     async def serve(self, websocket: WebSocket) -> None:
-        limits = self.context.limits
         await websocket.accept()
-        outbox = Outbox(websocket, limits.max_unread_bytes)
+        outbox = Outbox(websocket, self.context.limits.max_unread_bytes)
         writer = asyncio.create_task(outbox.write(), name="realtime writer")
-        session: Session | None = None
         counted = False
+        ending: Ending | None
         try:
-            if self.open >= limits.max_sessions:
-                failure = ApiError(
-                    429,
-                    f"the gateway serves {limits.max_sessions} sessions at once; try again later",
-                    code="session_limit_reached",
-                )
-                await _close(websocket, outbox, failure, FULL)
-                return
-            self.open += 1
-            counted = True
-            try:
-                pipeline = await self._pipeline(websocket)
-            except ApiError as exc:
-                await _close(websocket, outbox, exc, POLICY)
-                return
-            token = bearer_token(websocket)
-            session = Session(self.context, pipeline, token, outbox.put)
-            outbox.put({"type": "session.created", "session": session.view()})
-            await self._read(websocket, session, outbox)
+            if self.open >= self.context.limits.max_sessions:
+                ending = self._full()
+            else:
+                self.open += 1
+                counted = True
+                ending = await self._session(websocket, outbox)
+            if ending is not None:
+                await _end(websocket, outbox, writer, ending)
         except WebSocketDisconnect:
             pass
         finally:
-            if session is not None:
-                session.close()
             if counted:
                 self.open -= 1
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await writer
 
-    async def _pipeline(self, websocket: WebSocket) -> Pipeline:
+    def _full(self) -> Ending:
+        limit = self.context.limits.max_sessions
+        message = f"the gateway serves {limit} sessions at once; try again later"
+        return Ending(ApiError(429, message, code="session_limit_reached"), FULL)
+
+    async def _session(self, websocket: WebSocket, outbox: Outbox) -> Ending | None:
         try:
             token = bearer_token(websocket)
-            return await self.catalog.model(websocket.query_params.get("model"), token)
-        except grpc.aio.AioRpcError as exc:
-            raise ApiError.from_rpc(exc) from None
+            pipeline = await self.catalog.model(websocket.query_params.get("model"), token)
+        except ApiError as exc:
+            return Ending(exc, POLICY)
+        except grpc.aio.AioRpcError as exc:  # e.g. a token the orchestrator refuses
+            return Ending(ApiError.from_rpc(exc), POLICY)
+        session = Session(self.context, pipeline, token, outbox.put)
+        outbox.put({"type": "session.created", "session": session.view()})
+        try:
+            return await self._read(websocket, session, outbox)
+        finally:
+            session.close()
 
-    async def _read(self, websocket: WebSocket, session: Session, outbox: Outbox) -> None:
+    async def _read(self, websocket: WebSocket, session: Session, outbox: Outbox) -> Ending | None:
         limits = self.context.limits
         overflow = asyncio.create_task(outbox.overflowed.wait())
         try:
@@ -100,26 +113,20 @@ class Sessions:
                 )
                 if overflow in done:
                     receiving.cancel()
-                    logger.info("session %s: the client stopped reading; closed", session.id)
-                    failure = ApiError(
-                        400,
-                        f"the client left over {limits.max_unread_bytes} bytes of events unread",
-                        code="client_too_slow",
+                    logger.info("session %s: the client stopped reading; closing", session.id)
+                    unread = (
+                        f"the client left over {limits.max_unread_bytes} bytes of events unread"
                     )
-                    await _close(websocket, outbox, failure, POLICY, drained=False)
-                    return
+                    return Ending(ApiError(400, unread, code="client_too_slow"), POLICY, True)
                 if not done:
                     receiving.cancel()
                     if session.busy:
                         continue
-                    failure = ApiError(
-                        408, f"no event for {limits.idle_s:g} s", code="session_idle_timeout"
-                    )
-                    await _close(websocket, outbox, failure, IDLE)
-                    return
+                    idle = f"no event for {limits.idle_s:g} s"
+                    return Ending(ApiError(408, idle, code="session_idle_timeout"), IDLE)
                 message = receiving.result()
                 if message["type"] == "websocket.disconnect":
-                    return
+                    return None
                 await self._one(session, outbox, message.get("text") or message.get("bytes") or "")
         finally:
             overflow.cancel()
@@ -136,13 +143,27 @@ class Sessions:
             outbox.put(wire.error(exc, event.event_id))
 
 
-async def _close(
-    websocket: WebSocket, outbox: Outbox, failure: ApiError, code: int, *, drained: bool = True
+async def _end(
+    websocket: WebSocket, outbox: Outbox, writer: asyncio.Task[None], ending: Ending
 ) -> None:
-    """Say why (an ``error`` event, when the client still reads), then close."""
-    if drained:
-        outbox.put(wire.error(failure))
-        await outbox.drain(CLOSE_GRACE_S)
+    """Say why (an ``error`` event), then close with the ending's code. A stalled
+    client's unread events are dropped first: it is told as soon as it reads."""
+    if ending.stalled:
+        writer.cancel()  # waiting for the socket to drain, nothing half-sent
+        outbox.discard()
+        grace = STALLED_GRACE_S
+    else:
+        grace = CLOSE_GRACE_S
+    outbox.put(wire.error(ending.failure), last=True)
+    if ending.stalled:
+        await _quietly(outbox.flush_one(websocket), grace)
+    else:
+        await outbox.drain(grace)
     if websocket.application_state != WebSocketState.DISCONNECTED:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(websocket.close(code, failure.code), CLOSE_GRACE_S)
+        await _quietly(websocket.close(ending.code, ending.failure.code), grace)
+
+
+async def _quietly(step: Awaitable[None], timeout_s: float) -> None:
+    """``step`` within ``timeout_s``; a client gone or still stalled is let go."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(step, timeout_s)

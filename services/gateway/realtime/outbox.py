@@ -31,13 +31,14 @@ class Outbox:
         self.overflowed = asyncio.Event()  # the client stopped reading
         self.sent_events = 0
 
-    def put(self, event: dict[str, Any]) -> None:
-        """Queue ``event`` (its ``event_id`` added); dropped once overflowed."""
-        if self.overflowed.is_set():
+    def put(self, event: dict[str, Any], *, last: bool = False) -> None:
+        """Queue ``event`` (its ``event_id`` added); dropped once overflowed, but
+        for the ``last`` one, which says why the session ends."""
+        if self.overflowed.is_set() and not last:
             return
         text = orjson.dumps({"event_id": f"event_{uuid.uuid4().hex[:20]}", **event}).decode()
         self._queued_bytes += len(text)
-        if self._queued_bytes > self._limit:
+        if self._queued_bytes > self._limit and not last:
             self._queued_bytes -= len(text)
             self.overflowed.set()  # the session ends: what is queued stays as it is
             return
@@ -57,6 +58,17 @@ class Outbox:
                 self.sent_events += 1
             self._ready.clear()
             self._empty.set()
+
+    def discard(self) -> None:
+        """Drop what is queued (the writer stopped: the client no longer reads)."""
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._empty.set()
+
+    async def flush_one(self, websocket: WebSocket) -> None:
+        """Send the first queued event here, without the writer (it is stopped)."""
+        if self._queue:
+            await websocket.send_text(self._queue.popleft())
 
     async def drain(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until what is queued has been sent."""

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 
 from services.gateway.audio_out import speech_stage
 from services.gateway.realtime import client_events as ce
-from services.gateway.realtime.conversation import Budget
 from services.gateway.realtime.response import Plan, response_id
 from services.gateway.realtime.session_config import AudioOutput
 from services.gateway.schema import validate
@@ -39,13 +38,7 @@ def plan_response(session: Session, params: ce.ResponseParams) -> Plan:
     )
     instructions = params.instructions if params.instructions is not None else config.instructions
 
-    truncation = config.truncation
-    retention = truncation.retention_ratio if not isinstance(truncation, str) else 0.8
-    if truncation == "disabled":
-        budget = Budget(len(session.conversation.items) or 1, 1 << 62)
-    else:
-        budget = Budget(session.context.limits.max_items, session.budget_tokens(), retention)
-    sent = session.conversation.within(budget)
+    sent = session.trimmed()
     if not sent:
         raise ce.bad(
             "type",

@@ -16,7 +16,7 @@ from services.gateway.config import RealtimeLimits
 from services.gateway.errors import ApiError
 from services.gateway.realtime import client_events as ce
 from services.gateway.realtime import wire
-from services.gateway.realtime.conversation import Conversation, Item, Part, new_id
+from services.gateway.realtime.conversation import Budget, Conversation, Item, Part, new_id
 from services.gateway.realtime.plan import plan_response
 from services.gateway.realtime.response import Emit, Response
 from services.gateway.realtime.session_config import RATE, SessionConfig
@@ -273,6 +273,26 @@ class Session:
         view = item.view()
         self._emit({"type": "conversation.item.added", "previous_item_id": previous, "item": view})
         self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": view})
+        self.trimmed()
+
+    def trimmed(self) -> list[Item]:
+        """The conversation within its budget (kept so as items come, so a session
+        holds no more than a response would send); items dropped are said."""
+        truncation = self.config.truncation
+        limits = self._context.limits
+        if truncation == "disabled":  # no token budget; the item budget still holds
+            budget = Budget(limits.max_items, 1 << 62)
+        else:
+            retention = truncation.retention_ratio if not isinstance(truncation, str) else 0.8
+            budget = Budget(limits.max_items, self._budget_tokens(), retention)
+        before = list(self.conversation.items)
+        kept = self.conversation.within(budget)
+        if len(kept) < len(before):
+            live = {id(item) for item in kept}
+            for item in before:
+                if id(item) not in live:
+                    self._emit({"type": "conversation.item.deleted", "item_id": item.id})
+        return kept
 
     def _item(self, item_id: str) -> Item:
         for item in self.conversation.items:
@@ -315,12 +335,7 @@ class Session:
                 "for its response.done",
                 "conversation_already_has_active_response",
             )
-        before = [item.id for item in self.conversation.items]
         plan = plan_response(self, params)
-        kept = {item.id for item in plan.sent}
-        for item_id in before:  # over the budget: the oldest items, said as they go
-            if item_id not in kept:
-                self._emit({"type": "conversation.item.deleted", "item_id": item_id})
         self.response = Response(plan, self.conversation, self._emit)
         self.response.start(self._context.client.send(plan.request, token=self._token))
 
@@ -340,6 +355,3 @@ class Session:
     @property
     def context(self) -> Context:
         return self._context
-
-    def budget_tokens(self) -> int:
-        return self._budget_tokens()

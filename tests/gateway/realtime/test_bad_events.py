@@ -40,19 +40,19 @@ BAD: list[tuple[Any, str]] = [
             "audio": base64.b64encode(bytes(BUFFER_LIMIT + 2)).decode(),
         },
         "audio",
-    ),  # fmt: skip
+    ),
     (
         _update({"audio": {"output": {"format": {"type": "audio/pcmu"}}}}),
         "session.audio.output.format.type",
-    ),  # fmt: skip
+    ),
     (
         _update({"audio": {"input": {"format": {"type": "audio/pcm", "rate": 16000}}}}),
         "session.audio.input.format.rate",
-    ),  # fmt: skip
+    ),
     (
         _update({"audio": {"input": {"turn_detection": {"type": "semantic_vad"}}}}),
         "session.audio.input.turn_detection.type",
-    ),  # fmt: skip
+    ),
     (_update({"tools": [{"type": "function", "name": "f"}]}), "session.tools"),
     (_update({"output_modalities": ["video"]}), "session.output_modalities[0]"),
     (_update({"temperature": 0.5}), "session.temperature"),
@@ -63,16 +63,16 @@ BAD: list[tuple[Any, str]] = [
     (
         _item(_part({"type": "input_text", "text": "hi"}), previous_item_id="nope"),
         "previous_item_id",
-    ),  # fmt: skip
+    ),
     (_item(_part({"type": "input_audio", "audio": SILENCE})), "item.content[0]"),
     (
         {"type": "response.create", "response": {"max_output_tokens": 0}},
         "response.max_output_tokens",
-    ),  # fmt: skip
+    ),
     (
         {"type": "response.create", "response": {"output_modalities": ["audio", "text"]}},
         "response.output_modalities",
-    ),  # fmt: skip
+    ),
     ({"type": "response.cancel"}, "type"),
     ({"type": "conversation.item.retrieve", "item_id": "item_nope"}, "item_id"),
 ]

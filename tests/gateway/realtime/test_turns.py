@@ -64,3 +64,39 @@ async def test_a_text_item_is_answered_in_audio_as_chat_completions_answer_it(
     usage = turn.done["usage"]
     assert usage["output_tokens"] == expected.usage.completion_tokens
     assert usage["input_tokens"] == expected.usage.prompt_tokens
+
+
+async def test_three_turns_the_third_response_sees_the_first_two(speaking: Mesh) -> None:
+    """Each response sends the whole conversation: the third answer is the chat
+    completion of all five messages (greedy), on the prompt the thinker counted
+    for them, and not the answer to its question alone."""
+    questions = ["My name is Ada. Say hello.", "What is two plus two?", "What is my name?"]
+    history: list[dict[str, Any]] = []
+    counted = []
+    async with sdk(speaking.base_url).realtime.connect(model=MODEL) as connection:
+        await until(connection, "session.created")
+        text_only = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 12}
+        await connection.session.update(session=text_only)
+        await until(connection, "session.updated")
+        for question in questions:
+            await connection.conversation.item.create(item=user_text(question))
+            await until(connection, "conversation.item.done")
+            turn = await respond(connection)
+            assert turn.text and not turn.pcm, turn.events[-1]
+            assert turn.done is not None
+            counted.append(turn.done["usage"]["input_tokens"])
+            history += [
+                {"role": "user", "content": question},
+                {"role": "assistant", "content": turn.text},
+            ]
+    client = OpenAI(base_url=speaking.base_url, api_key="x", max_retries=0, timeout=120)
+
+    def answer(messages: list[dict[str, Any]]) -> Any:
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12)  # type: ignore[arg-type]
+
+    whole = await asyncio.to_thread(answer, history[:5])
+    alone = await asyncio.to_thread(answer, history[4:5])
+    assert history[5]["content"] == whole.choices[0].message.content
+    assert counted[2] == whole.usage.prompt_tokens  # the thinker's prompt: all five messages
+    assert counted[2] > alone.usage.prompt_tokens + counted[0]
+    assert counted[0] < counted[1] < counted[2]
