@@ -5,8 +5,13 @@ holds from the stage itself), an orchestrator in the test's process, and
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import socket
+import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -16,6 +21,7 @@ from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
 from tests.gateway.conftest import Mesh, mesh_over
 from tests.helpers.stage import stage_config, write_config
+from tests.orchestrator.cli.test_up import read_until
 from tests.speech.conftest import speaker_config
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}
@@ -100,3 +106,33 @@ async def speaking(metered: MeteredStages) -> AsyncIterator[Mesh]:
         gateway_args={"args": args},
     ) as mesh:
         yield mesh
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@asynccontextmanager
+async def omni_up(pipeline: str, folder: Path, cache_dir: Path, *flags: str) -> AsyncIterator[str]:
+    """`omni up PIPELINE --http 0` as a user runs it; yields the gateway's base URL
+    and stops it all with Ctrl-C (SIGINT) after."""
+    omni = str(Path(sys.executable).parent / "omni")
+    up = await asyncio.create_subprocess_exec(
+        omni, "up", str(REPO / pipeline), "--port", "0", "--http", "0",
+        "--run-dir", str(folder), *flags,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        env={**os.environ, "OMNI_CACHE_DIR": str(cache_dir)},
+    )  # fmt: skip
+    assert up.stdout is not None
+    try:
+        await read_until(up.stdout, "ready in", 300)
+        line = await read_until(up.stdout, "gateway at", 60)
+        yield line.split()[2]
+    finally:
+        if up.returncode is None:
+            up.send_signal(signal.SIGINT)
+            try:
+                await asyncio.wait_for(up.wait(), 60)
+            except TimeoutError:
+                up.kill()
+                await up.wait()
