@@ -63,7 +63,7 @@ async def test_committed_audio_is_answered_as_a_chat_completion_answers_the_clip
             ],
             modalities=["text", "audio"],
             audio={"voice": "alloy", "format": "pcm16"},
-        )  # fmt: skip
+        )
     )
     audio = expected.choices[0].message.audio
     async with sdk(qwen).realtime.connect(model=MODEL) as connection:
