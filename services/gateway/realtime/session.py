@@ -50,7 +50,7 @@ class Session:
         self.config = SessionConfig(model=pipeline.name, output_modalities=modalities)  # type: ignore[arg-type]
         self.conversation = Conversation()
         self._buffer = bytearray()
-        self._buffer_ms = 0  # where the buffer starts, in the session's audio time
+        self._before_buffer = 0  # bytes of the session's audio before the buffer's first
         self._vad: ServerVad | None = None
         self._turn_item = ""  # the item id of the turn server VAD is hearing
         self.response: Response | None = None
@@ -83,7 +83,7 @@ class Session:
             case ce.AudioCommit():
                 self._commit(len(self._buffer))
             case ce.AudioClear():
-                self._buffer.clear()
+                self._drop_buffer(len(self._buffer))
                 self._emit({"type": "input_audio_buffer.cleared"})
             case ce.ItemCreate():
                 self._create_item(event)
@@ -117,7 +117,9 @@ class Session:
             )
         detection = config.audio.input.turn_detection
         if detection != self.config.audio.input.turn_detection:
-            self._vad = ServerVad(detection) if detection is not None else None
+            # Its times count the session's audio from the start, as OpenAI's do.
+            heard = (self._before_buffer + len(self._buffer)) // BYTES_PER_MS
+            self._vad = ServerVad(detection, heard) if detection is not None else None
         self.config = config
         self._emit({"type": "session.updated", "session": self.view()})
 
@@ -168,9 +170,9 @@ class Session:
                 "item_id": self._turn_item,
             }
         )
-        start_ms = max(self._buffer_ms, turn.ms - settings.prefix_padding_ms)
         # Everything before the turn's padding is silence: left out of the item.
-        skip = (start_ms - self._buffer_ms) * BYTES_PER_MS
+        start = (turn.ms - settings.prefix_padding_ms) * BYTES_PER_MS
+        skip = max(0, start - self._before_buffer)
         try:
             self._commit(len(self._buffer), skip=skip, item_id=self._turn_item)
         except ApiError as exc:
@@ -215,7 +217,7 @@ class Session:
 
     def _drop_buffer(self, end: int) -> None:
         del self._buffer[:end]
-        self._buffer_ms += end // BYTES_PER_MS
+        self._before_buffer += end
 
     # -- conversation items
 

