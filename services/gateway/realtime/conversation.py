@@ -148,5 +148,7 @@ class Conversation:
         weights = [item.estimate for item in fresh]
         whole = sum(weights) or 1
         shares = [left * w // whole for w in weights]
+        if shares:
+            shares[-1] += left - sum(shares)  # what rounding left over: the count stays exact
         for item, share in zip(fresh, shares, strict=True):
             item.tokens = share

@@ -17,6 +17,7 @@ from services.gateway.errors import ApiError
 from services.gateway.realtime import client_events as ce
 from services.gateway.realtime import wire
 from services.gateway.realtime.conversation import Budget, Conversation, Item, Part, new_id
+from services.gateway.realtime.items import part_of
 from services.gateway.realtime.plan import plan_response
 from services.gateway.realtime.response import Emit, Response
 from services.gateway.realtime.session_config import RATE, SessionConfig
@@ -225,7 +226,11 @@ class Session:
         message = validate(ce.MessageItem, event.item, prefix="item")
         if message.id is not None and any(i.id == message.id for i in self.conversation.items):
             raise ce.bad("item.id", f"{message.id!r} is already in the conversation")
-        parts = [self._part(message.role, part, j) for j, part in enumerate(message.content)]
+        limit = self._context.limits.max_audio_buffer_bytes
+        parts = [
+            part_of(message.role, part, f"item.content[{j}]", self._pipeline.entry, limit)
+            for j, part in enumerate(message.content)
+        ]
         item = Item(message.role, parts)
         item.id = message.id or item.id
         after = event.previous_item_id
@@ -238,38 +243,6 @@ class Session:
             except KeyError:
                 raise ce.bad("previous_item_id", f"no item {after!r} in the conversation") from None
         self._added(item, previous)
-
-    def _part(self, role: str, part: ce.ContentPart, j: int) -> Part:
-        where = f"item.content[{j}]"
-        kinds = {
-            "user": ("input_text", "input_audio"),
-            "system": ("input_text",),
-            "assistant": ("output_text", "output_audio", "text", "audio"),
-        }[role]
-        if part.type not in kinds:
-            raise ce.bad(f"{where}.type", f"a {role} item's parts are {', '.join(kinds)}")
-        if part.type == "input_audio":
-            if part.audio is None:
-                raise ce.bad(f"{where}.audio", "expected base64 16-bit PCM at 24 kHz")
-            entry = self._pipeline.entry
-            if "audio" not in entry.accepts:
-                raise ce.bad(
-                    f"{where}",
-                    f"the pipeline's entry stage {entry.name!r} accepts "
-                    f"{', '.join(entry.accepts) or 'text'}, not audio",
-                    "audio_not_supported",
-                )
-            limit = self._context.limits.max_audio_buffer_bytes
-            pcm = ce.pcm(part.audio, f"{where}.audio", limit)
-            if not pcm:
-                raise ce.bad(f"{where}.audio", "empty")
-            return Part("input_audio", text=part.transcript or "", pcm=pcm)
-        text = part.text if part.type in ("input_text", "output_text", "text") else part.transcript
-        if text is None:
-            field = "transcript" if part.type in ("output_audio", "audio") else "text"
-            raise ce.bad(f"{where}.{field}", "expected a string")
-        kind = {"text": "output_text", "audio": "output_audio"}.get(part.type, part.type)
-        return Part(kind, text=text)
 
     def _added(self, item: Item, previous: str | None) -> None:
         view = item.view()
