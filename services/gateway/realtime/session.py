@@ -262,11 +262,8 @@ class Session:
             budget = Budget(limits.max_items, self._budget_tokens(), retention)
         before = list(self.conversation.items)
         kept = self.conversation.within(budget)
-        if len(kept) < len(before):
-            live = {id(item) for item in kept}
-            for item in before:
-                if id(item) not in live:
-                    self._emit({"type": "conversation.item.deleted", "item_id": item.id})
+        for item in before[: len(before) - len(kept)]:  # the oldest went
+            self._emit({"type": "conversation.item.deleted", "item_id": item.id})
         return kept
 
     def _item(self, item_id: str) -> Item:
