@@ -104,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
         help="also serve the OpenAI-compatible HTTP API (omni gateway) on this port, "
         "until Ctrl-C; 0 picks one",
     )
+    up.add_argument(
+        "--max-sessions",
+        type=int,
+        metavar="N",
+        help="with --http: the gateway's realtime sessions at once (omni gateway --max-sessions)",
+    )
     up.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     up.add_argument("--max-tokens", type=int, help="for the entry stage")
     _media_flags(up)
@@ -135,6 +141,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--tls", action="store_true", help="speak TLS, verified by system roots")
     return parser
+
+
+def _gateway_args(args: argparse.Namespace) -> list[str]:
+    """``omni up``'s flags for its gateway, as ``omni gateway`` takes them."""
+    return [] if args.max_sessions is None else ["--max-sessions", str(args.max_sessions)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 tls=args.tls,
                 http=args.http,
                 media=media,
+                gateway_args=_gateway_args(args),
             )
         )
     from orchestrator.commands import generate

@@ -137,6 +137,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         described.engine = description.engine
         described.output_tensors.extend(description.output_tensors)
         described.accepts.extend(description.accepts)
+        described.voices.extend(description.voices)
         described.compute = description.compute
         return described
 

@@ -39,6 +39,7 @@ async def up(
     tls: bool = False,
     http: int | None = None,
     media: Sequence[stage_pb2.ContentPart] = (),
+    gateway_args: Sequence[str] = (),
 ) -> int:
     """omni up: start every stage and the orchestrator, show progress until ready;
     then answer ``prompt`` and stop, or serve until SIGTERM/SIGINT. A tokens file
@@ -47,7 +48,8 @@ async def up(
     edge's transform its stage does not offer included), 1 any other failure.
     A run folder made here is removed after a clean run, kept (with its logs)
     after a failure; the tokens and keys in it are removed either way. ``http``:
-    also an `omni gateway` process on that port, in front of the orchestrator."""
+    also an `omni gateway` process on that port, in front of the orchestrator
+    (``gateway_args``: more of its flags, e.g. ``--max-sessions``)."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.stages.launcher import Launcher, default_mesh_id
     from orchestrator.stages.mesh_pki import mesh_trust
@@ -97,6 +99,7 @@ async def up(
             http=http,
             ca=trust.ca if trust is not None else None,
             media=media,
+            gateway_args=gateway_args,
         )
         return code
     finally:
@@ -117,6 +120,7 @@ async def _run_up(
     http: int | None = None,
     ca: Path | None = None,
     media: Sequence[stage_pb2.ContentPart] = (),
+    gateway_args: Sequence[str] = (),
 ) -> int:
     from orchestrator.stages.processes import ServiceExited
     from orchestrator.stages.progress import ProgressView
@@ -167,7 +171,9 @@ async def _run_up(
                 launcher.address, prompt, out, max_tokens=max_tokens, dialing=dialing, media=media
             )
         if http is not None:
-            gateway = await _start_gateway(launcher.address, launcher.host, http, ca, run_dir)
+            gateway = await _start_gateway(
+                launcher.address, launcher.host, http, ca, run_dir, gateway_args
+            )
             if gateway is None:
                 return 1
         await stop.wait()
@@ -180,12 +186,18 @@ async def _run_up(
 
 
 async def _start_gateway(
-    orchestrator: str, host: str, port: int, ca: Path | None, run_dir: Path
+    orchestrator: str,
+    host: str,
+    port: int,
+    ca: Path | None,
+    run_dir: Path,
+    args: Sequence[str] = (),
 ) -> Kept | None:
     """`omni gateway` in front of the orchestrator, restarted (on its port) if it
     dies, as the stages are; prints its base URL once bound."""
     log = (run_dir / "gateway.log").open("ab")  # each restart appends; closed with the gateway
-    gateway = Kept(GatewayProcess(orchestrator, cacert=ca, host=host, port=port, log=log), log)
+    process = GatewayProcess(orchestrator, cacert=ca, args=args, host=host, port=port, log=log)
+    gateway = Kept(process, log)
     try:
         address = await gateway.start()
     except RuntimeError as exc:

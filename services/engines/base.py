@@ -346,6 +346,11 @@ class FetchesFiles(Protocol):
 TEXT_ONLY: frozenset[str] = frozenset({"text"})
 
 
+def offered_voices(engine: object) -> list[str]:
+    """The voices a speech engine offers (its ``voices``, the first its default)."""
+    return list(getattr(engine, "voices", ()))
+
+
 def accepted_kinds(engine: object) -> frozenset[str]:
     """The content kinds ``engine`` takes: its ``accepts`` class attribute, or text only."""
     kinds = getattr(engine, "accepts", TEXT_ONLY)

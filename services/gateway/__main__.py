@@ -19,7 +19,8 @@ import uvicorn
 from pydantic import ValidationError
 
 from services.gateway.app import create_app
-from services.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig
+from services.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, RealtimeLimits
+from services.gateway.voices import parse_alias
 from services.mesh import environment
 from services.mesh.config_files import ConfigError
 from services.mesh.process import (
@@ -91,6 +92,59 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drain-s", type=float, default=10.0, help="how long responses in flight get on SIGTERM"
     )
+    realtime = parser.add_argument_group("/v1/realtime (docs/api.md)")
+    limits = RealtimeLimits()
+    realtime.add_argument(
+        "--max-sessions",
+        type=int,
+        default=limits.max_sessions,
+        help=f"realtime sessions at once; past it a session is closed 1013 (default "
+        f"{limits.max_sessions})",
+    )
+    realtime.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=limits.idle_s,
+        help="a session with no client event and no response this long is closed 1001",
+    )
+    realtime.add_argument(
+        "--max-audio-buffer-bytes",
+        type=int,
+        default=limits.max_audio_buffer_bytes,
+        help="input audio a session holds uncommitted; an append past it is refused",
+    )
+    realtime.add_argument(
+        "--max-event-bytes",
+        type=int,
+        default=limits.max_event_bytes,
+        help="one client event (WebSocket message); a larger one closes the session 1009",
+    )
+    realtime.add_argument(
+        "--max-unread-bytes",
+        type=int,
+        default=limits.max_unread_bytes,
+        help="server events a client leaves unread before its session is closed 1008",
+    )
+    realtime.add_argument(
+        "--max-history-items",
+        type=int,
+        default=limits.max_items,
+        help="conversation items a response sends the mesh (the oldest dropped first)",
+    )
+    realtime.add_argument(
+        "--max-history-tokens",
+        type=int,
+        default=limits.max_history_tokens,
+        help="tokens of conversation a response sends the mesh (the oldest dropped first)",
+    )
+    parser.add_argument(
+        "--voice-alias",
+        action="append",
+        default=[],
+        metavar="NAME=VOICE",
+        help="a voice name clients may use for a voice of the speech stage (NAME= for its "
+        "default); every OpenAI voice name is the default voice unless given here",
+    )
     return parser
 
 
@@ -134,6 +188,7 @@ class Listening:
     backlog: int
     drain_s: float
     http: str = "httptools"
+    ws_max_size: int = RealtimeLimits().max_event_bytes  # a larger WebSocket message: 1009
 
 
 async def serve(config: GatewayConfig, listening: Listening) -> int:
@@ -152,6 +207,10 @@ async def serve(config: GatewayConfig, listening: Listening) -> int:
             limit_concurrency=listening.limit_concurrency,
             backlog=listening.backlog,
             http=listening.http,
+            ws_max_size=listening.ws_max_size,
+            # permessage-deflate off: realtime events are mostly base64 PCM, which
+            # compresses little; zlib cost ~10 ms of CPU a spoken response (measured).
+            ws_per_message_deflate=False,
         )
     )
     stop = stop_on_signals()
@@ -175,16 +234,32 @@ def main(argv: list[str] | None = None) -> int:
             cacert=args.cacert,
             tls=args.tls,
             max_body_bytes=args.max_body_bytes,
+            realtime=RealtimeLimits(
+                max_sessions=args.max_sessions,
+                idle_s=args.session_idle_s,
+                max_audio_buffer_bytes=args.max_audio_buffer_bytes,
+                max_event_bytes=args.max_event_bytes,
+                max_unread_bytes=args.max_unread_bytes,
+                max_items=args.max_history_items,
+                max_history_tokens=args.max_history_tokens,
+            ),
+            voice_aliases=dict(parse_alias(a) for a in args.voice_alias),
         )
         config.dialing  # noqa: B018 (reads the CA file: refused here, not at the first call)
-    except (ValidationError, ConfigError) as exc:
+    except (ValidationError, ConfigError, ValueError) as exc:
         print(f"omni gateway: {exc}", file=sys.stderr)
         return 2
     if args.max_connections < 1 or args.backlog < 1:
         print("omni gateway: --max-connections and --backlog: expected >= 1", file=sys.stderr)
         return 2
     listening = Listening(
-        args.host, args.port, args.max_connections, args.backlog, args.drain_s, args.http
+        args.host,
+        args.port,
+        args.max_connections,
+        args.backlog,
+        args.drain_s,
+        args.http,
+        ws_max_size=args.max_event_bytes,
     )
     # uvloop and httptools: the C event loop and parser (gRPC's asyncio client
     # runs on either loop); benchmarks/gateway.py measures them beside h11 and asyncio.

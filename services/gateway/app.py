@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
@@ -22,7 +22,10 @@ from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
 from services.gateway.errors import ApiError
 from services.gateway.http_io import bearer_token, cancelled_on_disconnect, read_body
+from services.gateway.realtime.endpoint import Sessions
+from services.gateway.realtime.session import Context
 from services.gateway.schema import ChatRequest, ImageRequest, SpeechRequest, parse
+from services.gateway.voices import Voices
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 logger = logging.getLogger(__name__)
@@ -39,6 +42,8 @@ class Gateway:
         self.client = AsyncClient(config.orchestrator, config.dialing)
         self.catalog = Catalog(self.client)
         self.started = int(time.time())
+        self.voices = Voices(config.voice_aliases)
+        self.sessions = Sessions(Context(self.client, config.realtime, self.voices), self.catalog)
 
 
 def create_app(config: GatewayConfig) -> FastAPI:
@@ -100,7 +105,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gateway, body, token = await _intake(request, ChatRequest)
         pipeline = await gateway.catalog.model(body.model, token)
         generate, fields = chat.generate_request(body)
-        speech = chat_speech(body, pipeline, generate, fields)
+        speech = chat_speech(body, pipeline, generate, fields, gateway.voices)
         events = gateway.client.send(generate, token=token)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -131,7 +136,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
     async def audio_speech(request: Request) -> Response:
         gateway, body, token = await _intake(request, SpeechRequest)
         stage = speech_stage(await gateway.catalog.model(body.model, token), "model")
-        generate, fields = speech.generate_request(body, stage)
+        generate, fields = speech.generate_request(body, stage, gateway.voices)
         events = gateway.client.send(generate, token=token)
         said = Speech(stage)
         media_type = speech.MEDIA_TYPES[body.response_format]
@@ -139,6 +144,18 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return await _streamed(request, events, speech.pcm_stream(said), fields, media_type)
         await _gather(request, events, said, fields)
         return Response(said.wav(), media_type=media_type)
+
+    @app.get("/v1/audio/voices")
+    async def audio_voices(request: Request) -> dict[str, object]:
+        """The speech stage's voices (the first its default) and the aliases."""
+        gateway = _gateway(request)
+        pipeline = await gateway.catalog.model(None, bearer_token(request))
+        return gateway.voices.listing(pipeline.voices)
+
+    @app.websocket("/v1/realtime")
+    async def realtime(websocket: WebSocket) -> None:
+        """The OpenAI Realtime API: a session per WebSocket (realtime/)."""
+        await websocket.app.state.gateway.sessions.serve(websocket)
 
     return app
 

@@ -23,6 +23,7 @@ import numpy as np
 from services.gateway.catalog import Pipeline
 from services.gateway.errors import ApiError
 from services.gateway.schema import ChatRequest
+from services.gateway.voices import Voices
 from services.mesh import wav
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.pb.omni.v1 import orchestrator_pb2
@@ -142,11 +143,13 @@ def chat_speech(
     pipeline: Pipeline,
     request: orchestrator_pb2.GenerateRequest,
     fields: dict[str, str],
+    voices: Voices,
 ) -> Speech | None:
     """For a chat request that asks for audio: the speech stage asked for its
     voice (``fields`` learns the stage's field names), and where its audio goes."""
     if not chat.speaks:
         return None
     stage = speech_stage(pipeline, "modalities")
-    fields.update(ask_to_speak(request, stage, chat.audio.voice if chat.audio else None))
+    voice = voices.resolve(chat.audio.voice if chat.audio else None)
+    fields.update(ask_to_speak(request, stage, voice))
     return Speech(stage)

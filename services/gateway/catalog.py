@@ -24,6 +24,12 @@ class Pipeline:
         return all(stage.engine for stage in self.stages)
 
     @property
+    def entry(self) -> orchestrator_pb2.StageStatus:
+        """The stage a request enters by: listed first (every pipeline file of the
+        mesh lists its entry stage first)."""
+        return self.stages[0]
+
+    @property
     def image_stage(self) -> str | None:
         """The first stage that outputs images (a diffusion stage), if any."""
         return next((s.name for s in self.stages if "image" in s.output_tensors), None)
@@ -32,6 +38,12 @@ class Pipeline:
     def audio_stage(self) -> str | None:
         """The first stage that outputs audio (a speech stage), if any."""
         return next((s.name for s in self.stages if "audio" in s.output_tensors), None)
+
+    @property
+    def voices(self) -> list[str]:
+        """The speech stage's voices, the first its default."""
+        stage = next((s for s in self.stages if s.name == self.audio_stage), None)
+        return list(stage.voices) if stage is not None else []
 
     def check_model(self, model: str | None) -> None:
         """404 for a model this mesh does not serve (None: the pipeline itself)."""

@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 
 from services.gateway.errors import ApiError
 
@@ -30,7 +30,7 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is over {limit} bytes", code="body_too_large")
 
 
-def bearer_token(request: Request) -> str | None:
+def bearer_token(request: HTTPConnection) -> str | None:
     """The caller's ``Authorization: Bearer`` token (None without one). The
     orchestrator decides whether it is known; gRPC metadata takes only printable
     ASCII, so anything else is refused here."""

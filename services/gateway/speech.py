@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 from services.gateway.audio_out import Speech
 from services.gateway.schema import SpeechRequest
+from services.gateway.voices import Voices
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
@@ -24,13 +25,16 @@ MEDIA_TYPES = {"wav": wav.MEDIA_TYPE, "pcm": "audio/pcm"}
 
 
 def generate_request(
-    speech: SpeechRequest, stage: str
+    speech: SpeechRequest, stage: str, voices: Voices
 ) -> tuple[orchestrator_pb2.GenerateRequest, dict[str, str]]:
     """The GenerateRequest for ``stage`` alone, and the map from the stage's
     field paths to the request's."""
     request = orchestrator_pb2.GenerateRequest(request_id=f"speech-{uuid.uuid4().hex}", stage=stage)
     request.inputs.text = speech.input
-    extra: dict[str, object] = {"voice": speech.voice}
+    extra: dict[str, object] = {}
+    voice = voices.resolve(speech.voice)
+    if voice is not None:  # an alias of the default asks for none
+        extra["voice"] = voice
     if speech.speed is not None:
         extra["speed"] = speech.speed
     request.params.extra.update(extra)

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from services.engines.base import WritesIntoBlocks, accepted_kinds
+from services.engines.base import WritesIntoBlocks, accepted_kinds, offered_voices
 from services.engines.registry import engine_class
 from services.mesh.data.chunk_wire import EncodedChunk, serializer
 from services.mesh.data.node import node_identity
@@ -103,6 +103,7 @@ class StageServicer(stage_pb2_grpc.StageServicer):
             load_format=config.load_format,
             transforms=[t.info() for t in TRANSFORMS.values()],
             accepts=sorted(accepted_kinds(engine)),
+            voices=offered_voices(engine),
             compute=self._bus.compute,
         )
 

@@ -1,11 +1,14 @@
 """The chart's gateway (gateway.enabled) played with `podman kube play` beside the
 rest of the mesh on the CPU image: the official OpenAI SDK gets from it, through
 the played orchestrator and stages, the answer the gRPC client gets for the same
-greedy request, and /v1/audio/speech answers a WAV spoken by the image's voice."""
+greedy request, /v1/audio/speech answers a WAV spoken by the image's voice, and
+a /v1/realtime session (a WebSocket through the gateway's port) speaks the answer
+the chat completion speaks."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import io
 import time
 import wave
@@ -14,13 +17,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from openai import OpenAI
+from openai import AsyncOpenAI, OpenAI
 
 from orchestrator.client import AsyncClient
 from tests.containers import podman
 from tests.containers.test_kube_play import PODMAN_VALUES, RELEASE, _free_ports
 from tests.deploy.chart import load_values as chart_values
 from tests.deploy.chart import merge, render
+from tests.helpers.realtime import respond, until, user_text
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 
@@ -97,5 +101,25 @@ async def test_the_played_gateway_answers_the_openai_sdk(
             )
             with wave.open(io.BytesIO(speech.content)) as spoken:
                 assert spoken.getframerate() == 24000 and spoken.getnframes() > 24000 // 2
+
+            # The WebSocket path through the gateway's port: a realtime turn is spoken
+            # as the chat completion of the same message is.
+            said = await asyncio.to_thread(
+                lambda: sdk.chat.completions.create(
+                    model=model,
+                    messages=[{"role": "user", "content": PROMPT}],
+                    modalities=["text", "audio"],
+                    audio={"voice": "alloy", "format": "pcm16"},
+                    max_tokens=16,
+                )
+            )
+            assert said.choices[0].message.audio is not None
+            realtime = AsyncOpenAI(base_url=f"{root}/v1", api_key="x", max_retries=0, timeout=300)
+            async with realtime.realtime.connect(model=model) as connection:
+                await until(connection, "session.created")
+                await connection.conversation.item.create(item=user_text(PROMPT))
+                turn = await respond(connection, max_output_tokens=16)
+            assert turn.transcript == said.choices[0].message.audio.transcript
+            assert turn.pcm == base64.b64decode(said.choices[0].message.audio.data)
     docs = [d for d in yaml.safe_load_all(manifests.read_text()) if d]
     assert podman.pods_of(docs) == []  # taken down on the way out

@@ -48,6 +48,7 @@ def test_it_dials_the_orchestrators_service_and_is_served_by_its_own() -> None:
     assert (flag(gateway, "--host"), flag(gateway, "--port")) == ("0.0.0.0", "8080")
     assert "--cacert" not in gateway["args"]
     assert (flag(gateway, "--max-connections"), flag(gateway, "--backlog")) == ("512", "2048")
+    assert flag(gateway, "--max-sessions") == "100"  # /v1/realtime sessions at once
     service = by_kind(docs, "Service")["omni-gateway"]
     assert service["spec"]["ports"] == [
         {
@@ -107,6 +108,7 @@ def test_on_the_host_network_it_dials_loopback() -> None:
         ({"gateway": {"port": 0}}, "/gateway/port"),
         ({"gateway": {"tls": True}}, "'tls'"),
         ({"gateway": {"maxConnections": 0}}, "/gateway/maxConnections"),
+        ({"gateway": {"maxSessions": 0}}, "/gateway/maxSessions"),
     ],
 )
 def test_bad_gateway_values_are_refused_naming_the_value(

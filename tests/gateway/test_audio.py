@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -182,9 +183,9 @@ async def test_refusals_name_the_field(speaking: Mesh) -> None:
     chat: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
     cases = [
         (
-            lambda: client.audio.speech.create(model=MODEL, input=TEXT, voice="alloy"),
+            lambda: client.audio.speech.create(model=MODEL, input=TEXT, voice="nope"),
             "voice",
-            "unknown voice 'alloy'",
+            "unknown voice 'nope'",
         ),
         (
             lambda: client.audio.speech.create(
@@ -200,10 +201,10 @@ async def test_refusals_name_the_field(speaking: Mesh) -> None:
         ),
         (
             lambda: client.chat.completions.create(
-                **chat, modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}
+                **chat, modalities=["text", "audio"], audio={"voice": "nope", "format": "wav"}
             ),
             "audio.voice",
-            "unknown voice 'alloy'",
+            "unknown voice 'nope'",
         ),
         (
             lambda: client.chat.completions.create(
@@ -227,6 +228,33 @@ async def test_refusals_name_the_field(speaking: Mesh) -> None:
         error = await asyncio.to_thread(_refused, call)
         assert _param(error) == param, error.body
         assert words in error.message, error.message
+
+
+async def test_openai_voice_names_speak_with_the_stages_default_voice(speaking: Mesh) -> None:
+    """Apps written for OpenAI name OpenAI's voices: each is an alias of the speech
+    stage's default voice, and /v1/audio/voices lists the real voices and the aliases."""
+    for voice in ("alloy", "marin", "heart"):
+        reply = await asyncio.to_thread(
+            lambda v=voice: sdk(speaking).audio.speech.create(
+                model=MODEL, input=TEXT, voice=v, response_format="wav"
+            )
+        )
+        assert read_wav(reply.content)[1] == spoken(TEXT), voice
+    completion = await asyncio.to_thread(
+        lambda: sdk(speaking).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+            **GREEDY,
+        )
+    )
+    assert completion.choices[0].message.audio is not None
+    async with httpx.AsyncClient(base_url=speaking.root, timeout=30) as http:
+        listing = (await http.get("/v1/audio/voices")).json()
+    voices = {v["id"]: v for v in listing["data"]}
+    assert voices["heart"] == {"id": "heart", "object": "voice", "default": True}
+    assert voices["alloy"]["alias_of"] == "heart" and voices["shimmer"]["alias_of"] == "heart"
 
 
 class _ThinkerOnly:

@@ -91,6 +91,11 @@ class SpeechEngine:
         self._requests: OrderedDict[str, _Spoken] = OrderedDict()
         self._files: dict[str, Path] = {}
 
+    @property
+    def voices(self) -> list[str]:
+        """The voices it offers, the first its default (the stage's Describe)."""
+        return self.args.voice_names
+
     def sources(self) -> dict[str, str]:
         """The voices given by source, fetched by the stage in its download phase."""
         return {name: v.source for name, v in self.args.fetched_voices.items()}

