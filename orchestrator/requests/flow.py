@@ -23,6 +23,7 @@ import grpc
 
 from orchestrator.pipeline import Edge
 from orchestrator.requests import observe
+from orchestrator.requests.audio_clock import AudioClock
 from orchestrator.requests.errors import StageFailed, StreamBroken
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
@@ -90,6 +91,7 @@ class RequestFlow:
         self._completed: set[str] = set()  # stages that gave their Completed
         self.blocked_s: dict[str, float] = {}
         self.bytes_in: dict[str, int] = {}  # wire bytes read from each stage
+        self.audio = AudioClock(clock)  # the audio the client hears, as it would play
 
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
@@ -300,6 +302,10 @@ class RequestFlow:
                 kept = [t for t in tensors if not t.name.endswith("hidden_states")]
                 del tensors[:]
                 tensors.extend(kept)
+            fmt = event.segment.audio_format
+            for tensor in tensors if fmt.sample_rate else ():
+                if tensor.name == "audio" and tensor.shape:  # [samples] or [samples, channels]
+                    self.audio.heard(stage, tensor.shape[0] / fmt.sample_rate)
             for index, tensor in enumerate(tensors):
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.

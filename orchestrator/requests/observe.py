@@ -11,6 +11,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from orchestrator.requests.audio_clock import AudioClock
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.telemetry import metrics, tracing
 
@@ -86,6 +87,18 @@ def _completed(stage: str, completed: stage_pb2.Completed) -> None:
     span = trace.get_current_span()
     span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
     span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+
+
+def spoken(audio: AudioClock) -> None:
+    """A request's audio at its client, per output stage that spoke."""
+    if not tracing.ENABLED:
+        return
+    for stage, stream in audio.streams.items():
+        at = {"omni.stage": stage}
+        metrics.TIME_TO_FIRST_AUDIO.record(stream.first_s, at)
+        metrics.REAL_TIME_FACTOR.record(audio.real_time_factor(stage), at)
+        if stream.underruns:
+            metrics.UNDERRUNS.add(stream.underruns, at)
 
 
 def finished(done: orchestrator_pb2.Done, blocked_s: dict[str, float]) -> None:

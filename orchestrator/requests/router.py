@@ -207,6 +207,7 @@ class Router:
         done.total_ms = (self._clock() - began) * 1e3
         self.completed += 1
         observe.finished(done, flow.blocked_s)
+        observe.spoken(flow.audio)
         level = logging.DEBUG if done.code == 0 else logging.WARNING
         logger.log(
             level,

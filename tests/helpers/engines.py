@@ -6,6 +6,7 @@ test can ask for by prompt.
     "die"       one token, then the engine dies (``EngineDead``)
     "hold"      one token, then nothing until the request is cancelled
     "tensors N" N whole outputs named "frame" (values 0..N-1), no tokens, no flush between
+    "speak N MS GAP"  N packets of MS ms of silence ("audio", 16 kHz), GAP ms apart
     other text  ``max_tokens`` tokens (ids 0, 1, …), one per step
 
 It keeps state per request (``KeepsRequestState``): ``released`` lists the ids
@@ -22,12 +23,14 @@ from typing import ClassVar
 import torch
 
 from services.engines.base import (
+    AudioFormat,
     EngineEvent,
     EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
     ModelInfo,
+    ProgressOutput,
     TensorOutput,
     TokenOutput,
 )
@@ -38,7 +41,8 @@ from services.mesh.errors import EngineDead
 class ScriptedEngine:
     name: ClassVar[str] = "scripted"
     supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "seed"})
-    output_tensors: ClassVar[tuple[str, ...]] = ("frame",)
+    output_tensors: ClassVar[tuple[str, ...]] = ("frame", "audio")
+    sample_rate: ClassVar[int] = 16_000
 
     def __init__(self, settings: EngineSettings) -> None:
         self._settings = settings
@@ -73,6 +77,17 @@ class ScriptedEngine:
         if prompt.startswith("tensors "):
             for value in range(int(prompt.split()[1])):
                 yield TensorOutput({"frame": torch.tensor([value])})
+            yield FinishOutput("done")
+            return
+        if prompt.startswith("speak "):
+            packets, packet_ms, gap_ms = (int(n) for n in prompt.split()[1:4])
+            voice = AudioFormat(self.sample_rate)
+            for packet in range(packets):
+                if packet:
+                    await asyncio.sleep(gap_ms / 1e3)
+                samples = torch.zeros(self.sample_rate * packet_ms // 1000)
+                yield TensorOutput({"audio": samples}, audio_format=voice)
+                yield ProgressOutput(packet + 1, packets)  # sent now, as a vocoder's is
             yield FinishOutput("done")
             return
         yield TokenOutput(token_ids=(0,), text="0 ")

@@ -58,3 +58,17 @@ INIT_PHASE_DURATION = _meter.create_histogram(
     unit="s",
     description="Start-up phases of each stage (download included)",
 )
+# A speaking pipeline's audio as its client hears it (orchestrator/requests/audio_clock.py).
+TIME_TO_FIRST_AUDIO = _meter.create_histogram(
+    "omni.audio.time_to_first_packet",
+    unit="s",
+    description="Request in until its first audio packet reaches the client, per output stage",
+)
+REAL_TIME_FACTOR = _meter.create_histogram(
+    "omni.audio.real_time_factor",
+    description="Time until a request's last audio packet over its audio's length (< 1: ahead)",
+)
+UNDERRUNS = _meter.create_counter(
+    "omni.audio.underruns",
+    description="Audio packets that came after the audio before them had finished playing",
+)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from services.engines.transformers.sampling import Sampling, sample
+from services.engines.sampling import Sampling, sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 
 

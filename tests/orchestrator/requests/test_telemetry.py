@@ -21,6 +21,7 @@ from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
 
 ORCHESTRATOR = "omni-orchestrator-traced"
+SPOKEN_BY = "omni-orchestrator-spoken"  # the orchestrator of pipeline "spoken"
 
 
 def test_telemetry_is_off_without_the_standard_environment() -> None:
@@ -173,3 +174,49 @@ async def test_a_stage_serves_metrics_for_scraping_when_given_a_port(tmp_path: P
             None,
         )
         assert line is not None and line.rsplit(" ", 1)[1] == "0.0", (name, text[:2000])
+
+
+async def test_audio_metrics_are_the_audio_as_the_client_hears_it(tmp_path: Path) -> None:
+    """A voice stage sends packets of silence at a pace each request asks for: one
+    request's 20 ms packets come 250 ms apart (playback runs dry before each of the
+    three after the first), the other's 2 s packets 50 ms apart (never dry)."""
+    config = {
+        "name": "voice",
+        "engine": "tests.helpers.engines:ScriptedEngine",
+        "load_format": "dummy",
+        "cache_dir": str(tmp_path / "cache"),
+    }
+    with OtlpReceiver() as receiver:
+        stages = Stages(tmp_path, env=receiver.env())
+        process = None
+        try:
+            await stages.start({"voice": config})
+            path = tmp_path / "voice.yaml"
+            pipeline = {"name": "spoken", "stages": [{"name": "voice",
+                        "address": stages.addresses["voice"]}], "outputs": ["voice"]}  # fmt: skip
+            path.write_text(yaml.safe_dump(pipeline))
+            process = OrchestratorProcess(path, env=receiver.env())
+            address = await process.start()
+            async with AsyncClient(address) as client:
+                await client.wait_ready(timeout_s=60)
+                choppy = await client.generate("speak 4 20 250", request_id="choppy").collect()
+                smooth = await client.generate("speak 3 2000 50", request_id="smooth").collect()
+        finally:
+            if process is not None:
+                await process.stop()  # flushes the exporters
+            await stages.stop()
+    for result, packets in ((choppy, 4), (smooth, 3)):
+        assert result.ok, result.done
+        assert len(result.stages["voice"].tensors["audio"]) == packets  # each its own segment
+    at = {"omni.stage": "voice"}
+
+    def audio_in(_received: Received) -> bool:
+        return receiver.latest(SPOKEN_BY, "omni.audio.real_time_factor", **at) is not None
+
+    receiver.wait_for(audio_in)
+    # Histograms arrive as sums over both requests; the counter counts choppy's alone.
+    assert receiver.latest(SPOKEN_BY, "omni.audio.underruns", **at) == 3
+    rtf = receiver.latest(SPOKEN_BY, "omni.audio.real_time_factor", **at)
+    assert rtf is not None and rtf >= 0.75 / 0.08  # choppy: >= 3 x 250 ms for 80 ms of audio
+    first = receiver.latest(SPOKEN_BY, "omni.audio.time_to_first_packet", **at)
+    assert first is not None and 0 < first < choppy.done.total_ms / 1e3 + smooth.done.total_ms / 1e3
