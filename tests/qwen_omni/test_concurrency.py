@@ -33,6 +33,9 @@ async def test_batched_requests_give_what_they_give_alone(
 ) -> None:
     taken: list[StepTaken] = []
     stop = engines.talker.scheduler.watch(taken.append)
+    runners = (engines.thinker.scheduler.runner, engines.talker.scheduler.runner)
+    for runner in runners:
+        runner.prefills.clear()
     try:
         batched = await engines.many(count, f"n{count}-")
     finally:
@@ -49,6 +52,9 @@ async def test_batched_requests_give_what_they_give_alone(
     assert sum(len(s.codes) for s in batched) > 20 * count  # not vacuous: long answers
     if count > 1:  # they did share forwards, in the talker as in the others
         assert max(len(t.decode) for t in taken) > 1, taken
+    if count >= 8:  # and prompts of text alone (one in three) prefilled together
+        for runner in runners:
+            assert max(runner.prefills) > 1, (type(runner).__name__, runner.prefills)
 
 
 async def test_a_corrupted_handoff_fails_the_rule(

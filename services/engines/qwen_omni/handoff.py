@@ -143,14 +143,13 @@ def talker_prompt(model: Any, config: Any, handoff: Handoff, speaker_id: int) ->
     )
 
 
-def trailing(model: Any, handoff: Handoff, prompt: Prompt, step: int) -> torch.Tensor:
-    """Decode step ``step``'s text row [1, 1, Ht]: answer token ``step + 1`` projected,
-    tts_eos at the answer's end, tts_pad after it (``handoff.has_row(step)``)."""
+def trailing(handoff: Handoff, prompt: Prompt, step: int) -> torch.Tensor | None:
+    """Decode step ``step``'s text row [1, 1, Ht] past the answer: tts_eos at its end,
+    tts_pad after it; None while the answer lasts (``handoff.has_row(step)``): then it
+    is answer token ``step + 1``'s row, projected (``model.text_projection``)."""
     end = handoff.end_slot
     if end is not None and step > end:
         return prompt.tts_pad
     if end is not None and step == end:
         return prompt.tts_eos
-    row = handoff.answer_embeds[step + 1].to(prompt.tts_pad.device, model.dtype)
-    projected: torch.Tensor = model.text_projection(row[None, None])
-    return projected
+    return None

@@ -3,10 +3,11 @@ cache (services/engines/kv_cache.py) and each row's multimodal rotary offset.
 
 Qwen3-Omni rotates by 3D positions (time, height, width) where a prompt holds an
 image or audio, and by the text position plus a per-request offset (its
-``rope_delta``) after it. Each request's prompt runs alone (its own media, its own
-positions: ``prefilled``), then its row joins the batch, carrying its offset, so a
-decode step's positions are every row's own: [4, rows, 1], the text positions
-(which the causal mask reads) then the three rotary ones.
+``rope_delta``) after it. A prompt with media runs alone (its own encoders, its own
+positions), prompts of text alone together (right-padded); their rows then join
+the batch, each carrying its offset, so a decode step's positions are every row's
+own: [4, rows, 1], the text positions (which the causal mask reads) then the three
+rotary ones.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ class OmniRows(Generic[R]):
     def __len__(self) -> int:
         return len(self.requests)
 
-    def join(self, request: R, kv: KvCache, delta: int) -> None:
-        """A prefilled request's row (``kv`` of one row) joins the batch."""
+    def join(self, requests: Sequence[R], kv: KvCache, deltas: Sequence[int]) -> None:
+        """Prefilled requests' rows (``kv``, one row each, in order) join the batch."""
         self.kv.concat(kv)
-        self.requests.append(request)
-        self.deltas = torch.cat([self.deltas, self.deltas.new_tensor([delta])])
+        self.requests.extend(requests)
+        self.deltas = torch.cat([self.deltas, self.deltas.new_tensor(list(deltas))])
 
     def keep(self, leaving: set[R]) -> None:
         keep = [i for i, r in enumerate(self.requests) if r not in leaving]
@@ -62,7 +63,17 @@ class OmniRows(Generic[R]):
 
 
 def prompt_positions(positions: torch.Tensor) -> torch.Tensor:
-    """[4, 1, S] from a prompt's rotary positions [3, 1, S]: the text positions first."""
-    length = positions.shape[-1]
-    text = torch.arange(length, device=positions.device).view(1, 1, -1)
+    """[4, R, S] from prompts' rotary positions [3, R, S] (right-padded): the text
+    positions first."""
+    rows, length = positions.shape[1:]
+    text = torch.arange(length, device=positions.device).view(1, 1, -1).expand(1, rows, -1)
     return torch.cat([text, positions], dim=0)
+
+
+def right_padded(rows: Sequence[torch.Tensor], pad: float | int = 0) -> torch.Tensor:
+    """Rows of different lengths ([L_i, ...] each) as one [R, max L_i, ...] tensor."""
+    width = max(row.shape[0] for row in rows)
+    out = rows[0].new_full((len(rows), width, *rows[0].shape[1:]), pad)
+    for i, row in enumerate(rows):
+        out[i, : row.shape[0]] = row
+    return out

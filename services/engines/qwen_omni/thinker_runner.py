@@ -1,6 +1,8 @@
-"""The Qwen3-Omni thinker as a model runner under the shared scheduler: each request's
-prompt (text, images, audio) prefilled alone, its encoders run once; every running
-request decoded together, one token a step, from one padded KV cache (rows.py).
+"""The Qwen3-Omni thinker as a model runner under the shared scheduler: a prompt with
+images or audio prefilled alone (its encoders run once, its 3D positions its own),
+the prompts of text alone that arrive together prefilled in one forward
+(right-padded: one read of the weights for all of them); every running request
+decoded together, one token a step, from one padded KV cache (rows.py).
 
 Per request it emits its tokens, and for the talker (``handoff``): after its prefill,
 the prompt's hidden states of layer 0 and of the talker's accept layer, the prompt
@@ -27,7 +29,7 @@ from services.engines.base import (
 )
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
-from services.engines.qwen_omni.rows import OmniRows, prompt_positions
+from services.engines.qwen_omni.rows import OmniRows, prompt_positions, right_padded
 from services.engines.sampling import Sampling, sample
 from services.engines.scheduler import Outbox, Step
 
@@ -60,6 +62,11 @@ class ThinkerRequest:
         return 0 if self.answer else self.prompt_tokens
 
     @property
+    def text_only(self) -> bool:
+        """A prompt of text alone (no media encoders, 1D positions): prefilled with others."""
+        return set(self.inputs) <= {"input_ids", "attention_mask"}
+
+    @property
     def ready(self) -> bool:
         return True
 
@@ -73,6 +80,12 @@ class ThinkerRequest:
                 events.append(TokenOutput((), tail))
             events.append(FinishOutput(reason, self.prompt_tokens, len(self.answer)))
         return events
+
+
+# Prompt positions (rows x the longest prompt) one prefill forward of prompts of
+# text alone may take: bounds its activations (a request's prompt is already bounded
+# by the stage's max_prompt_tokens).
+PREFILL_CELLS = 8192
 
 
 class ThinkerRunner:
@@ -96,6 +109,7 @@ class ThinkerRunner:
         # Called with each request's logits before its token is drawn (tests: how far
         # batching moves them, how close a choice was).
         self.watch: Callable[[str, torch.Tensor], None] | None = None
+        self.prefills: list[int] = []  # rows per prefill forward, the last few (tests)
 
     # -- the scheduler's ModelRunner -------------------------------------------
 
@@ -107,8 +121,14 @@ class ThinkerRunner:
 
     def run(self, step: Step[ThinkerRequest]) -> Outbox[ThinkerRequest]:
         outbox: Outbox[ThinkerRequest] = {}
+        together = [r for r in step.prefill if r.text_only]
+        if len(together) < 2:  # one alone runs as the model's own generate would
+            together = []
         for request in step.prefill:
-            self._prefill(request, outbox)
+            if request not in together:
+                self._prefill(request, outbox)
+        for batch in self._batches(together):
+            self._prefill_together(batch, outbox)
         if step.decode:
             self._decode(step.decode, outbox)
         return outbox
@@ -139,6 +159,7 @@ class ThinkerRunner:
             None if audio is None else audio.sum(dim=1), None,
         )  # fmt: skip
         kv = KvCache(self._shape, rows=1)
+        self.prefills = [*self.prefills[-255:], 1]
         out = self._forward(kv, prompt_positions(rotary), request.handoff, **inputs)
         kv.extend(mask)
         # The whole prompt's logits, as the model's own generate takes them (the last
@@ -147,11 +168,57 @@ class ThinkerRunner:
         logits = self.model.lm_head(out.last_hidden_state)[0, -1].float()
         events: list[EngineEvent] = []
         if request.handoff:
-            events += self._handoff(request, out.hidden_states)
+            hidden = out.hidden_states
+            events += self._handoff(request, hidden[0][0], hidden[self._accept][0])
         events += self._take(request, logits)
         outbox[request] = events
         if not request.finished:
-            self.rows.join(request, kv, int(delta))
+            self.rows.join([request], kv, [int(delta)])
+
+    def _batches(self, requests: list[ThinkerRequest]) -> list[list[ThinkerRequest]]:
+        """``requests`` in groups whose padded prompts fit one forward (PREFILL_CELLS)."""
+        batches: list[list[ThinkerRequest]] = []
+        for request in sorted(requests, key=lambda r: r.prompt_tokens):
+            batch = batches[-1] if batches else None
+            width = request.prompt_tokens  # the longest so far: sorted by length
+            if batch is None or width * (len(batch) + 1) > PREFILL_CELLS:
+                batches.append([request])
+            else:
+                batch.append(request)
+        return batches
+
+    def _prefill_together(
+        self, requests: Sequence[ThinkerRequest], outbox: Outbox[ThinkerRequest]
+    ) -> None:
+        """Prompts of text alone in one forward, right-padded; each row's outputs as
+        its prompt alone would give them, up to the product's rounding."""
+        ids = right_padded([r.inputs["input_ids"][0] for r in requests])
+        mask = right_padded([r.inputs["attention_mask"][0] for r in requests])
+        rotary, deltas = self.model.model.get_rope_index(ids, None, None, mask, False, None, None)
+        kv = KvCache(self._shape, rows=len(requests))
+        self.prefills = [*self.prefills[-255:], len(requests)]
+        handoff = any(r.handoff for r in requests)
+        out = self._forward(kv, prompt_positions(rotary), handoff, input_ids=ids,
+                            attention_mask=mask)  # fmt: skip
+        kv.extend(mask)
+        logits = self.model.lm_head(out.last_hidden_state).float()
+        joining, at = [], []
+        for row, request in enumerate(requests):
+            length = request.prompt_tokens
+            events: list[EngineEvent] = []
+            if request.handoff:
+                hidden = out.hidden_states
+                events += self._handoff(
+                    request, hidden[0][row, :length], hidden[self._accept][row, :length]
+                )
+            events += self._take(request, logits[row, length - 1])
+            outbox[request] = events
+            if not request.finished:
+                joining.append(request)
+                at.append(row)
+        if joining:
+            kv.select(at)
+            self.rows.join(joining, kv, [int(deltas[row]) for row in at])
 
     def _decode(self, stepping: Sequence[ThinkerRequest], outbox: Outbox[ThinkerRequest]) -> None:
         rows = self.rows
@@ -185,14 +252,15 @@ class ThinkerRunner:
         return request.add(token, row)
 
     def _handoff(
-        self, request: ThinkerRequest, hidden: Sequence[torch.Tensor]
+        self, request: ThinkerRequest, layer0: torch.Tensor, accept: torch.Tensor
     ) -> list[EngineEvent]:
-        """The prompt's part of the talker's hand-off, flushed as its own segment."""
+        """The prompt's part of the talker's hand-off (its hidden states of layer 0 and
+        of the accept layer, [S, H] each), flushed as its own segment."""
         inputs = request.inputs
         with torch.no_grad():
             tts = self._embed(self._tts)
         tensors = {
-            names.PROMPT_HIDDEN: torch.stack((hidden[0][0], hidden[self._accept][0]), dim=1).cpu(),
+            names.PROMPT_HIDDEN: torch.stack((layer0, accept), dim=1).cpu(),
             names.PROMPT_IDS: inputs["input_ids"][0].cpu(),
             names.TTS_EMBEDS: tts.cpu(),
         }
