@@ -62,10 +62,11 @@ def stage_configs(
 
 
 def edges(window: int) -> list[dict[str, Any]]:
-    """thinker → talker window -1 (the talker's prompt needs the whole answer),
-    talker → code2wav ``window`` (-1, or code2wav's chunk_size)."""
+    """thinker → talker streamed as the example pipelines do (the prompt's part and
+    the first token, then two tokens a window), talker → code2wav ``window`` (-1,
+    or code2wav's chunk_size)."""
     return [
-        {"from": "thinker", "to": "talker", "window": -1},
+        {"from": "thinker", "to": "talker", "first_window": 2, "window": 2},
         {"from": "talker", "to": "code2wav", "window": window},
     ]
 

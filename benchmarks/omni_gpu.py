@@ -27,6 +27,13 @@ Reported per configuration: time to first audio and to the whole answer (p50
 over rounds), audio seconds, RTF (time to the whole answer / audio seconds) and
 time to first audio as a ratio to the monolithic. Without ``--tiny`` it needs
 CUDA and the checkpoint folder, and exits 0 saying why it skipped otherwise.
+
+``--concurrency`` runs benchmarks/omni_concurrency.py's measurement instead on the
+real checkpoint (examples/pipelines/qwen3-omni-gpu.yaml's stages, its model set to
+``--model``): 1, 4, 8 and 16 requests at once against the same 8 one by one, and
+the long answer streamed against ``window: -1``; the same table and targets.
+
+    python benchmarks/omni_gpu.py --concurrency --model /models/Qwen3-Omni-30B-A3B-Instruct
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ def skip_reason(args: argparse.Namespace) -> str | None:
     if args.tiny:
         return None
     if not torch.cuda.is_available():
+        if getattr(args, "concurrency", False):
+            return "no CUDA device (benchmarks/omni_concurrency.py: the same on CPU checkpoints)"
         return "no CUDA device (run with --tiny for the tiny checkpoint on CPU)"
     if args.model is None or not (Path(args.model) / "config.json").is_file():
         return f"no Qwen3-Omni checkpoint folder at --model {args.model}"
@@ -187,9 +196,25 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128, help="thinker tokens")
     parser.add_argument("--talker-tokens", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=25, help="code2wav chunk_size = window N")
+    parser.add_argument(
+        "--concurrency", action="store_true", help="omni_concurrency.py's measurement, real model"
+    )
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 8, 16])
+    parser.add_argument("--codes", type=int, default=250, help="--concurrency: talker codes")
+    parser.add_argument("--long", type=int, default=128, help="--concurrency: long answer")
     args = parser.parse_args()
+    if args.concurrency and args.tiny:
+        parser.error("--concurrency measures the real checkpoint: omni_concurrency.py serves tiny")
     if (why := skip_reason(args)) is not None:
         print(f"omni_gpu: skipped: {why}")
+        return
+    if args.concurrency:
+        from benchmarks import omni_concurrency
+
+        args.runs = args.rounds
+        result = asyncio.run(omni_concurrency.measure("real", args))
+        omni_concurrency.show(result)
+        print(f"json: {write_json('omni_gpu_concurrency', result)}")
         return
     if args.tiny:
         from services.engines.qwen_omni import tiny

@@ -49,46 +49,83 @@ CHAT_TEMPLATE = (
 )
 
 
-def config() -> Any:
-    """The tiny model's ``Qwen3OmniMoeConfig``."""
+# Sizes a benchmark can ask for. "tiny" (the default: tests, `omni up`) is a few
+# hundred thousand parameters; "small" is big enough that compute, not the mesh's
+# per-step costs, dominates (benchmarks/omni_concurrency.py): thinker 512 wide, 8
+# layers, 8 experts; talker, code predictor and code2wav scaled alike. The real
+# model: thinker 2048 x 48 layers x 128 experts, 16 code groups, 1920 samples a code.
+SIZES: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 8,
+             "experts": 4, "expert_ffn": 16, "talker_hidden": 32, "talker_layers": 2,
+             "talker_heads": 4, "talker_head_dim": 8, "talker_expert_ffn": 16,
+             "shared_ffn": 32, "predictor_layers": 1, "groups": 4, "codebook": 32,
+             "wav_hidden": 32, "wav_layers": 1, "wav_upsample": [2, 2], "wav_ratios": [2],
+             "decoder_dim": 16, "mrope": [2, 1, 1]},
+    "small": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 2, "head_dim": 64,
+              "experts": 8, "expert_ffn": 256, "talker_hidden": 256, "talker_layers": 4,
+              "talker_heads": 4, "talker_head_dim": 64, "talker_expert_ffn": 128,
+              "shared_ffn": 256, "predictor_layers": 2, "groups": 8, "codebook": 256,
+              "wav_hidden": 256, "wav_layers": 2, "wav_upsample": [4, 4], "wav_ratios": [2, 2],
+              "decoder_dim": 64, "mrope": [16, 8, 8]},
+}  # fmt: skip
+
+
+def config(size: str = "tiny") -> Any:
+    """The ``Qwen3OmniMoeConfig`` of a checkpoint of ``size`` (SIZES)."""
     from transformers import Qwen3OmniMoeConfig
 
-    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 1, 1],
+    z = SIZES[size]
+    rope = {"rope_type": "default", "rope_theta": 1e6, "mrope_section": z["mrope"],
             "interleaved": True}  # fmt: skip
-    moe = {"initializer_range": SCALE, "hidden_size": 32, "intermediate_size": 64,
-           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "head_dim": 8, "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+    moe = {"initializer_range": SCALE, "hidden_size": z["hidden"],
+           "intermediate_size": 2 * z["hidden"], "num_hidden_layers": z["layers"],
+           "num_attention_heads": z["heads"], "num_key_value_heads": z["kv_heads"],
+           "head_dim": z["head_dim"], "moe_intermediate_size": z["expert_ffn"],
+           "num_experts": z["experts"], "num_experts_per_tok": 2,
            "rope_parameters": rope}  # fmt: skip
+    talker_moe = {**moe, "hidden_size": z["talker_hidden"],
+                  "intermediate_size": 2 * z["talker_hidden"],
+                  "num_hidden_layers": z["talker_layers"],
+                  "num_attention_heads": z["talker_heads"], "head_dim": z["talker_head_dim"],
+                  "moe_intermediate_size": z["talker_expert_ffn"]}  # fmt: skip
     media = {"audio_token_id": IDS["<|audio_pad|>"], "image_token_id": IDS["<|image_pad|>"],
              "video_token_id": IDS["<|video_pad|>"],
              "audio_start_token_id": IDS["<|audio_start|>"],
              "vision_start_token_id": IDS["<|vision_start|>"]}  # fmt: skip
     audio = {"num_mel_bins": 128, "encoder_layers": 1, "encoder_attention_heads": 2,
              "encoder_ffn_dim": 32, "d_model": 16, "n_window": 50, "n_window_infer": 100,
-             "downsample_hidden_size": 8, "output_dim": 32}  # fmt: skip
+             "downsample_hidden_size": 8, "output_dim": z["hidden"]}  # fmt: skip
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
               "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-              "out_hidden_size": 32, "num_position_embeddings": 64,
+              "out_hidden_size": z["hidden"], "num_position_embeddings": 64,
               "deepstack_visual_indexes": [0]}  # fmt: skip
     thinker = {"text_config": {**moe, "vocab_size": 288}, "audio_config": audio,
                "vision_config": vision, "user_token_id": IDS["user"], **media}  # fmt: skip
-    predictor = {"vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
-                 "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "head_dim": 8, "num_code_groups": 4}  # fmt: skip
+    codebook = z["codebook"]
+    predictor = {"vocab_size": codebook, "hidden_size": z["talker_hidden"],
+                 "intermediate_size": 2 * z["talker_hidden"],
+                 "num_hidden_layers": z["predictor_layers"],
+                 "num_attention_heads": z["talker_heads"], "num_key_value_heads": 2,
+                 "head_dim": z["talker_head_dim"], "num_code_groups": z["groups"]}  # fmt: skip
     # The talker's top 1024 ids are special and never generated (but the end), as in
     # the real model: its vocabulary is the codebook plus those 1024.
     talker = {
-        "text_config": {**moe, "vocab_size": 1056, "shared_expert_intermediate_size": 32},
+        "text_config": {**talker_moe, "vocab_size": codebook + 1024,
+                        "shared_expert_intermediate_size": z["shared_ffn"]},
         "code_predictor_config": predictor,
-        "num_code_groups": 4, "thinker_hidden_size": 32, "accept_hidden_layer": 2,
-        "codec_pad_id": 32, "codec_bos_id": 33, "codec_eos_token_id": 34,
-        "codec_nothink_id": 35, "codec_think_bos_id": 36, "codec_think_eos_id": 37,
-        "speaker_id": {"ethan": 38, "chelsie": 39}, "spatial_merge_size": 2, **media,
+        "num_code_groups": z["groups"], "thinker_hidden_size": z["hidden"],
+        "accept_hidden_layer": z["layers"],
+        "codec_pad_id": codebook, "codec_bos_id": codebook + 1,
+        "codec_eos_token_id": codebook + 2, "codec_nothink_id": codebook + 3,
+        "codec_think_bos_id": codebook + 4, "codec_think_eos_id": codebook + 5,
+        "speaker_id": {"ethan": codebook + 6, "chelsie": codebook + 7},
+        "spatial_merge_size": 2, **media,
     }  # fmt: skip
-    code2wav = {"codebook_size": 32, "hidden_size": 32, "num_attention_heads": 4,
-                "num_key_value_heads": 4, "sliding_window": 72, "intermediate_size": 64,
-                "num_hidden_layers": 1, "num_quantizers": 4, "upsample_rates": [2, 2],
-                "upsampling_ratios": [2], "decoder_dim": 16}  # fmt: skip
+    code2wav = {"codebook_size": codebook, "hidden_size": z["wav_hidden"],
+                "num_attention_heads": 4, "num_key_value_heads": 4, "sliding_window": 72,
+                "intermediate_size": 2 * z["wav_hidden"], "num_hidden_layers": z["wav_layers"],
+                "num_quantizers": z["groups"], "upsample_rates": z["wav_upsample"],
+                "upsampling_ratios": z["wav_ratios"], "decoder_dim": z["decoder_dim"]}  # fmt: skip
     parts: tuple[dict[str, Any], ...] = (audio, vision, thinker, talker, predictor)
     for part in parts:
         part["initializer_range"] = SCALE
@@ -105,12 +142,12 @@ def config() -> Any:
     return cfg
 
 
-def build_model(seed: int = SEED) -> Any:
+def build_model(seed: int = SEED, size: str = "tiny") -> Any:
     """The whole model, every weight drawn under ``seed`` (the same model on every build)."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3OmniMoeForConditionalGeneration(config())
+    model = Qwen3OmniMoeForConditionalGeneration(config(size))
     # The talker's MoE experts are left as torch.empty by _init_weights: garbage
     # that differs from one build to the next unless drawn here.
     generator = torch.Generator().manual_seed(seed)
@@ -165,25 +202,26 @@ def _byte_chars() -> list[str]:
     return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
 
 
-def save(folder: Path, seed: int = SEED) -> Path:
-    """Build and save the tiny checkpoint (model + processor) into ``folder``."""
+def save(folder: Path, seed: int = SEED, size: str = "tiny") -> Path:
+    """Build and save the checkpoint (model + processor) into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    build_model(seed).save_pretrained(folder)
+    build_model(seed, size).save_pretrained(folder)
     processor.save(build_processor(), folder)
-    (folder / "omni-tiny.json").write_text(json.dumps({"seed": seed, "random": True}))
+    marker = {"seed": seed, "random": True, "size": size}
+    (folder / "omni-tiny.json").write_text(json.dumps(marker))
     return folder
 
 
-def ensure(cache_dir: Path, seed: int = SEED) -> Path:
-    """The tiny checkpoint under ``cache_dir``, built there once: what a stage with
-    ``load_format: dummy`` serves. Three stages may start at once; each builds
+def ensure(cache_dir: Path, seed: int = SEED, size: str = "tiny") -> Path:
+    """The checkpoint under ``cache_dir``, built there once: what a stage with
+    ``load_format: dummy`` serves (tiny). Three stages may start at once; each builds
     into its own folder and the first rename wins (the builds are identical)."""
-    folder = cache_dir / f"qwen3-omni-tiny-seed{seed}"
+    folder = cache_dir / f"qwen3-omni-{size}-seed{seed}"
     if (folder / "omni-tiny.json").is_file():
         return folder
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=".tiny-") as scratch:
-        built = save(Path(scratch) / "model", seed)
+    with tempfile.TemporaryDirectory(dir=cache_dir, prefix=f".{size}-") as scratch:
+        built = save(Path(scratch) / "model", seed, size)
         with contextlib.suppress(OSError):  # another stage was first
             built.rename(folder)
     return folder
@@ -193,8 +231,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     parser.add_argument("--seed", type=int, default=SEED)
+    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = parser.parse_args()
-    print(save(args.folder, args.seed))
+    print(save(args.folder, args.seed, args.size))
 
 
 if __name__ == "__main__":
