@@ -6,36 +6,17 @@ exactly what the stage was handed, however it travelled."""
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import ClassVar
 
-from services.engines.base import (
-    EngineEvent,
-    EnginePlan,
-    EngineRequest,
-    EngineSettings,
-    FinishOutput,
-    ModelInfo,
-    TensorOutput,
-)
+from services.engines.base import EngineEvent, EnginePlan, FinishOutput, TensorOutput
+from tests.helpers.fake_engine import FakeEngine
 
 
-class EchoTensorsEngine:
+class EchoTensorsEngine(FakeEngine):
+    description: ClassVar[str] = "echoes its input tensors"
     name: ClassVar[str] = "echo_tensors"
     supported_params: ClassVar[frozenset[str]] = frozenset()
     output_tensors: ClassVar[tuple[str, ...]] = ("frames",)
-
-    def __init__(self, settings: EngineSettings) -> None:
-        self._settings = settings
-
-    def load(self, model_path: Path | None) -> ModelInfo:
-        return ModelInfo(model_bytes=0, description="echoes its input tensors")
-
-    def warmup(self) -> None:
-        pass
-
-    def check(self, request: EngineRequest) -> EnginePlan:
-        return EnginePlan(request)
 
     async def generate(self, plan: EnginePlan) -> AsyncGenerator[EngineEvent, None]:
         request = plan.request
@@ -43,6 +24,3 @@ class EchoTensorsEngine:
         yield TensorOutput({name: t.clone() for name, t in request.tensors.items()})
         rows = next((int(t.shape[0]) for t in request.tensors.values() if t.dim()), 0)
         yield FinishOutput("done", prompt_tokens=rows)
-
-    def close(self) -> None:
-        pass

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -26,40 +25,31 @@ from services.engines.base import (
     AudioFormat,
     EngineEvent,
     EnginePlan,
-    EngineRequest,
     EngineSettings,
     FinishOutput,
-    ModelInfo,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
 )
 from services.engines.defaults import DefaultLayers, resolve
 from services.mesh.errors import EngineDead
+from tests.helpers.fake_engine import FakeEngine
 
 
-class ScriptedEngine:
+class ScriptedEngine(FakeEngine):
     name: ClassVar[str] = "scripted"
     supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "seed"})
     output_tensors: ClassVar[tuple[str, ...]] = ("frame", "audio")
     sample_rate: ClassVar[int] = 16_000
+    description: ClassVar[str] = "scripted test engine"
 
     def __init__(self, settings: EngineSettings) -> None:
-        self._settings = settings
+        super().__init__(settings)
         self.dead = False
         self.released: list[str] = []
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
-
-    def load(self, model_path: Path | None) -> ModelInfo:
-        return ModelInfo(model_bytes=0, description="scripted test engine")
-
-    def warmup(self) -> None:
-        pass
-
-    def check(self, request: EngineRequest) -> EnginePlan:
-        return EnginePlan(request)
 
     async def generate(self, plan: EnginePlan) -> AsyncGenerator[EngineEvent, None]:
         request = plan.request
@@ -102,6 +92,3 @@ class ScriptedEngine:
             await asyncio.sleep(0)  # a step boundary, as a real engine has
             yield TokenOutput(token_ids=(token,), text=f"{token} ")
         yield FinishOutput("length", prompt_tokens=prompt_tokens, completion_tokens=count)
-
-    def close(self) -> None:
-        pass

@@ -11,20 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import AsyncGenerator
-from pathlib import Path
 from typing import Any, ClassVar
 
 from services.engines.base import (
     ChatTurn,
     EngineEvent,
     EnginePlan,
-    EngineRequest,
     EngineSettings,
     FinishOutput,
     MediaPart,
-    ModelInfo,
     TokenOutput,
 )
+from tests.helpers.fake_engine import FakeEngine
 
 
 def part_record(part: str | MediaPart) -> dict[str, Any]:
@@ -56,24 +54,13 @@ def turn_record(turn: ChatTurn) -> dict[str, Any]:
     }
 
 
-class TextOnlyEngine:
+class TextOnlyEngine(FakeEngine):
     """No ``accepts``: text only, the default every existing engine has."""
 
+    description: ClassVar[str] = "media echo test engine"
     name: ClassVar[str] = "text-echo"
     supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     output_tensors: ClassVar[tuple[str, ...]] = ()
-
-    def __init__(self, settings: EngineSettings) -> None:
-        self._settings = settings
-
-    def load(self, model_path: Path | None) -> ModelInfo:
-        return ModelInfo(model_bytes=0, description="media echo test engine")
-
-    def warmup(self) -> None:
-        pass
-
-    def check(self, request: EngineRequest) -> EnginePlan:
-        return EnginePlan(request)
 
     async def generate(self, plan: EnginePlan) -> AsyncGenerator[EngineEvent, None]:
         request = plan.request
@@ -88,9 +75,6 @@ class TextOnlyEngine:
             }
         yield TokenOutput(token_ids=(0,), text=json.dumps(record))
         yield FinishOutput("done", prompt_tokens=len(request.messages), completion_tokens=1)
-
-    def close(self) -> None:
-        pass
 
 
 class MediaEngine(TextOnlyEngine):

@@ -1,0 +1,1 @@
+"""Tests of the vllm engine (services/engines/vllm/), without vLLM and on a GPU."""

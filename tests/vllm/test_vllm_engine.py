@@ -49,7 +49,7 @@ def test_the_registry_finds_it_without_importing_vllm() -> None:
         "import sys; from services.engines.registry import engine_class; "
         "assert engine_class('vllm').name == 'vllm'; assert 'vllm' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[3])
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
     assert engine_class("vllm") is VllmEngine
     assert settings_model("vllm") is VllmArgs
 
@@ -120,7 +120,7 @@ def test_bad_cpu_settings_stop_the_stage_file_by_name(tmp_path: Path) -> None:
     config.write_text(yaml.safe_dump(stage))
     run = subprocess.run(
         [sys.executable, "-m", "services.stage", "serve", "--config", str(config)],
-        cwd=Path(__file__).parents[3],
+        cwd=Path(__file__).parents[2],
         capture_output=True,
         text=True,
         check=False,

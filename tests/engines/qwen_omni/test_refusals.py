@@ -19,8 +19,8 @@ from services.engines.base import (
 from services.engines.qwen_omni import QwenOmniTalker, QwenOmniThinker
 from services.engines.qwen_omni.loading import torch_dtype
 from services.mesh.errors import InitFailed, InvalidArgument
-from tests.qwen_omni import parts
-from tests.qwen_omni.reference import request
+from tests.engines.qwen_omni import parts
+from tests.engines.qwen_omni.reference import request
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from services.engines.qwen_omni import tiny
-from tests.qwen_omni.concurrency import COUNTS, Engines, Spoken
-from tests.qwen_omni.reference import Reference, monolithic
+from tests.engines.qwen_omni.concurrency import COUNTS, Engines, Spoken
+from tests.engines.qwen_omni.reference import Reference, monolithic
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ from services.mesh.rpc.stage_client import StageClient
 from services.stage.__main__ import EXIT_ENGINE_DEAD
 from tests.helpers.stage import chat, collect, write_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "stages" / "vllm-cpu.yaml"
 
 

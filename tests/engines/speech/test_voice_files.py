@@ -1,6 +1,6 @@
 """Voices given as files, without a stage: the settings name what is wrong, and
 a fetched file or folder that holds no single hibari voice fails the load by name
-(the stage turns that into FAILED; tests/speech/test_voice_source.py); a voice's
+(the stage turns that into FAILED; tests/engines/speech/test_voice_source.py); a voice's
 download after the model's is paused by the init watchdog as the model's is."""
 
 from __future__ import annotations

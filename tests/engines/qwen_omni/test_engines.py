@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
-from tests.qwen_omni import parts
-from tests.qwen_omni.reference import request
+from tests.engines.qwen_omni import parts
+from tests.engines.qwen_omni.reference import request
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from services.engines.base import EngineEvent, EngineSettings, FinishOutput, Tok
 from services.engines.vllm import VllmEngine, cpu
 from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.vllm_parts import embeds_request, request
-from tests.vllm.conftest import FRANCE, MAX_TOKENS, PROMPTS
+from tests.vllm.cpu.conftest import FRANCE, MAX_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="module")

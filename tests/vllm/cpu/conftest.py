@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.engines.transformers.loading import converted_folder
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).parent
 VLLM_ENV = "bash .ci/vllm-env.sh && .venv-vllm/bin/pytest -m vllm tests/vllm"
 SKIP = "" if importlib.util.find_spec("vllm") else f"vLLM is not installed here; run: {VLLM_ENV}"
@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cpu_vllm() -> None:
-    """vLLM here is the CPU build (a CUDA image runs tests/engines/vllm/test_vllm_gpu.py)."""
+    """vLLM here is the CPU build (a CUDA image runs tests/vllm/test_vllm_gpu.py)."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():

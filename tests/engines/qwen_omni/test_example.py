@@ -10,9 +10,9 @@ import sys
 import wave
 from pathlib import Path
 
-from tests.qwen_omni.reference import png
+from tests.engines.qwen_omni.reference import png
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 OMNI = str(Path(sys.executable).parent / "omni")
 
 

@@ -26,8 +26,8 @@ from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.fake_hub import FakeHub
 from tests.helpers.http_server import FileServer
 from tests.helpers.stage import write_config
-from tests.speech.conftest import speaker_config
-from tests.speech.test_speaker_stage import audio_pieces, run, submit
+from tests.engines.speech.conftest import speaker_config
+from tests.engines.speech.test_speaker_stage import audio_pieces, run, submit
 
 TEXT = "I can't schedule a tomato for the garage."
 PACKAGED = Path(voice_path("heart"))

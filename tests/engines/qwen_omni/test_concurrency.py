@@ -16,8 +16,8 @@ import torch
 from services.engines.base import EngineRequest, SamplingParams, TensorOutput, TokenOutput
 from services.engines.scheduler import StepTaken
 from tests.helpers.engine_runs import collect, generate
-from tests.qwen_omni import parts
-from tests.qwen_omni.concurrency import (
+from tests.engines.qwen_omni import parts
+from tests.engines.qwen_omni.concurrency import (
     COUNTS,
     Engines,
     Spoken,

@@ -26,8 +26,8 @@ from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
 from tests.helpers.float_error import MULTIPLE, assert_float32_close
-from tests.qwen_omni import parts
-from tests.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
+from tests.engines.qwen_omni import parts
+from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
 
 KINDS = ("text", "image", "audio")
 QUESTIONS = (

@@ -20,7 +20,7 @@ from services.engines.base import (
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
 from tests.helpers.engine_runs import collect, generate, tokens_of
-from tests.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS
+from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS
 
 
 def settings(**engine_args: Any) -> EngineSettings:
