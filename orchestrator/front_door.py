@@ -1,5 +1,6 @@
 """The pipeline file's ``runtime:`` section: what the orchestrator lets its clients
-hold, validated once with the rest of the file (README, "The pipeline file").
+hold, validated once with the rest of the file (docs/configuration.md, "The
+pipeline file").
 
 Every byte a client sends is held somewhere before it leaves for a stage: a
 unary Generate's message while it is read and while its request runs, chunks of

@@ -84,7 +84,7 @@ def test_installed_wheel_ships_the_examples_and_omni_up_starts_from_them(tmp_pat
 
 
 def test_the_checkout_examples_links_are_the_packaged_folders() -> None:
-    # README and tests say examples/pipelines/...; the files live in the package.
+    # The docs and tests say examples/pipelines/...; the files live in the package.
     # (examples/clients/ is not package data: client programs for other languages.)
     for name in ("pipelines", "stages"):
         assert (REPO / "examples" / name).resolve() == (EXAMPLES / name).resolve()

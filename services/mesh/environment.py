@@ -1,6 +1,6 @@
 """Every OMNI_* environment variable the mesh reads, declared once: its name, its
-type, its default, who reads it and what it means (README, 'Environment', is
-this table). Code reads a variable through its ``Variable`` only, never
+type, its default, who reads it and what it means (docs/configuration.md,
+'Environment', is this table). Code reads a variable through its ``Variable`` only, never
 ``os.environ`` itself.
 
 Each variable is read where it is used, when it is used (a test may set one and
@@ -41,7 +41,7 @@ class Variable(Generic[T]):
     meaning: str
     fallback: str = ""  # another variable read when this one is unset (not OMNI_*)
     blank_is_unset: bool = False  # "" is the default, not a value to parse
-    shown: str = ""  # the default as README shows it, where the value alone does not say it
+    shown: str = ""  # the default as the docs show it, where the value alone does not say it
 
     @property
     def shown_default(self) -> str:

@@ -37,7 +37,8 @@ VLLM_CONTAINERFILE = REPO / "containers" / "Containerfile.vllm-cpu"
 BASE_IMAGE = os.environ.get("OMNI_BASE_IMAGE", "localhost/omni-base:bookworm")
 REPOSITORY = "localhost/omni"
 # What containers/Containerfile.cpu copies (.containerignore lets nothing else in:
-# no checkout's build of the kernels either; not the README).
+# no checkout's build of the kernels either; neither README.md nor docs/, so a
+# documentation edit never rebuilds the image).
 _INPUT_FILES = ("constraints.txt", "pyproject.toml", "setup.py", ".containerignore")
 _IGNORED_SUFFIXES = (".pyc", ".so")
 _INPUT_TREES = ("services", "orchestrator")

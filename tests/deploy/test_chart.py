@@ -1,6 +1,6 @@
 """charts/ rendered with real Helm (the Helm v4 Go SDK through helm-python-sdk,
 offline): lint clean, every manifest valid for Kubernetes 1.29 and 1.33, and the
-defaults, the podman values and the README's example rendering what they promise.
+defaults, the podman values and docs/deployment.md's example rendering what they promise.
 Wiring is checked in test_chart_wiring.py, hardening in test_chart_security.py."""
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def test_podman_values_render_only_what_podman_kube_play_runs() -> None:
     assert len(ports) == 4  # one host network: every service its own port
 
 
-def test_the_readme_example_values_render_valid_stage_files() -> None:
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("## Deploy on Kubernetes", 1)[1]
+def test_the_documented_example_values_render_valid_stage_files() -> None:
+    doc = (REPO / "docs" / "deployment.md").read_text()
+    section = doc.split("\n## Deploy on Kubernetes\n", 1)[1]
     example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
     docs = render(example)
     specs = pod_specs(docs)

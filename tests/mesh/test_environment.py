@@ -1,5 +1,5 @@
 """The OMNI_* variables: each parsed to its type or refused naming it, the same
-in a process started as a user starts one, and README's table kept alike."""
+in a process started as a user starts one, and docs/configuration.md's table kept alike."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from services.mesh.security import SecuritySettings
 from services.mesh.telemetry import tracing
 
 OMNI = str(Path(sys.executable).parent / "omni")
-README = Path(__file__).resolve().parents[2] / "README.md"
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "configuration.md"
 
 
 @pytest.mark.parametrize(
@@ -68,9 +69,10 @@ def test_the_readers_refuse_a_bad_value_naming_it() -> None:
     assert SecuritySettings().with_env({"OMNI_MAX_PAUSE_S": "7"}).max_pause_s == 7.0
 
 
-def test_the_readme_table_is_the_module() -> None:
+def test_the_documented_table_is_the_module() -> None:
+    section = DOC.read_text().split("\n## Environment\n", 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in README.read_text().splitlines():
+    for line in section.splitlines():
         row = re.fullmatch(r"\| `(OMNI_[A-Z_]+)` \| ([^|]+) \| ([^|]+) \| (.+) \|", line)
         if row:
             rows[row[1]] = (row[2].strip(), row[3].strip(), row[4].strip())
@@ -79,7 +81,7 @@ def test_the_readme_table_is_the_module() -> None:
 
 
 def test_no_module_reads_an_omni_variable_but_the_environment_module() -> None:
-    root = README.parent
+    root = REPO
     readers = [
         str(path.relative_to(root))
         for folder in ("services", "orchestrator")

@@ -6,7 +6,8 @@ with a processor whose tokenizer is built in memory (byte-level, the special
 tokens the model reads): nothing is downloaded. Tests and ``omni up`` on a
 machine without the real weights serve it; its text and audio are noise, but
 every hand-off between the parts is the real one. The config values and the
-four traps they get past are recorded in docs/design.md ("Qwen3-Omni").
+traps they get past are in the comments below (docs/qwen3-omni.md, "The tiny
+checkpoint", says what the checkpoint is for).
 
     python -m services.engines.qwen_omni.tiny FOLDER
 """
