@@ -43,6 +43,8 @@ class Received:
     spans: list[Span] = field(default_factory=list)
     # (service, metric name, data points as (attributes, value)) in arrival order
     points: list[tuple[str, str, dict[str, Any], float]] = field(default_factory=list)
+    # A histogram's bucket bounds, by (service, metric name): the last seen
+    bounds: dict[tuple[str, str], list[float]] = field(default_factory=dict)
 
 
 class OtlpReceiver(
@@ -109,6 +111,9 @@ class OtlpReceiver(
                     for metric in scope.metrics:
                         data = getattr(metric, metric.WhichOneof("data"))
                         for point in data.data_points:
+                            if hasattr(point, "explicit_bounds"):
+                                bounds = list(point.explicit_bounds)
+                                self.received.bounds[(service, metric.name)] = bounds
                             value = (
                                 point.sum
                                 if hasattr(point, "bucket_counts")

@@ -16,9 +16,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineEvent, FinishOutput, TokenOutput
+from services.engines.sampling import sample
 from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
-from services.engines.sampling import sample
 from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
 
 logger = logging.getLogger(__name__)

@@ -43,6 +43,8 @@ _OTLP_VARS = (
 )
 # Seconds: latencies from a millisecond to minutes.
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+# Real-time factors: below 1 the audio comes faster than it plays.
+_RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.85, 1, 1.25, 1.5, 2, 3, 5, 10)
 
 
 def _configured(env: Mapping[str, str]) -> tuple[bool, int | None]:
@@ -88,6 +90,14 @@ def setup(service: str, env: Mapping[str, str] = os.environ) -> bool:
         View(
             instrument_name="gen_ai.server.time_*",
             aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
+        ),
+        View(
+            instrument_name="omni.audio.time_to_first_packet",
+            aggregation=ExplicitBucketHistogramAggregation(_LATENCY_BUCKETS),
+        ),
+        View(
+            instrument_name="omni.audio.real_time_factor",
+            aggregation=ExplicitBucketHistogramAggregation(_RTF_BUCKETS),
         ),
     ]
     meter_provider = MeterProvider(resource=resource, metric_readers=readers, views=views)

@@ -25,9 +25,9 @@ import torch
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
-from tests.helpers.float_error import MULTIPLE, assert_float32_close
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
+from tests.helpers.float_error import MULTIPLE, assert_float32_close
 
 KINDS = ("text", "image", "audio")
 QUESTIONS = (

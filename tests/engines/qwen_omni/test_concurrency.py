@@ -15,7 +15,6 @@ import torch
 
 from services.engines.base import EngineRequest, SamplingParams, TensorOutput, TokenOutput
 from services.engines.scheduler import StepTaken
-from tests.helpers.engine_runs import collect, generate
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.concurrency import (
     COUNTS,
@@ -25,6 +24,7 @@ from tests.engines.qwen_omni.concurrency import (
     decided,
     omni_request,
 )
+from tests.helpers.engine_runs import collect, generate
 
 
 @pytest.mark.parametrize("count", COUNTS)

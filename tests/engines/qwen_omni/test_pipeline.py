@@ -23,10 +23,10 @@ from orchestrator.client import Result
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.codec import from_proto
-from tests.helpers.float_error import assert_float32_close
-from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 from tests.engines.qwen_omni.concurrency import CHUNK, CONTEXT, KINDS, QUESTIONS, decided
 from tests.engines.qwen_omni.reference import QUESTION, TALKER_TOKENS, THINKER_TOKENS, png, wav_clip
+from tests.helpers.float_error import assert_float32_close
+from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 NAMES = ["thinker", "talker", "code2wav", "code2wav_8", "code2wav_12"]
 TO_TALKER = {"from": "thinker", "to": "talker", "window": -1}

@@ -18,8 +18,8 @@ from transformers import AutoTokenizer
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.fetch.local import resolve_package_file
-from tests.helpers.stage import Result, collect
 from tests.engines.speech.conftest import GGUF
+from tests.helpers.stage import Result, collect
 
 THREE = "The sea is wide and deep. Fish swim in it all day. Waves roll onto the sand."
 

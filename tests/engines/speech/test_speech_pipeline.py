@@ -16,9 +16,9 @@ from hibari import Hibari
 
 from orchestrator.client import Result
 from services.mesh import wav
+from tests.engines.speech.conftest import speaker_config
 from tests.helpers.stage import stage_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
-from tests.engines.speech.conftest import speaker_config
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}
 PROMPT = "Tell me about the sea in three sentences."

@@ -218,5 +218,9 @@ async def test_audio_metrics_are_the_audio_as_the_client_hears_it(tmp_path: Path
     assert receiver.latest(SPOKEN_BY, "omni.audio.underruns", **at) == 3
     rtf = receiver.latest(SPOKEN_BY, "omni.audio.real_time_factor", **at)
     assert rtf is not None and rtf >= 0.75 / 0.08  # choppy: >= 3 x 250 ms for 80 ms of audio
+    # Buckets made for them: seconds to the first packet, real-time factors around 1.
+    bounds = receiver.received.bounds
+    assert 0.1 in bounds[(SPOKEN_BY, "omni.audio.time_to_first_packet")]
+    assert 1.0 in bounds[(SPOKEN_BY, "omni.audio.real_time_factor")]
     first = receiver.latest(SPOKEN_BY, "omni.audio.time_to_first_packet", **at)
     assert first is not None and 0 < first < choppy.done.total_ms / 1e3 + smooth.done.total_ms / 1e3
