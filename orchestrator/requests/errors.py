@@ -31,6 +31,11 @@ class StreamBroken(OmniError):
         self.code = code
         self.details = details
 
+    def again(self) -> StreamBroken:
+        """A fresh one to raise in one request: one instance raised in many would
+        gather all their tracebacks, and hold every frame (and Submit) in them."""
+        return StreamBroken(self.code, self.details)
+
 
 class StageFailed(OmniError):
     """A stage ended the request with an error, or the stage itself went away."""

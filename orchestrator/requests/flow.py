@@ -34,7 +34,7 @@ from services.mesh import errors
 from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
 from services.mesh.data.ref_reader import RefReader
-from services.mesh.errors import DeadlineExceeded, OmniError
+from services.mesh.errors import DeadlineExceeded, OmniError, forget
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 
@@ -105,16 +105,31 @@ class RequestFlow:
                     # The entry stage in this task: one task fewer per request. Its
                     # failure joins the group as a task's would (the others are cancelled).
                     await self._stage(entry)
-        except* StageFailed as group:
-            first = group.exceptions[0]
-            assert isinstance(first, StageFailed)
-            done = errors.done(self.request_id, first, first.stage)
-        except* TimeoutError:
+        except BaseExceptionGroup as group:  # the group itself, not a split of it
+            done = self._failed(group)
+        except TimeoutError:
             done = self._expired()
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
         return done
+
+    def _failed(self, group: BaseExceptionGroup[BaseException]) -> orchestrator_pb2.Done:
+        """The Done of the first stage failure in ``group``; anything else is raised.
+
+        The group and its errors are forgotten here, tracebacks and all: a traceback
+        holds the frames it passed through, and with them the request's Submits
+        (a client's 60 MB tensor). Python 3.11's TaskGroup keeps the group in a
+        reference cycle with its own frame, which only the cyclic collector breaks,
+        and it may not run for minutes on a quiet server."""
+        failures, rest = group.split(StageFailed)
+        if rest is not None:  # a bug: raised on, its traceback kept for the log
+            raise rest
+        forget(group)
+        assert failures is not None
+        first = failures.exceptions[0]
+        assert isinstance(first, StageFailed)
+        return errors.done(self.request_id, first, first.stage)
 
     @property
     def shared_from(self) -> set[str]:
@@ -191,8 +206,7 @@ class RequestFlow:
             # a writer task beside the reading: most requests make none.
             submits = self._stage_submits(stage)
             inputs = self._inputs(stage, submits)
-            first = await anext(inputs, None)
-            if first is not None and await self._send(stage, channel, *first):
+            if await self._send_first(stage, channel, inputs):
                 await anext(inputs, None)  # the input's end
             else:
                 writer = asyncio.create_task(self._write(channel, submits, stage, inputs))
@@ -215,6 +229,15 @@ class RequestFlow:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
+
+    async def _send_first(
+        self, stage: str, channel: RequestStream, inputs: AsyncIterator[Sent]
+    ) -> bool:
+        """Send the stage's first Submit, if there is one; True if it was the last.
+        Nothing here outlives the send: the request's stage task runs on, and must
+        not hold the client's input (it may be tens of MB) while the stage works."""
+        first = await anext(inputs, None)
+        return first is not None and await self._send(stage, channel, *first)
 
     async def _send(
         self, stage: str, channel: RequestStream, submit: stage_pb2.Submit, window: Window | None
@@ -258,6 +281,7 @@ class RequestFlow:
         ended = False
         async for submit, window in inputs:
             ended = await self._send(stage, channel, submit, window)
+            del submit, window  # sent: not held while the next one is awaited
         if submits.sent and not ended:  # the client stopped before its last window
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 

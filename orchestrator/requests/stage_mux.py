@@ -144,7 +144,7 @@ class _Stream:
 
     async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise self.broken.again()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait((message, done))
         await done
@@ -180,7 +180,7 @@ class _Stream:
                 logger.debug("stage %s: a write on its stream failed: %r", self.stage, exc)
                 error = StreamBroken(grpc.StatusCode.UNAVAILABLE, "its stream broke")
                 if done is not None and not done.done():
-                    done.set_exception(error)
+                    done.set_exception(error.again())
                 self._fail_writes(error)
                 return
             if done is not None and not done.done():
@@ -195,7 +195,7 @@ class _Stream:
         while not self._outbox.empty():
             item = self._outbox.get_nowait()
             if item is not None and item[1] is not None and not item[1].done():
-                item[1].set_exception(error)
+                item[1].set_exception(error.again())
 
     async def _read(self) -> None:
         try:
@@ -261,7 +261,7 @@ class _Stream:
                 len(self._requests),
             )
         for request in self._requests.values():
-            request.deliver(broken)
+            request.deliver(broken.again())
         self._requests.clear()
         for event in self.closing.values():
             event.set()
