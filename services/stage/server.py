@@ -268,4 +268,5 @@ class StageServer:
             await self._server.stop(1.0)
         await asyncio.to_thread(self.engine.close)
         await self.tensors.close()
+        self.runtime.freed.cancel()
         return drained

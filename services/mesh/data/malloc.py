@@ -14,6 +14,16 @@ memory resident after a peak. Not glibc: nothing changes.
 ``FreedMemory`` bounds that price: once a burst of large inputs has been given
 back (a client's 60 MB messages, say), it asks malloc to return every free page
 to the system (``malloc_trim``), so the peak does not stay resident.
+
+``malloc_trim`` cannot reach everything: each thread that allocates gets an arena
+of its own (up to eight per core), and the free top of a thread's arena is
+returned only by that thread's own frees, past the trim threshold. A stage's
+tensors are decoded and copied in worker threads and gRPC's threads read its
+frames, so after a burst each of them kept tens of MB that no trim returned (the
+thinker: +20 MB a wave of eight 60 MB inputs, wave after wave). ``arenas``
+caps how many there are: with one (``ARENAS``), every free page is the trim's to
+return, and malloc's per-thread caches still serve small allocations without its
+lock (benchmarks/transport.py's mesh bytes moved 64 MiB no slower).
 """
 
 from __future__ import annotations
@@ -27,14 +37,19 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
+ARENAS = 1
 
 
 def keep_freed_memory(
-    mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD
+    mmap_threshold: int = MMAP_THRESHOLD,
+    trim_threshold: int = TRIM_THRESHOLD,
+    arenas: int | None = ARENAS,
 ) -> bool:
-    """True when malloc took both settings."""
+    """True when malloc took every setting. ``arenas``: at most this many malloc
+    arenas (None: glibc's default); call it before any thread starts."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -43,6 +58,8 @@ def keep_freed_memory(
     done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+    if arenas is not None:
+        done = bool(mallopt(_M_ARENA_MAX, arenas)) and done
     if not done:
         logger.info("malloc: thresholds not taken; large buffers stay fresh mmaps")
     return done

@@ -28,6 +28,7 @@ from services.engines.base import (
     TokenOutput,
 )
 from services.mesh.data.byte_budget import InputBudget
+from services.mesh.data.malloc import FreedMemory
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
 from services.stage.config import StageConfig
 from services.stage.serving import observe
@@ -52,8 +53,12 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self.requests = InFlightRequests()
-        # Input held in memory by every stream of this process (services.mesh.data.byte_budget).
-        self.budget = InputBudget(config.runtime.max_process_input_bytes)
+        # Input held in memory by every stream of this process (services.mesh.data.byte_budget);
+        # once a burst of it has been given back, so is its memory, to the system.
+        self.freed = FreedMemory()
+        self.budget = InputBudget(
+            config.runtime.max_process_input_bytes, on_release=self.freed.released
+        )
         self._clock = clock
         runtime = config.runtime
         self._admission = Admission(config.name, runtime.max_batch_size, runtime.max_queue_size)
