@@ -99,6 +99,7 @@ class RequestRecord:
     held: Hold | None = None
     feed: InputFeed | None = None  # streaming input: later windows go here
     task: asyncio.Task[None] | None = None  # None until its input is admitted
+    running: bool = False  # its task has taken its first step (the runtime's ``end``)
     input_done: bool = False  # its last window (is_last) has come
     # Set by cancel(): why, and the error its final event carries.
     cancel_reason: str = ""

@@ -120,8 +120,14 @@ class StageRuntime:
         """End ``record`` with ``error`` as its one final event, stopping its work."""
         if record.final:
             return  # it has its final event already
-        if record.task is None:  # still receiving windows: nothing runs yet
+        if record.task is None or not record.running:
+            # Still receiving windows, or its task has not taken its first step: a
+            # task cancelled then never runs its body, so its final event is sent here.
+            if record.task is not None:
+                record.task.cancel()
             record.final = True
+            if record.feed is not None:
+                record.feed.abandon()
             self.requests.remove(record)
             await record.emitter.emit(record, ErrorOut(record.request_id, error))
             return
@@ -142,7 +148,7 @@ class StageRuntime:
         for record in self.requests.of_stream(emitter):
             if record.task is not None:
                 record.task.cancel()
-            else:
+            if not record.running:  # its body will not run (see ``end``): gone now
                 self.requests.remove(record)
 
     async def drain(self, grace_s: float) -> bool:
@@ -162,6 +168,7 @@ class StageRuntime:
     async def _run(
         self, record: RequestRecord, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> None:
+        record.running = True
         try:
             with observe.request(self.config.name, record.request_id, record.trace_context):
                 final = await self._outcome(record, first, more)
