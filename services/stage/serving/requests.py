@@ -151,6 +151,11 @@ class InFlightRequests:
         """The requests that came on the stream ``emitter`` sends for."""
         return [r for r in self._records.values() if r.emitter is emitter]
 
+    @property
+    def idle(self) -> bool:
+        """No request is running."""
+        return self._idle.is_set()
+
     async def wait_idle(self) -> None:
         """Until no request is running."""
         await self._idle.wait()

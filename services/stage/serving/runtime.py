@@ -155,6 +155,8 @@ class StageRuntime:
         """Refuse new work and wait up to ``grace_s`` for running requests; end
         what is left UNAVAILABLE. True when everything finished in time."""
         self.draining = True
+        if self.requests.idle:
+            return True
         try:
             await asyncio.wait_for(self.requests.wait_idle(), grace_s)
             return True
