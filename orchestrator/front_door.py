@@ -38,6 +38,10 @@ class OrchestratorRuntime(BaseModel):
     max_input_bytes: int = Field(256 << 20, ge=4096)
     # Client input the whole process holds at once: unary messages, chunks, windows.
     max_process_input_bytes: int = Field(1 << 30, ge=4096)
+    # A request that needs a stage which is not READY (DOWN, or restarting) waits up
+    # to this long for it (never past its own deadline), then is refused UNAVAILABLE
+    # naming the stage and its state; a FAILED stage refuses at once.
+    ready_wait_s: float = Field(30.0, ge=0)
     # Connections, streams, idle and first-message timeouts (services/mesh/rpc/limits.py).
     connections: ConnectionLimits = ConnectionLimits()
 

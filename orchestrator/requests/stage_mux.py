@@ -126,7 +126,9 @@ class _Stream:
         self.opened_at = time.monotonic()
         self.retired = False
         self.broken: StreamBroken | None = None
-        self._call = client.open_stream()
+        # Opened only for a stage its monitor says is READY; the channel may still
+        # be reconnecting to it (a restarted stage): the stream waits for that.
+        self._call = client.open_stream(wait_for_ready=True)
         self._outbox: asyncio.Queue[
             tuple[stage_pb2.StageInput | EncodedChunk, asyncio.Future[None] | None] | None
         ] = asyncio.Queue()
