@@ -78,10 +78,15 @@ def trim() -> bool:
 class FreedMemory:
     """Trims the heap once a burst of large buffers is over: when ``after_bytes``
     were freed (``released``, from any thread), ``quiet_s`` after the last of them,
-    or ``most_s`` after the first under a steady stream; off the event loop."""
+    or ``most_s`` after the first under a steady stream; off the event loop.
+
+    ``after_bytes`` is well under one large message: a burst longer than ``most_s``
+    is trimmed in its middle, and what its tail frees must still be enough to trim
+    again (at 64 MiB, the last 60 MB message of a wave was not, and the process
+    kept ~75 MB: the message's bytes are what it charges, its copies freed more)."""
 
     def __init__(
-        self, after_bytes: int = 64 << 20, quiet_s: float = 2.0, most_s: float = 10.0
+        self, after_bytes: int = 16 << 20, quiet_s: float = 2.0, most_s: float = 10.0
     ) -> None:
         self._after = after_bytes
         self._quiet_s = quiet_s
