@@ -43,8 +43,14 @@ async def test_killed_stage_fails_requests_then_comes_back(
     address = await first.start()
     port = address.rsplit(":", 1)[1]
     second = None
+    # A request for the stage while it is down waits a second for it, then is refused.
     pipeline = parse_pipeline(
-        {"name": "loss", "stages": [{"name": "solo", "address": address}]}, "loss.yaml"
+        {
+            "name": "loss",
+            "stages": [{"name": "solo", "address": address}],
+            "runtime": {"ready_wait_s": 1},
+        },
+        "loss.yaml",
     )
     try:
         async with orchestrator(pipeline) as (_server, client):
@@ -71,7 +77,8 @@ async def test_killed_stage_fails_requests_then_comes_back(
             (status,) = await client.list_stages()
             assert status.state in (orchestrator_pb2.STAGE_DOWN, orchestrator_pb2.STAGE_STARTING)
             refused = await client.generate("Hi", params={"max_tokens": 2}).collect()
-            assert refused.done.code_name == "UNAVAILABLE" and "solo" in refused.done.message
+            assert refused.done.code_name == "UNAVAILABLE" and refused.done.stage == "solo"
+            assert "stage solo is not ready after waiting 1.0s: STAGE_" in refused.done.message
             second = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
