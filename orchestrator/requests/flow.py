@@ -23,7 +23,7 @@ import grpc
 
 from orchestrator.pipeline import Edge
 from orchestrator.requests import observe
-from orchestrator.requests.errors import StageFailed, StreamBroken
+from orchestrator.requests.errors import StageFailed, StreamBroken, first_failure
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
@@ -34,7 +34,7 @@ from services.mesh import errors
 from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
 from services.mesh.data.ref_reader import RefReader
-from services.mesh.errors import DeadlineExceeded, OmniError, forget
+from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 
@@ -106,30 +106,14 @@ class RequestFlow:
                     # failure joins the group as a task's would (the others are cancelled).
                     await self._stage(entry)
         except BaseExceptionGroup as group:  # the group itself, not a split of it
-            done = self._failed(group)
+            first = first_failure(group)
+            done = errors.done(self.request_id, first, first.stage)
         except TimeoutError:
             done = self._expired()
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
             self.blocked_s[f"{lane.edge.from_}->{name}"] = lane.blocked_s
         return done
-
-    def _failed(self, group: BaseExceptionGroup[BaseException]) -> orchestrator_pb2.Done:
-        """The Done of the first stage failure in ``group``; anything else is raised.
-
-        The group and its errors are forgotten here, tracebacks and all: a traceback
-        holds the frames it passed through, and with them the request's Submits
-        (a client's 60 MB tensor). Python 3.11's TaskGroup keeps the group in a
-        reference cycle with its own frame, which only the cyclic collector breaks,
-        and it may not run for minutes on a quiet server."""
-        failures, rest = group.split(StageFailed)
-        if rest is not None:  # a bug: raised on, its traceback kept for the log
-            raise rest
-        forget(group)
-        assert failures is not None
-        first = failures.exceptions[0]
-        assert isinstance(first, StageFailed)
-        return errors.done(self.request_id, first, first.stage)
 
     @property
     def shared_from(self) -> set[str]:
@@ -233,9 +217,8 @@ class RequestFlow:
     async def _send_first(
         self, stage: str, channel: RequestStream, inputs: AsyncIterator[Sent]
     ) -> bool:
-        """Send the stage's first Submit, if there is one; True if it was the last.
-        Nothing here outlives the send: the request's stage task runs on, and must
-        not hold the client's input (it may be tens of MB) while the stage works."""
+        """Send the stage's first Submit, if any; True if it was the last. It is not
+        held once sent: the stage's task must not keep tens of MB of input alive."""
         first = await anext(inputs, None)
         return first is not None and await self._send(stage, channel, *first)
 
