@@ -279,7 +279,9 @@ class RequestFlow:
             if kind == "error":
                 error = output.error
                 code = errors.status_code(error.code)
-                message = f"stage {stage}: {error.code_name}: {error.message}"
+                # The stage's words name the request by its stage id: the client's own here.
+                said = error.message.replace(self.stage_id, self.request_id)
+                message = f"stage {stage}: {error.code_name}: {said}"
                 raise StageFailed(stage, code, message, error.field)
             if kind == "segment" and stage in self._may_share:
                 if any(t.WhichOneof("data") in _SHARED for t in output.segment.tensors):

@@ -90,7 +90,8 @@ async def test_ids_reused_on_a_stream_or_across_streams_end_once(stages) -> None
     for rid in ("open", "whole"):
         (done,) = first.dones(rid)
         assert done.code_name == "INVALID_ARGUMENT" and done.field == "submit.request_id", done
-    assert "ends here" in first.dones("open")[0].message
+    # In the client's words: its own id, not the one the stage knew it by.
+    assert "request 'open' ends here" in first.dones("open")[0].message
     assert second.dones("both")[0].code_name == "INVALID_ARGUMENT"
     assert first.dones("both")[0].code_name == "CANCELLED"
 
