@@ -77,6 +77,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             yield refused
             end_with(context, refused.done)
             return
+        # Its Submit carries the inputs now, and goes once sent: the request must
+        # not hold a copy of them (tens of MB, perhaps) for as long as it runs.
+        del request
         finished = False
         try:
             while (event := await sink.get()) is not None:

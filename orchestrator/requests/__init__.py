@@ -1,6 +1,7 @@
 """Moving requests: from the client's first Submit to its one Done.
 
 ``router``        requests in flight: start, abort, pause, stage loss
+``gate``          a request waits (bounded) for the stages it needs to be READY
 ``flow``          one request through the pipeline's stages
 ``submits``       the Submits a request sends a stage: built and completed in one place
 ``errors``        what ends a request inside the orchestrator, each with its status

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from services.mesh.pb.omni.v1 import stage_pb2
+
 
 @dataclass
 class _Stream:
@@ -44,6 +46,14 @@ class AudioClock:
         stream.underruns += now > stream.ends_s
         stream.ends_s = max(stream.ends_s, now) + seconds
         stream.last_s, stream.seconds = now, stream.seconds + seconds
+
+    def segment(self, stage: str, segment: stage_pb2.Segment) -> None:
+        """A segment of ``stage`` reached the client: its "audio" tensors, if any
+        ([samples] or [samples, channels] at the segment's audio_format)."""
+        rate = segment.audio_format.sample_rate
+        for tensor in segment.tensors if rate else ():
+            if tensor.name == "audio" and tensor.shape:
+                self.heard(stage, tensor.shape[0] / rate)
 
     def real_time_factor(self, stage: str) -> float:
         """Time until the last audio arrived over the audio's length (< 1: faster

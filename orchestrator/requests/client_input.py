@@ -88,6 +88,7 @@ async def single(submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.Submit]:
 
 
 Feed = asyncio.Queue[tuple[stage_pb2.Submit, int] | None]  # (window, bytes charged)
+FINISHED_KEPT = 1024  # ids whose Done a stream remembers sending
 
 
 async def _drain(feed: Feed, account: StreamAccount | None) -> AsyncIterator[stage_pb2.Submit]:
@@ -105,6 +106,8 @@ class _StreamReader:
     A message that breaks a request already running (a window after its last one,
     a bad tensor in a later window) ends that request with INVALID_ARGUMENT: its
     Done is the only final event it gets, and the stream's other requests go on.
+    A Cancel of an id this stream has ended (of late), or is ending, crossed its
+    Done on the wire and is answered with nothing: an id gets one Done.
     """
 
     def __init__(
@@ -129,6 +132,7 @@ class _StreamReader:
         self._chunks = ChunkAssembler(max_bytes, self._account)
         self.feeds: dict[str, Feed] = {}  # input still open
         self.open: set[str] = set()  # started here, Done not yet seen
+        self._finished: dict[str, None] = {}  # ids whose Done went, oldest first
 
     async def read(self, message: orchestrator_pb2.StreamInput) -> None:
         kind = message.WhichOneof("kind")
@@ -141,7 +145,8 @@ class _StreamReader:
                 await self._sink.put(refusal("", exc))
         elif kind == "cancel":
             rid = message.cancel.request_id
-            if not self._router.abort([rid], self._owner)[0]:
+            crossed = rid in self.open or rid in self._finished
+            if not self._router.abort([rid], self._owner)[0] and not crossed:
                 missing = NotFound(
                     f"cancel.request_id: no request {rid!r} in flight", field="cancel.request_id"
                 )
@@ -205,6 +210,15 @@ class _StreamReader:
         if feed is not None:
             feed.put_nowait(None)
 
+    def finished(self, request_id: str) -> None:
+        """``request_id``'s Done has gone to the client."""
+        self.open.discard(request_id)
+        if request_id:
+            self._finished.pop(request_id, None)
+            self._finished[request_id] = None
+            if len(self._finished) > FINISHED_KEPT:
+                del self._finished[next(iter(self._finished))]
+
     def close(self) -> None:
         """The client stopped sending: what came is all there is."""
         for rid in list(self.feeds):
@@ -256,7 +270,7 @@ async def stream_requests(
         while (event := await sink.get()) is not None and not failed:
             yield event
             if event.WhichOneof("kind") == "done":
-                reader.open.discard(event.done.request_id)
+                reader.finished(event.done.request_id)
                 if not reading and not reader.open:
                     break
         await task

@@ -24,7 +24,7 @@ import grpc
 from orchestrator.pipeline import Edge
 from orchestrator.requests import observe
 from orchestrator.requests.audio_clock import AudioClock
-from orchestrator.requests.errors import StageFailed, StreamBroken
+from orchestrator.requests.errors import StageFailed, StreamBroken, first_failure
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import RequestStream, StageStreams
@@ -107,11 +107,10 @@ class RequestFlow:
                     # The entry stage in this task: one task fewer per request. Its
                     # failure joins the group as a task's would (the others are cancelled).
                     await self._stage(entry)
-        except* StageFailed as group:
-            first = group.exceptions[0]
-            assert isinstance(first, StageFailed)
+        except BaseExceptionGroup as group:  # the group itself, not a split of it
+            first = first_failure(group)
             done = errors.done(self.request_id, first, first.stage)
-        except* TimeoutError:
+        except TimeoutError:
             done = self._expired()
         done.total_ms = (self._clock() - began) * 1e3
         for name, lane in self._lanes.items():
@@ -193,8 +192,7 @@ class RequestFlow:
             # a writer task beside the reading: most requests make none.
             submits = self._stage_submits(stage)
             inputs = self._inputs(stage, submits)
-            first = await anext(inputs, None)
-            if first is not None and await self._send(stage, channel, *first):
+            if await self._send_first(stage, channel, inputs):
                 await anext(inputs, None)  # the input's end
             else:
                 writer = asyncio.create_task(self._write(channel, submits, stage, inputs))
@@ -217,6 +215,14 @@ class RequestFlow:
                 writer.cancel()
                 await asyncio.gather(writer, return_exceptions=True)
             self.active_stages.discard(stage)
+
+    async def _send_first(
+        self, stage: str, channel: RequestStream, inputs: AsyncIterator[Sent]
+    ) -> bool:
+        """Send the stage's first Submit, if any; True if it was the last. It is not
+        held once sent: the stage's task must not keep tens of MB of input alive."""
+        first = await anext(inputs, None)
+        return first is not None and await self._send(stage, channel, *first)
 
     async def _send(
         self, stage: str, channel: RequestStream, submit: stage_pb2.Submit, window: Window | None
@@ -260,6 +266,7 @@ class RequestFlow:
         ended = False
         async for submit, window in inputs:
             ended = await self._send(stage, channel, submit, window)
+            del submit, window  # sent: not held while the next one is awaited
         if submits.sent and not ended:  # the client stopped before its last window
             await channel.write(stage_pb2.StageInput(submit=submits.input_ended()))
 
@@ -274,7 +281,9 @@ class RequestFlow:
             if kind == "error":
                 error = output.error
                 code = errors.status_code(error.code)
-                message = f"stage {stage}: {error.code_name}: {error.message}"
+                # The stage's words name the request by its stage id: the client's own here.
+                said = error.message.replace(self.stage_id, self.request_id)
+                message = f"stage {stage}: {error.code_name}: {said}"
                 raise StageFailed(stage, code, message, error.field)
             if kind == "segment" and stage in self._may_share:
                 if any(t.WhichOneof("data") in _SHARED for t in output.segment.tensors):
@@ -302,10 +311,7 @@ class RequestFlow:
                 kept = [t for t in tensors if not t.name.endswith("hidden_states")]
                 del tensors[:]
                 tensors.extend(kept)
-            fmt = event.segment.audio_format
-            for tensor in tensors if fmt.sample_rate else ():
-                if tensor.name == "audio" and tensor.shape:  # [samples] or [samples, channels]
-                    self.audio.heard(stage, tensor.shape[0] / fmt.sample_rate)
+            self.audio.segment(stage, event.segment)
             for index, tensor in enumerate(tensors):
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
                     # Clients get bytes: a ref names memory of a mesh process.

@@ -1,7 +1,9 @@
 """Requests in flight across the mesh: starts each one's flow, aborts them,
-holds new ones while generation is paused, and fails the ones a lost stage held.
+holds new ones while generation is paused or a stage they need is not ready (a
+bounded wait: ``gate``), and fails the ones a lost stage held.
 
-Every request ends in exactly one Done on its sink, whatever happens.
+Every request ends in exactly one Done on its sink, whatever happens: its stages'
+outcome, an abort, a lost stage, the orchestrator stopping (UNAVAILABLE).
 
 A request id is its caller's: requests are kept by (caller, id), so one caller's
 ids never collide with, wait on or reveal another's, and the stages see a
@@ -18,8 +20,9 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests import observe
@@ -45,9 +48,15 @@ from services.mesh.security import ANONYMOUS, Principal
 
 logger = logging.getLogger(__name__)
 
-# The reason a stage cannot take requests now, or None when it is ready.
-Readiness = Callable[[str], str | None]
 Key = tuple[str, str]  # (the caller's name, its request id)
+
+
+class Gate(Protocol):
+    """Whether the stages a request needs can take it (``gate.StageGate``)."""
+
+    async def until_ready(self, stages: Sequence[str], deadline: float | None) -> None:
+        """Return once they can; raise NotStarted naming one that cannot."""
+        ...
 
 
 @dataclass
@@ -60,6 +69,10 @@ class RouterEntry:
     # Why the request was stopped from outside (abort, stage loss, a bad input), if it was.
     stopped_by: OmniError | None = None
     stopped_at: str = ""  # the stage to name in the Done
+    # Its task has taken its first step. One cancelled before that never runs its
+    # body (no Done, no clean-up), so a stop then is left for the task to find.
+    started: bool = False
+    silent: bool = False  # its client is gone: it ends without a Done
 
 
 class Router:
@@ -67,7 +80,7 @@ class Router:
         self,
         pipeline: PipelineConfig,
         clients: Mapping[str, StageClient],
-        readiness: Readiness,
+        gate: Gate,
         clock: Callable[[], float] = time.monotonic,
         *,
         describe: Describe = lambda _stage: None,
@@ -80,7 +93,7 @@ class Router:
         self._paused_at: float | None = None
         self._clients = clients
         self.streams = StageStreams(clients)  # every request's streams to the stages
-        self._readiness = readiness
+        self._gate = gate
         self._clock = clock
         self._describe = describe
         self._refs = refs
@@ -94,6 +107,8 @@ class Router:
         self._serial = itertools.count(1)
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self.held_by_pause = 0  # requests waiting for ResumeGeneration now
+        self._stopping = False
         self.completed = 0
         # Seconds upstream reads waited on each edge's high watermark ("a->b"), summed.
         self.blocked_s: dict[str, float] = {}
@@ -118,6 +133,15 @@ class Router:
     async def _wait_resumed(self) -> None:
         """Wait while paused, but never past max_pause_s from the pause: a mesh
         paused and forgotten answers UNAVAILABLE rather than holding requests forever."""
+        if self._paused_at is None:
+            return
+        self.held_by_pause += 1
+        try:
+            await self._wait_resume()
+        finally:
+            self.held_by_pause -= 1
+
+    async def _wait_resume(self) -> None:
         while self._paused_at is not None:
             left = self._paused_at + self._max_pause_s - self._clock()
             if left <= 0:
@@ -149,6 +173,8 @@ class Router:
         ``id_field``: where the client's message holds the id (named if refused);
         ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline."""
         key = (owner.name, request_id)
+        if self._stopping:
+            raise Unavailable("the orchestrator is stopping: it takes no new requests")
         if key in self._running:
             # Only the caller's own ids can collide: this tells it nothing of others'.
             raise InvalidArgument(
@@ -181,12 +207,13 @@ class Router:
         rid = flow.request_id
         began = self._clock()
         client_blocked = sink.blocked_s
+        entry = self._running[key]
+        entry.started = True
         try:
+            if entry.silent or entry.stopped_by is not None:
+                raise asyncio.CancelledError  # stopped before it began: as if now
             await self._wait_resumed()
-            for stage in flow.topology.order:
-                reason = self._readiness(stage)
-                if reason is not None:
-                    raise NotStarted(stage, Unavailable(f"stage {stage} is not ready: {reason}"))
+            await self._gate.until_ready(flow.topology.order, flow.deadline)
             self._check_transforms(flow.topology)
             done = await flow.run()
             for edge, seconds in flow.blocked_s.items():
@@ -198,7 +225,7 @@ class Router:
             done = errors.done(rid, refused, refused.stage)
         except asyncio.CancelledError:
             running = self._running.get(key)
-            if running is None or running.stopped_by is None:
+            if running is None or running.stopped_by is None or running.silent:
                 raise  # the client went away: nobody to tell
             done = errors.done(rid, running.stopped_by, running.stopped_at)
         finally:
@@ -268,7 +295,9 @@ class Router:
         """The client is gone: stop everything the request holds, report nothing."""
         running = self._running.get((owner.name, request_id))
         if running is not None:
-            running.task.cancel()
+            running.silent = True
+            if running.started:
+                running.task.cancel()
 
     def stage_lost(self, stage: str, message: str) -> int:
         """Fail at once every request a lost stage holds; returns how many."""
@@ -288,7 +317,8 @@ class Router:
             return False
         if running.stopped_by is None:  # the first reason is the one reported
             running.stopped_by, running.stopped_at = error, stage
-        running.task.cancel()
+        if running.started:
+            running.task.cancel()
         return True
 
     def stage_id(self, request_id: str, owner: Principal = ANONYMOUS) -> str | None:
@@ -300,10 +330,18 @@ class Router:
         """Whether any caller has a request of this id in flight."""
         return any(rid == request_id for _owner, rid in self._running)
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 1.0) -> None:
+        """Refuse new requests; end every request in flight UNAVAILABLE, each with
+        its Done, given ``grace_s`` to reach its client's stream (one that is not
+        read is cut off after it); then close the streams to the stages."""
+        self._stopping = True
         tasks = [r.task for r in self._running.values()]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for key in list(self._running):
+            self._fail(key, Unavailable("the orchestrator is stopping: the request did not finish"))
+        if tasks:
+            _done, late = await asyncio.wait(tasks, timeout=grace_s)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*self._background, return_exceptions=True)
         await self.streams.close()

@@ -126,7 +126,9 @@ class _Stream:
         self.opened_at = time.monotonic()
         self.retired = False
         self.broken: StreamBroken | None = None
-        self._call = client.open_stream()
+        # Opened only for a stage its monitor says is READY; the channel may still
+        # be reconnecting to it (a restarted stage): the stream waits for that.
+        self._call = client.open_stream(wait_for_ready=True)
         self._outbox: asyncio.Queue[
             tuple[stage_pb2.StageInput | EncodedChunk, asyncio.Future[None] | None] | None
         ] = asyncio.Queue()
@@ -144,7 +146,7 @@ class _Stream:
 
     async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
         if self.broken is not None:
-            raise self.broken
+            raise self.broken.again()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._outbox.put_nowait((message, done))
         await done
@@ -180,7 +182,7 @@ class _Stream:
                 logger.debug("stage %s: a write on its stream failed: %r", self.stage, exc)
                 error = StreamBroken(grpc.StatusCode.UNAVAILABLE, "its stream broke")
                 if done is not None and not done.done():
-                    done.set_exception(error)
+                    done.set_exception(error.again())
                 self._fail_writes(error)
                 return
             if done is not None and not done.done():
@@ -195,7 +197,7 @@ class _Stream:
         while not self._outbox.empty():
             item = self._outbox.get_nowait()
             if item is not None and item[1] is not None and not item[1].done():
-                item[1].set_exception(error)
+                item[1].set_exception(error.again())
 
     async def _read(self) -> None:
         try:
@@ -261,7 +263,7 @@ class _Stream:
                 len(self._requests),
             )
         for request in self._requests.values():
-            request.deliver(broken)
+            request.deliver(broken.again())
         self._requests.clear()
         for event in self.closing.values():
             event.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -16,6 +17,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 STAGE_SERVICE = "omni.v1.Stage"  # readiness is health of the Stage service itself
 SERVING = health_pb2.HealthCheckResponse.SERVING
 CONFIRM_POLL_S = 0.1  # how often ``not_serving`` asks again while it may wait
+
+
+@dataclass(frozen=True)
+class Down:
+    """Why a stage is not serving. ``gone``: nothing answers at its address (the
+    connection was refused or reset): its process is not there, so what it held
+    is lost; otherwise it is there but says NOT_SERVING (draining, starting) or
+    does not answer in time (stopped, overloaded), and may go on."""
+
+    why: str
+    gone: bool = False
 
 
 class HealthProbe:
@@ -36,8 +48,8 @@ class HealthProbe:
         self._timeout_s = timeout_s
         self._metadata = metadata
 
-    async def not_serving(self, within_s: float = 0.0) -> str:
-        """Why the stage is not SERVING ("" when it is), asked until ``within_s`` passed."""
+    async def not_serving(self, within_s: float = 0.0) -> Down | None:
+        """Why the stage is not SERVING (None when it is), asked until ``within_s`` passed."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + within_s
         request = health_pb2.HealthCheckRequest(service=STAGE_SERVICE)
@@ -47,20 +59,23 @@ class HealthProbe:
                     request, timeout=self._timeout_s, metadata=self._metadata
                 )
             except grpc.aio.AioRpcError as exc:
-                return f"unreachable ({exc.code().name})"
+                code = exc.code()
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return Down(f"not answering its health check within {self._timeout_s:g}s")
+                return Down(f"unreachable ({code.name})", gone=code == grpc.StatusCode.UNAVAILABLE)
             if reply.status == SERVING:
-                return ""
+                return None
             if loop.time() >= give_up:
                 name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-                return f"not serving (health {name})"
+                return Down(f"not serving (health {name})")
             await asyncio.sleep(CONFIRM_POLL_S)
 
-    async def until_down(self) -> str:
+    async def until_down(self) -> Down:
         """Poll until the stage is not SERVING or unreachable; returns why."""
         while True:
             await asyncio.sleep(self._poll_s)
-            if why := await self.not_serving():
-                return why
+            if down := await self.not_serving():
+                return down
 
     async def until_serving_twice(self, starting: Callable[[], bool]) -> None:
         """Return once the stage answers SERVING on two polls in a row, both while
@@ -71,4 +86,4 @@ class HealthProbe:
             if not starting():
                 seen = 0
                 continue
-            seen = seen + 1 if not await self.not_serving() else 0
+            seen = seen + 1 if await self.not_serving() is None else 0

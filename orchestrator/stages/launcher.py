@@ -119,6 +119,8 @@ class Launcher:
             code = await launched.process.wait()
             if self._stopping:
                 return
+            if self.server is not None:  # DOWN for routing now, not at a health poll
+                self.server.stage_exited(launched.name, code)
             if self._clock() - began >= self._healthy_after_s:
                 delay = self._restart_initial_s
             launched.restarts += 1

@@ -9,9 +9,12 @@ the watchdog could next fail and publishes the countdown. States (StageState):
 - READY: health is polled every ``health_poll_s``.
 - FAILED: the watchdog timed out or the stage reported FAILED (the monitor kills
   nothing). The verdict stands until a new stage process appears.
-- DOWN: was READY, now NOT_SERVING or unreachable; reconnects with backoff. The same
-  process answering SERVING again is READY again (a network blip); a new process
-  (a STARTING with a new wall time) starts a fresh watchdog attempt: STARTING → READY.
+- DOWN: was READY, now NOT_SERVING, not answering or unreachable; reconnects with
+  backoff. The same process answering SERVING again is READY again (a network blip);
+  a new process (a STARTING with a new wall time) starts a fresh watchdog attempt:
+  STARTING → READY. Its launcher seeing the process exit (``process_exited``) makes
+  it DOWN at once, whatever health would say at its next poll; ``lost`` says the
+  process is gone (exited, or its address refuses), not merely slow or draining.
 
 A READY stage the pipeline cannot use as it is (an edge's transform it does not
 offer: ``refuse``) shows FAILED with the reason until a new process appears.
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.stages.health_probe import HealthProbe
+from orchestrator.stages.health_probe import Down, HealthProbe
 from orchestrator.stages.status_feed import StatusFeed
 from orchestrator.stages.watchdog import Watchdog, WatchdogSettings
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
@@ -63,8 +66,8 @@ class StageMonitor:
         clock: Callable[[], float] = time.monotonic,
         reconnect_initial_s: float = 0.2,
         reconnect_max_s: float = 5.0,
-        health_poll_s: float = 1.0,
-        health_timeout_s: float = 5.0,
+        health_poll_s: float = 0.5,
+        health_timeout_s: float = 1.0,
         dialing: Dialing = PLAINTEXT,
     ) -> None:
         self._dialing = dialing
@@ -75,6 +78,7 @@ class StageMonitor:
         self._health_timeout_s = health_timeout_s
         self._watchdog = Watchdog(target.name, target.settings, clock)
         self._down: str | None = None  # why a READY stage is DOWN now
+        self.lost = False  # DOWN because its process is gone (exited, refused)
         self._refused: str | None = None  # why the pipeline cannot use this process
         self._client: StageClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -124,6 +128,12 @@ class StageMonitor:
         process of the stage appears."""
         self._refused = reason
         self._publish()
+
+    def process_exited(self, code: int | None) -> None:
+        """Its launcher saw the stage's process exit: DOWN now (the process that
+        comes next at the address starts a new attempt)."""
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"code {code}"
+        self._go_down(Down(f"its process exited ({how})", gone=True))
 
     @property
     def ready(self) -> bool:
@@ -233,18 +243,18 @@ class StageMonitor:
             await self._follow_init_or_a_serving_replica(client, health)
         except grpc.aio.AioRpcError as exc:
             self._lost(exc)
-        if self._watchdog.state == STARTING and not await health.not_serving():
+        if self._watchdog.state == STARTING and await health.not_serving() is None:
             self._watchdog.mark_ready("ready per grpc health (InitStatus unavailable)")
             self._publish()
         if self._watchdog.state != READY:
             return False
-        if why := await health.not_serving(CONFIRM_S):
+        if down := await health.not_serving(CONFIRM_S):
             if self._down is None:
-                self._go_down(why)
+                self._go_down(down)
             return False
         self._unreachable_logged = False
         if self._down is not None:
-            self._down = None
+            self._down, self.lost = None, False
             self._publish()
         self._go_down(await health.until_down())
         return True
@@ -283,6 +293,7 @@ class StageMonitor:
                     self.target.address,
                 )
                 self._down = self._refused = None
+                self.lost = False
                 self._watchdog.restart()
                 self._recorded_mono = -1.0
             self._record_phase(event)
@@ -308,8 +319,11 @@ class StageMonitor:
         w = self._watchdog
         return (w.attempt, w.state, w.phase, w.paused, w.bytes_done, w.bytes_total, w.message)
 
-    def _go_down(self, why: str) -> None:
-        self._down = f"stage {self.target.name} at {self.target.address} is down: {why}"
+    def _go_down(self, down: Down) -> None:
+        if self._down is not None and self.lost:
+            return  # its process is gone: the first word on it says the most
+        self._down = f"stage {self.target.name} at {self.target.address} is down: {down.why}"
+        self.lost = down.gone
         self._publish()
 
     def _lost(self, exc: grpc.aio.AioRpcError) -> None:

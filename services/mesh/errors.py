@@ -114,6 +114,17 @@ def done(
     )
 
 
+def forget(exc: BaseException) -> None:
+    """Drop what a handled error holds beyond its status: its traceback (every
+    frame it passed through, and their locals: a request's inputs, say), its
+    context and cause, and those of a group's members. For an error kept, or
+    caught in a reference cycle, after it has been turned into a final event."""
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+    if isinstance(exc, BaseExceptionGroup):
+        for member in exc.exceptions:
+            forget(member)
+
+
 def status_code(value: int) -> grpc.StatusCode:
     """The StatusCode of a wire ``code`` (UNKNOWN for a value gRPC does not define)."""
     return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)

@@ -3,7 +3,9 @@
 Binds at once and prints ``listening HOST:PORT`` on stdout (launchers read it
 to learn a port picked with --port 0), then brings the engine up. SIGTERM or
 SIGINT drains in-flight requests within runtime.drain_grace_s and exits 0
-(a download in progress is stopped, its partial file kept for the next start).
+(a download in progress is stopped, its partial file kept for the next start);
+if the launcher that started it has died (``omni up`` killed: the stage gets
+SIGTERM then), there is nobody to drain for, and it stops at once.
 A bad stage file exits 2 with a message naming the file and the key. A dead
 engine (the stage turned FAILED after READY) exits 3, so a supervisor restarts it.
 """
@@ -23,6 +25,8 @@ from services.mesh.process import (
     announce,
     configure_logging,
     die_with_parent,
+    exit_now,
+    parent_gone,
     port_number,
     stop_on_signals,
 )
@@ -62,10 +66,11 @@ async def serve(config_path: str, host: str, port: int, health_port: int | None 
         wait.cancel()
     if server.failed.is_set():
         logger.error("stage %s: the engine died; exiting to be restarted", config.name)
-    logger.info(
-        "stage %s: stopping (draining up to %.1fs)", config.name, config.runtime.drain_grace_s
-    )
-    drained = await server.stop()
+    grace = 0.0 if parent_gone() else config.runtime.drain_grace_s
+    if grace == 0.0:
+        logger.warning("stage %s: its launcher is gone; stopping without a drain", config.name)
+    logger.info("stage %s: stopping (draining up to %.1fs)", config.name, grace)
+    drained = await server.stop(grace)
     logger.info("stage %s: stopped%s", config.name, "" if drained else " (some requests cut off)")
     return EXIT_ENGINE_DEAD if server.failed.is_set() else 0
 
@@ -103,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -267,7 +267,8 @@ class StageServer:
         await self._set_health(ready=False, alive=not self.failed.is_set())
         drained = await self.runtime.drain(grace)
         if self._server is not None:
-            await self._server.stop(1.0)
+            await self._server.stop(min(grace, 1.0))
         await asyncio.to_thread(self.engine.close)
         await self.tensors.close()
+        self.runtime.freed.cancel()
         return drained

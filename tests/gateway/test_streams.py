@@ -12,6 +12,7 @@ from openai import AsyncOpenAI
 
 from services.mesh.rpc.stage_client import StageClient
 from tests.gateway.conftest import MODEL, Mesh
+from tests.helpers.polling import eventually
 from tests.orchestrator.conftest import Stages
 
 LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long essay."}]}
@@ -19,11 +20,8 @@ LONG = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long e
 
 async def _settled(mesh: Mesh, timeout_s: float = 10.0) -> bool:
     """The orchestrator holds no request (polled)."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while mesh.server.router.in_flight:
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.05)
+    router = mesh.server.router
+    await eventually(lambda: router.in_flight == 0, timeout_s, message="a request is held")
     return True
 
 

@@ -1,8 +1,9 @@
-"""Polling with a deadline, instead of fixed sleeps."""
+"""Waiting for a condition in tests: poll with a deadline, never a fixed sleep."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -11,19 +12,23 @@ T = TypeVar("T")
 
 
 async def eventually(
-    probe: Callable[[], Awaitable[T]],
-    accept: Callable[[T], bool] = bool,
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
     *,
-    timeout: float = 30.0,  # noqa: ASYNC109 (the name the brief gives every caller)
-    every: float = 0.1,
+    interval: float = 0.1,
+    message: str | Callable[[], str] = "",
 ) -> T:
-    """``await probe()`` until ``accept`` takes its value (returned); AssertionError
-    with the last value after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
+    """``predicate()`` (awaited if it is a coroutine) once it is truthy, polled every
+    ``interval`` seconds; AssertionError (with ``message``, or what it returns then)
+    when it is not within ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
     while True:
-        value = await probe()
-        if accept(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g} s; last: {value!r}")
-        await asyncio.sleep(every)
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        if time.monotonic() >= deadline:
+            said = message() if callable(message) else message
+            raise AssertionError(f"not true within {timeout_s:g}s" + (f": {said}" if said else ""))
+        await asyncio.sleep(interval)

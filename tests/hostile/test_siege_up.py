@@ -9,6 +9,9 @@ by that one switch, the mesh token between the orchestrator and its stage):
   are never read at all, a known caller's at most its share of the process
   budget at once (another caller is served meanwhile), and the memory is given
   back to the system after the burst;
+- waves of large messages the orchestrator accepts and relays (its stage then
+  refuses them) peak within the budget plus a few messages in copies, and the
+  orchestrator and the stage come back to their baseline after each wave (issue 35);
 - a stage serves Generate, Abort, ReleaseTensors and Describe to the mesh alone.
 
 The server runs with a low descriptor limit (soft 128, hard 256) so that a few
@@ -37,6 +40,8 @@ from orchestrator.client import AsyncClient
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import client_dialing
+from tests.helpers import memory
+from tests.helpers.polling import eventually
 from tests.helpers.stage import tiny_config, write_config
 from tests.hostile.idle_flood import IdleFlood
 from tests.orchestrator.cli.test_up import read_until
@@ -55,6 +60,7 @@ class Up:
     address: str
     stage_address: str
     tokens: dict[str, str]
+    stage_pid: int = 0
 
     def client(self, who: str = "alice") -> AsyncClient:
         return AsyncClient(self.address, client_dialing(token=self.tokens[who]))
@@ -113,7 +119,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path) -> 
         ready = await read_until(process.stdout, "ready in", 240)
         (child,) = psutil.Process(process.pid).children(recursive=True)
         port = next(c.laddr.port for c in child.net_connections() if c.status == "LISTEN")
-        yield Up(process.pid, ready.rsplit(" ", 1)[1], f"127.0.0.1:{port}", tokens)
+        yield Up(process.pid, ready.rsplit(" ", 1)[1], f"127.0.0.1:{port}", tokens, child.pid)
     finally:
         if process.returncode is None:
             process.send_signal(signal.SIGTERM)
@@ -148,11 +154,14 @@ async def test_idle_connections_are_capped_reaped_and_new_clients_served(up: Up)
         flood.stop()
 
 
-def _big_request(nbytes: int) -> bytes:
-    """A Generate the orchestrator refuses once read (an unknown stage's params)."""
-    request = orchestrator_pb2.GenerateRequest(request_id="big")
+def _big_request(nbytes: int, request_id: str = "big", refused_here: bool = True) -> bytes:
+    """A Generate the orchestrator refuses once read (an unknown stage's params), or
+    (``refused_here=False``) one it relays and its stage refuses (a tensor it does
+    not take)."""
+    request = orchestrator_pb2.GenerateRequest(request_id=request_id)
     request.inputs.tensors.add(name="x", dtype="uint8", shape=[nbytes], raw=bytes(nbytes))
-    request.stage_params["nowhere"].max_tokens = 1
+    if refused_here:
+        request.stage_params["nowhere"].max_tokens = 1
     return request.SerializeToString()
 
 
@@ -228,6 +237,41 @@ async def test_large_unary_messages_are_paid_for_before_they_are_read(up: Up) ->
     print(f"RSS {before / MB:.0f} MB before, {peak / MB:.0f} at peak, {after / MB:.0f} after")
     assert after - before < 96 * MB, f"{after / MB:.0f} MB after"
     await up.control("after-the-burst")
+
+
+async def test_relayed_big_messages_give_their_memory_back_wave_after_wave(up: Up) -> None:
+    await up.control("before-the-waves")
+    orchestrator = (up.pid, memory.rss(up.pid))
+    stage = (up.stage_pid, memory.rss(up.stage_pid))
+    for wave in range(3):
+        payloads = [_big_request(60 * MB, f"wave{wave}-{n}", refused_here=False) for n in range(8)]
+        memory.reset_peak(up.pid)
+        outcomes = await asyncio.gather(
+            *(_send(up.address, p, up.tokens["alice"]) for p in payloads)
+        )
+        relayed = [o for o in outcomes if o.startswith("done INVALID_ARGUMENT: stage thinker")]
+        # Read one at a time (a caller's quarter of the budget holds one); a message
+        # that waited past the first-message deadline is refused, nothing of it read.
+        assert relayed and all(o in relayed or o.startswith("RESOURCE_EXHAUSTED") for o in outcomes)
+        assert "inputs.tensors.x" in relayed[0], relayed[0]
+        # The peak: what the budget admits at once, plus the message being read
+        # (gRPC's slices and their join, Python's bytes, the parsed message).
+        peaked = memory.peak(up.pid) - orchestrator[1]
+        assert peaked < BUDGET + 4 * 64 * MIB, f"wave {wave} peaked {peaked / MB:.0f} MB up"
+        print(
+            f"wave {wave}: {len(relayed)} of 8 relayed, orchestrator peaked {peaked / MB:.0f} MB up"
+        )
+        for pid, baseline in (orchestrator, stage):
+            await eventually(
+                lambda pid=pid, baseline=baseline: memory.rss(pid) < baseline + 64 * MB,
+                30,
+                interval=0.5,
+                message=lambda pid=pid, baseline=baseline, wave=wave: (
+                    f"pid {pid} after wave {wave}: {memory.rss(pid) / MB:.0f} MB, "
+                    f"{baseline / MB:.0f} before"
+                ),
+            )
+    await up.control("after-the-waves")
 
 
 async def test_a_stage_serves_the_mesh_alone(up: Up) -> None:

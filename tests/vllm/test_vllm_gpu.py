@@ -20,6 +20,7 @@ from services.engines.base import (
 from services.engines.vllm import VllmEngine
 from services.mesh.errors import InvalidArgument
 from tests.helpers.engine_runs import collect, generate, tokens_of
+from tests.helpers.polling import eventually
 from tests.helpers.vllm_parts import (
     CHAT_HI,
     EMBEDS,
@@ -117,11 +118,9 @@ async def test_closing_the_stream_frees_the_request(served: VllmEngine) -> None:
     await asyncio.wait_for(anext(stream), timeout=60)  # type: ignore[call-overload]
     await stream.aclose()  # type: ignore[attr-defined]
     llm: Any = served._llm
-    for _ in range(50):  # vLLM frees it on its own output task
-        if llm.output_processor.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert llm.output_processor.get_num_unfinished_requests() == 0
+    # vLLM frees it on its own output task.
+    unfinished = llm.output_processor.get_num_unfinished_requests
+    await eventually(lambda: unfinished() == 0, 5, message="not freed")
     after = await collect(generate(served, request("after", max_tokens=2)))
     assert isinstance(after[-1], FinishOutput)
 

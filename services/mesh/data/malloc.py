@@ -14,6 +14,16 @@ memory resident after a peak. Not glibc: nothing changes.
 ``FreedMemory`` bounds that price: once a burst of large inputs has been given
 back (a client's 60 MB messages, say), it asks malloc to return every free page
 to the system (``malloc_trim``), so the peak does not stay resident.
+
+``malloc_trim`` cannot reach everything: each thread that allocates gets an arena
+of its own (up to eight per core), and the free top of a thread's arena is
+returned only by that thread's own frees, past the trim threshold. A stage's
+tensors are decoded and copied in worker threads and gRPC's threads read its
+frames, so after a burst each of them kept tens of MB that no trim returned (the
+thinker: +20 MB a wave of eight 60 MB inputs, wave after wave). ``arenas``
+caps how many there are: with one (``ARENAS``), every free page is the trim's to
+return, and malloc's per-thread caches still serve small allocations without its
+lock (benchmarks/transport.py's mesh bytes moved 64 MiB no slower).
 """
 
 from __future__ import annotations
@@ -27,14 +37,19 @@ logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
+ARENAS = 1
 
 
 def keep_freed_memory(
-    mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int = TRIM_THRESHOLD
+    mmap_threshold: int = MMAP_THRESHOLD,
+    trim_threshold: int = TRIM_THRESHOLD,
+    arenas: int | None = ARENAS,
 ) -> bool:
-    """True when malloc took both settings."""
+    """True when malloc took every setting. ``arenas``: at most this many malloc
+    arenas (None: glibc's default); call it before any thread starts."""
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
@@ -43,6 +58,8 @@ def keep_freed_memory(
     done = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
         mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+    if arenas is not None:
+        done = bool(mallopt(_M_ARENA_MAX, arenas)) and done
     if not done:
         logger.info("malloc: thresholds not taken; large buffers stay fresh mmaps")
     return done
@@ -61,10 +78,15 @@ def trim() -> bool:
 class FreedMemory:
     """Trims the heap once a burst of large buffers is over: when ``after_bytes``
     were freed (``released``, from any thread), ``quiet_s`` after the last of them,
-    or ``most_s`` after the first under a steady stream; off the event loop."""
+    or ``most_s`` after the first under a steady stream; off the event loop.
+
+    ``after_bytes`` is well under one large message: a burst longer than ``most_s``
+    is trimmed in its middle, and what its tail frees must still be enough to trim
+    again (at 64 MiB, the last 60 MB message of a wave was not, and the process
+    kept ~75 MB: the message's bytes are what it charges, its copies freed more)."""
 
     def __init__(
-        self, after_bytes: int = 64 << 20, quiet_s: float = 2.0, most_s: float = 10.0
+        self, after_bytes: int = 16 << 20, quiet_s: float = 2.0, most_s: float = 10.0
     ) -> None:
         self._after = after_bytes
         self._quiet_s = quiet_s

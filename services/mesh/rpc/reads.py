@@ -256,8 +256,12 @@ def _unary(handler: grpc.RpcMethodHandler, read: Read) -> grpc.RpcMethodHandler:
 
         async def unary_stream(requests: AsyncIterator[Any], context: Any) -> Any:
             request, release = await one(requests, context)
+            outputs = replies(inner_us(request, context))
+            # The handler holds the message as long as it needs it, and no longer:
+            # a long call must not keep a large one alive here.
+            del request
             try:
-                async for reply in replies(inner_us(request, context)):
+                async for reply in outputs:
                     yield reply
             finally:
                 if release is not None:

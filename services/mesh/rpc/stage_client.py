@@ -24,6 +24,12 @@ from services.mesh.security import PLAINTEXT, Dialing
 # request's Generate stream) goes to the next ready one. pick_first, gRPC's default,
 # would pin every request to the first address. One address: the same as pick_first.
 KEEPALIVE_S = 10.0  # idle seconds before a ping; an unanswered ping fails the calls
+# Reconnecting to a stage that went away: gRPC's own backoff grows to two minutes,
+# so a stage restarted after 15 s could wait as long again before its channel
+# tried it, while its monitor (on a fresh channel) already said READY. A stage is
+# on this node or in this cluster: trying it again every second costs nothing.
+RECONNECT_MIN_MS = 100
+RECONNECT_MAX_MS = 1000
 READINESS_SERVICE = "omni.v1.Stage"  # the health name a stage turns SERVING when READY
 GENERATE = "/omni.v1.Stage/Generate"
 
@@ -52,6 +58,9 @@ def channel_options(
         ("grpc.http2.ping_timeout_ms", interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_MIN_MS),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_MIN_MS),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
     ]
 
 
@@ -140,11 +149,17 @@ class StageClient:
     ) -> stage_pb2.ReleaseTensorsResponse:
         return await self.stub.ReleaseTensors(request, timeout=timeout_s, metadata=self.metadata)
 
-    def open_stream(self, timeout_s: float | None = None) -> grpc.aio.StreamStreamCall:
+    def open_stream(
+        self, timeout_s: float | None = None, *, wait_for_ready: bool = False
+    ) -> grpc.aio.StreamStreamCall:
         """A raw bidirectional Generate call: ``write``, ``done_writing``, iterate.
         ``timeout_s``: its deadline (the orchestrator's long-lived shared streams
-        have none: each request's rides on its Submit, ``timeout_ms``)."""
-        return self._generate(timeout=timeout_s, metadata=self.metadata)
+        have none: each request's rides on its Submit, ``timeout_ms``).
+        ``wait_for_ready``: a channel still connecting (to a stage just restarted)
+        holds the call until it is connected instead of failing it at once."""
+        return self._generate(
+            timeout=timeout_s, metadata=self.metadata, wait_for_ready=wait_for_ready
+        )
 
     async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:
         """One request on its own stream; yields its events through the final one."""

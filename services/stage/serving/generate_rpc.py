@@ -6,9 +6,12 @@ event. A message that breaks that request's input (a second Submit with
 sequence 0, a window out of order, a window after ``is_last``, a bad window)
 ends the request with INVALID_ARGUMENT naming the field: that Error is its one
 final event. A Submit for an id in flight on another stream is refused on its
-own stream only. A Cancel of an id with nothing in flight on this stream is
-answered with Error NOT_FOUND. A frame that is not a StageInput at all ends the
-whole RPC with INVALID_ARGUMENT (``UndecodableFrame``).
+own stream only. A Cancel (or ``input_ended``) of an id with nothing in flight on
+this stream is answered with Error NOT_FOUND, unless the stream has just sent
+that id its final event: then it crossed that event on the wire and is dropped,
+as a Credit is (a second final event would end the id twice). A frame that is
+not a StageInput at all ends the whole RPC with INVALID_ARGUMENT
+(``UndecodableFrame``).
 
 This module is the stream's input side: a Submit is read (``convert``), its
 inputs decoded and joined (``inputs``, ``transforms``), and the request planned
@@ -153,6 +156,10 @@ class GenerateStream:
 
     async def _cancel(self, request_id: str) -> None:
         record = self._on_this_stream(request_id)
+        if record is None and self._emitter.finished(request_id):
+            name = self._runtime.config.name
+            logger.debug("stage %s: a Cancel of %r crossed its final event", name, request_id)
+            return
         if record is None:
             error = NotFound(
                 f"cancel.request_id: no request {request_id!r} in flight on this stream",
@@ -173,7 +180,7 @@ class GenerateStream:
             record = self._on_this_stream(rid)
             if record is not None:
                 await self._input_ended(record)
-            else:  # as an unknown Cancel: its one final event says so
+            elif not self._emitter.finished(rid):  # as an unknown Cancel: its one final event
                 error = NotFound(
                     f"submit.input_ended: no request {rid!r} in flight on this stream",
                     field="submit.input_ended",

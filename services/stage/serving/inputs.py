@@ -162,9 +162,12 @@ class InputWindows:
             return
         rid = self.request_id
         if sequence == 0:
+            # On a stream an id names one request until its final event, as an
+            # HTTP/2 stream id does: reusing it while in flight resets that request,
+            # and this error is the one final event the id gets.
             raise InvalidArgument(
-                f"submit.request_id: {rid!r} is already in flight (a second Submit with "
-                "sequence 0)",
+                f"submit.request_id: request {rid!r} ends here: a second Submit with "
+                "sequence 0 reused its id while it was already in flight",
                 field="submit.request_id",
             )
         raise InvalidArgument(

@@ -8,7 +8,10 @@ client that stops reading holds its requests' producers; a request under credit
 (``Submit.credit``) waits for its own Credit before each Segment or Progress.
 
 The stream ends once its client has half-closed and every request it started
-has reported its final event.
+has reported its final event. It remembers the ids whose final event it sent
+(the last ``ENDED_KEPT``), so that a Cancel that crossed one on the wire is
+known for what it is and answered with nothing: every request id gets exactly
+one final event.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from services.stage.serving.tensor_io import StageTensors
 logger = logging.getLogger(__name__)
 
 _END = object()
+ENDED_KEPT = 1024  # ids whose final event a stream remembers sending
 
 Encode = Callable[[torch.Tensor, str], tensor_pb2.Tensor]
 
@@ -49,6 +53,7 @@ class StreamEmitter:
         self._queue: asyncio.Queue[object] = asyncio.Queue(config.runtime.output_queue_size)
         self._input_open = True
         self._ended = False
+        self._finished: dict[str, None] = {}  # ids whose final event went, oldest first
 
     async def outputs(self) -> AsyncIterator[stage_pb2.StageOutput | EncodedChunk]:
         """Everything the stream sends, until it ends."""
@@ -56,7 +61,21 @@ class StreamEmitter:
             assert isinstance(item, stage_pb2.StageOutput | EncodedChunk)
             yield item
 
+    def finished(self, request_id: str) -> bool:
+        """Whether this stream sent ``request_id`` its final event (of late)."""
+        return request_id in self._finished
+
+    def _finish(self, request_id: str) -> None:
+        if not request_id:
+            return
+        self._finished.pop(request_id, None)
+        self._finished[request_id] = None
+        if len(self._finished) > ENDED_KEPT:
+            del self._finished[next(iter(self._finished))]
+
     async def emit(self, record: RequestRecord, event: events.StageEvent) -> None:
+        if isinstance(event, events.CompletedOut | events.ErrorOut):
+            self._finish(record.request_id)  # before any wait: a Cancel may cross it
         if record.credit is not None and isinstance(event, events.SegmentOut | events.ProgressOut):
             await record.credit.spend()  # out of credit: the request pauses here
         rid, consumer = record.request_id, record.consumer
@@ -84,6 +103,7 @@ class StreamEmitter:
     async def refuse(self, request_id: str, error: OmniError) -> None:
         """An Error for a request that is not in flight here (or for no request)."""
         logger.info("stage %s: refused request %r: %s", self._stage, request_id, error.message)
+        self._finish(request_id)
         await self._queue.put(error_output(request_id, error))
 
     async def input_closed(self) -> None:

@@ -99,6 +99,7 @@ class RequestRecord:
     held: Hold | None = None
     feed: InputFeed | None = None  # streaming input: later windows go here
     task: asyncio.Task[None] | None = None  # None until its input is admitted
+    running: bool = False  # its task has taken its first step (the runtime's ``end``)
     input_done: bool = False  # its last window (is_last) has come
     # Set by cancel(): why, and the error its final event carries.
     cancel_reason: str = ""
@@ -149,6 +150,11 @@ class InFlightRequests:
     def of_stream(self, emitter: Emitter) -> list[RequestRecord]:
         """The requests that came on the stream ``emitter`` sends for."""
         return [r for r in self._records.values() if r.emitter is emitter]
+
+    @property
+    def idle(self) -> bool:
+        """No request is running."""
+        return self._idle.is_set()
 
     async def wait_idle(self) -> None:
         """Until no request is running."""

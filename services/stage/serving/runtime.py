@@ -28,6 +28,7 @@ from services.engines.base import (
     TokenOutput,
 )
 from services.mesh.data.byte_budget import InputBudget
+from services.mesh.data.malloc import FreedMemory
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
 from services.stage.config import StageConfig
 from services.stage.serving import observe
@@ -52,8 +53,12 @@ class StageRuntime:
         self.config = config
         self.engine = engine
         self.requests = InFlightRequests()
-        # Input held in memory by every stream of this process (services.mesh.data.byte_budget).
-        self.budget = InputBudget(config.runtime.max_process_input_bytes)
+        # Input held in memory by every stream of this process (services.mesh.data.byte_budget);
+        # once a burst of it has been given back, so is its memory, to the system.
+        self.freed = FreedMemory()
+        self.budget = InputBudget(
+            config.runtime.max_process_input_bytes, on_release=self.freed.released
+        )
         self._clock = clock
         runtime = config.runtime
         self._admission = Admission(config.name, runtime.max_batch_size, runtime.max_queue_size)
@@ -115,8 +120,14 @@ class StageRuntime:
         """End ``record`` with ``error`` as its one final event, stopping its work."""
         if record.final:
             return  # it has its final event already
-        if record.task is None:  # still receiving windows: nothing runs yet
+        if record.task is None or not record.running:
+            # Still receiving windows, or its task has not taken its first step: a
+            # task cancelled then never runs its body, so its final event is sent here.
+            if record.task is not None:
+                record.task.cancel()
             record.final = True
+            if record.feed is not None:
+                record.feed.abandon()
             self.requests.remove(record)
             await record.emitter.emit(record, ErrorOut(record.request_id, error))
             return
@@ -137,13 +148,15 @@ class StageRuntime:
         for record in self.requests.of_stream(emitter):
             if record.task is not None:
                 record.task.cancel()
-            else:
+            if not record.running:  # its body will not run (see ``end``): gone now
                 self.requests.remove(record)
 
     async def drain(self, grace_s: float) -> bool:
         """Refuse new work and wait up to ``grace_s`` for running requests; end
         what is left UNAVAILABLE. True when everything finished in time."""
         self.draining = True
+        if self.requests.idle:
+            return True
         try:
             await asyncio.wait_for(self.requests.wait_idle(), grace_s)
             return True
@@ -157,6 +170,7 @@ class StageRuntime:
     async def _run(
         self, record: RequestRecord, first: EnginePlan, more: AsyncIterator[EnginePlan] | None
     ) -> None:
+        record.running = True
         try:
             with observe.request(self.config.name, record.request_id, record.trace_context):
                 final = await self._outcome(record, first, more)

@@ -20,6 +20,7 @@ from services.engines.base import Engine, FetchesFiles, PlansKvCache, PreparesMo
 from services.mesh.errors import InitFailed, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
+from services.stage.startup.cache_dir import ready_cache_dir
 from services.stage.startup.device_lock import DeviceLock
 from services.stage.startup.fetch import FetchCancel, FetchCancelled, FetchResult, fetch_model
 from services.stage.startup.init_bus import InitBus
@@ -117,6 +118,7 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
     )
     lock: DeviceLock | None = None
     try:
+        ready_cache_dir(config)
         model_path: Path | None = None
         if config.model is not None:
             model_path = (await _fetch(config, bus, config.model)).path

@@ -8,7 +8,6 @@ rows at once and the others unchanged."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from tests.engines.qwen_omni.concurrency import (
     omni_request,
 )
 from tests.helpers.engine_runs import collect, generate
+from tests.helpers.polling import eventually
 
 
 @pytest.mark.parametrize("count", COUNTS)
@@ -134,10 +134,12 @@ async def test_a_cancelled_request_leaves_every_engines_rows(
     await victim.aclose()
     engines.talker.release("victim")  # the stage releases what a request kept, on every path
     engines.code2wav.release("victim")
-    deadline = time.monotonic() + 10
-    while any(r.request_id == "victim" for r in thinker.scheduler.runner.rows.requests):
-        assert time.monotonic() < deadline, "the cancelled request kept its thinker row"
-        await asyncio.sleep(0.01)
+    rows = thinker.scheduler.runner.rows
+    await eventually(
+        lambda: all(r.request_id != "victim" for r in rows.requests),
+        10,
+        message="the cancelled request kept its thinker row",
+    )
     kept = await asyncio.gather(*keep)
     for offset, spoken in enumerate(kept, 1):
         assert assert_as_alone(spoken, trusted[offset], reference[offset])

@@ -62,7 +62,11 @@ async def test_response_cancel_mid_audio(speaking: Mesh, metered: MeteredStages)
 
         # Every stage lets the cancelled request go (its own count of what it holds).
         for stage in ("thinker", "speaker"):
-            await eventually(lambda s=stage: metered.holding(s), lambda n: n == 0, timeout=30)
+
+            async def let_go(name: str = stage) -> bool:
+                return await metered.holding(name) == 0
+
+            await eventually(let_go, 30, message=f"{stage} still holds the cancelled request")
         assert speaking.server.router.in_flight == 0
         # Nothing of the cancelled response came after its response.done: the next
         # events of this session answer the next client event.

@@ -127,7 +127,7 @@ async def test_a_client_that_stops_reading_is_closed_1008_and_costs_bounded_memo
             peak = max(peak, gateway.memory_info().rss)
             return "the client stopped reading" in strict_gateway.log.read_text()
 
-        await eventually(told, timeout=60)
+        await eventually(told, 60, message="the gateway never ended the stalled session")
         data = await asyncio.to_thread(client.read_all)  # it reads again: it is told why
     finally:
         client.close()
@@ -143,7 +143,11 @@ async def test_a_client_that_stops_reading_is_closed_1008_and_costs_bounded_memo
     # The gateway serves on, and gives the memory back.
     async with _connect(strict_gateway.url) as ws:
         await _next(ws, "session.created")
-    await eventually(lambda: _rss(gateway), lambda rss: rss < before + (32 << 20), timeout=30)
+
+    async def gave_back() -> bool:
+        return _rss(gateway) < before + (32 << 20)
+
+    await eventually(gave_back, 30, message=lambda: f"gateway RSS {_rss(gateway) >> 20} MiB")
 
 
 def _flood(client: StalledClient, event: str, count: int) -> int:
@@ -157,5 +161,5 @@ def _flood(client: StalledClient, event: str, count: int) -> int:
     return count
 
 
-async def _rss(process: psutil.Process) -> int:
+def _rss(process: psutil.Process) -> int:
     return int(process.memory_info().rss)

@@ -40,9 +40,10 @@ async def test_32_concurrent_sessions_complete_and_memory_stays_flat(speaking: M
         (first[0].transcript, first[0].pcm)
     ] * SESSIONS
 
-    async def rss() -> int:
+    def rss() -> int:
         return int(gateway.memory_info().rss)
 
     # After the sessions close the gateway holds what it held after the first round.
-    after = await eventually(rss, lambda r: r < settled + (16 << 20), timeout=30)
+    await eventually(lambda: rss() < settled + (16 << 20), 30, message=lambda: f"RSS {rss()}")
+    after = rss()
     print(f"gateway RSS: {settled >> 20} MiB after round 1, {after >> 20} MiB after round 2")

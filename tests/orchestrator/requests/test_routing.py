@@ -15,6 +15,7 @@ from orchestrator.server import OrchestratorServer
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.tensors import codec
+from tests.helpers.polling import eventually
 from tests.helpers.shm_blocks import blocks_of
 from tests.orchestrator.conftest import RENDER_DIM, THINK_TO_RENDER, orchestrator, pipeline
 
@@ -104,11 +105,8 @@ async def test_hidden_states_go_by_shared_memory_not_through_the_orchestrator(st
         # 48 rows of 64 float32 = 12 KiB of hidden states; what crossed the
         # orchestrator from the thinker is the refs and token ids only.
         assert server.router.recent_bytes["shm"]["thinker"] < 3 * 1024
-        for _ in range(50):  # released by the orchestrator once the request is over
-            if dev_shm() <= before:
-                break
-            await asyncio.sleep(0.1)
-    assert dev_shm() <= before
+        # Released by the orchestrator once the request is over.
+        await eventually(lambda: dev_shm() <= before, 5, message=lambda: f"{dev_shm()} blocks")
 
 
 async def test_with_two_consumers_hidden_states_travel_as_bytes(stages) -> None:

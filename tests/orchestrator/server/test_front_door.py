@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from orchestrator.client import AsyncClient, Client, Result
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
+from tests.helpers.polling import eventually
 from tests.orchestrator.conftest import RENDER_DIM, THINK_TO_RENDER, orchestrator, pipeline
 
 
@@ -51,22 +52,18 @@ async def test_client_disconnect_cancels_the_request_on_the_stages(stages) -> No
         )
         await call.read()
         call.cancel()
-        for _ in range(100):
-            if server.router.in_flight == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert server.router.in_flight == 0
+        await eventually(lambda: server.router.in_flight == 0, 5, message="still in flight")
         async with StageClient(stages.addresses["thinker"]) as stage:
             assert list((await stage.abort("gone")).not_found) == ["gone"]
 
 
 async def test_pause_holds_new_requests_until_resume(stages) -> None:
     config = pipeline(stages, ["thinker"], [])
-    async with orchestrator(config) as (_server, client):
+    async with orchestrator(config) as (server, client):
         await client.pause()
         pending = asyncio.ensure_future(client.generate("Hi", params={"max_tokens": 2}).collect())
-        await asyncio.sleep(0.5)
-        assert not pending.done()
+        await eventually(lambda: server.router.held_by_pause == 1, 30, message="never held")
+        assert not pending.done()  # held at the pause, before any stage saw it
         await client.resume()
         assert (await asyncio.wait_for(pending, 30)).ok
 

@@ -15,6 +15,7 @@ from orchestrator.pipeline import parse_pipeline
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import KEEPALIVE_S
+from tests.helpers.polling import eventually
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
 
@@ -26,10 +27,7 @@ async def orchestrator_health(client) -> int:
 
 
 async def wait_for(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.1)
+    await eventually(predicate, timeout_s)
 
 
 async def test_killed_stage_fails_requests_then_comes_back(
@@ -43,8 +41,14 @@ async def test_killed_stage_fails_requests_then_comes_back(
     address = await first.start()
     port = address.rsplit(":", 1)[1]
     second = None
+    # A request for the stage while it is down waits a second for it, then is refused.
     pipeline = parse_pipeline(
-        {"name": "loss", "stages": [{"name": "solo", "address": address}]}, "loss.yaml"
+        {
+            "name": "loss",
+            "stages": [{"name": "solo", "address": address}],
+            "runtime": {"ready_wait_s": 1},
+        },
+        "loss.yaml",
     )
     try:
         async with orchestrator(pipeline) as (_server, client):
@@ -71,7 +75,8 @@ async def test_killed_stage_fails_requests_then_comes_back(
             (status,) = await client.list_stages()
             assert status.state in (orchestrator_pb2.STAGE_DOWN, orchestrator_pb2.STAGE_STARTING)
             refused = await client.generate("Hi", params={"max_tokens": 2}).collect()
-            assert refused.done.code_name == "UNAVAILABLE" and "solo" in refused.done.message
+            assert refused.done.code_name == "UNAVAILABLE" and refused.done.stage == "solo"
+            assert "stage solo is not ready after waiting 1.0s: STAGE_" in refused.done.message
             second = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",

@@ -1,6 +1,7 @@
 """What a stage promises an engine about one request: every whole output the
 engine emits reaches the client (a later window's never overwrites an earlier
-one), and an engine that keeps state per request is told once it has ended."""
+one), and an engine that keeps state per request is told once it has ended; and
+what it promises its client: a request ended at any moment ends once."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import asyncio
 import grpc
 import pytest
 
+from services.engines.base import EngineRequest, SamplingParams
+from services.mesh.errors import Cancelled
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.stage.serving.inputs import InputWindows
+from services.stage.serving.requests import RequestRecord
+from tests.helpers.polling import eventually
 from tests.helpers.stage import cancel
 
 
@@ -83,12 +89,50 @@ async def test_the_engine_hears_of_the_end_on_every_path(stage) -> None:
     await gone.write(window("gone", 0, True, "hold"))
     await gone.read()
     gone.cancel()  # the client's stream goes away mid-request
-    for _ in range(100):  # the stage notices the stream is gone, then ends the request
-        if "gone" in server.engine.released:
-            break
-        await asyncio.sleep(0.02)
+    # The stage notices the stream is gone, then ends the request.
+    await eventually(lambda: "gone" in server.engine.released, 2, message="never released")
     assert [r for r in server.engine.released if r in {"done", "cut", "gone"}] == [
         "done",
         "cut",
         "gone",
     ]
+
+
+class _Collected:
+    """A stream's output side reduced to a list: what the runtime emitted."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    async def emit(self, record: RequestRecord, event: object) -> None:
+        self.events.append(event)
+
+
+async def test_a_request_ended_before_its_task_first_ran_still_ends_once(stage) -> None:
+    """A task cancelled before its first step never runs its body. A request ended
+    then (a Cancel read right behind its Submit, an Abort, its stream gone) once got
+    no final event and stayed in flight for ever, its id refused on every stream."""
+    server, _client = stage
+    runtime = server.runtime
+    for rid, end in (("early", "cancel"), ("orphan", "stream gone")):
+        out = _Collected()
+        record = RequestRecord(
+            request_id=rid,
+            emitter=out,
+            consumer=None,
+            transform="",
+            params=SamplingParams(),
+            windows=InputWindows(rid),
+        )
+        runtime.requests.add(record)
+        await runtime.start(record, EngineRequest(request_id=rid, text="hold"))
+        assert record.task is not None and not record.task.done()  # nothing has yielded since
+        if end == "cancel":
+            await runtime.end(record, Cancelled(f"request {rid}: cancelled at once"))
+            assert [type(e).__name__ for e in out.events] == ["ErrorOut"]
+        else:
+            runtime.drop_stream(out)
+            assert out.events == []  # nobody to tell
+        await asyncio.sleep(0.05)  # the task's turn: it must not run now
+        assert runtime.requests.live(rid) is None
+        assert len(out.events) == (1 if end == "cancel" else 0)

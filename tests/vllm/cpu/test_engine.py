@@ -17,6 +17,7 @@ from safetensors import safe_open
 from services.engines.base import EngineEvent, EngineSettings, FinishOutput, TokenOutput
 from services.engines.vllm import VllmEngine, cpu
 from tests.helpers.engine_runs import collect, generate, tokens_of
+from tests.helpers.polling import eventually
 from tests.helpers.vllm_parts import embeds_request, request
 from tests.vllm.cpu.conftest import FRANCE, MAX_TOKENS, PROMPTS
 
@@ -110,11 +111,8 @@ async def test_closing_the_stream_cancels_the_request(engine: VllmEngine) -> Non
     assert all(isinstance(e, TokenOutput) for e in got)
     await stream.aclose()
     llm = engine._llm
-    for _ in range(100):  # vLLM aborts it on its next step
-        if llm.get_num_unfinished_requests() == 0:
-            break
-        await asyncio.sleep(0.05)
-    assert llm.get_num_unfinished_requests() == 0
+    # vLLM aborts it on its next step.
+    await eventually(lambda: llm.get_num_unfinished_requests() == 0, 5, message="not aborted")
     after = await collect(generate(engine, request(text=FRANCE, max_tokens=4, temperature=0.0)))
     assert finish(after).completion_tokens == 4
 
