@@ -2,7 +2,16 @@
  * the libgomp torch itself loads (same soname), so they share torch's thread pool.
  * Threads split output rows, blocks, rows or heads, never a sum, so the thread count
  * changes no result. */
+#include <sched.h>
+
 #include "kernels.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define OMNI_PAUSE() _mm_pause()
+#else
+#define OMNI_PAUSE() ((void)0)
+#endif
 
 namespace omni {
 namespace {
@@ -41,6 +50,43 @@ void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < w.n; i++) y[r * w.n + i] += w.bias[i];
+    }
+}
+
+void SpinBarrier::wait() {
+    if (team <= 1) return;
+    const int seen = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+        arrived.store(0, std::memory_order_relaxed);
+        phase.store(seen + 1, std::memory_order_release);
+        return;
+    }
+    for (int spins = 1; phase.load(std::memory_order_acquire) == seen; spins++) {
+        OMNI_PAUSE();
+        if (spins % 4096 == 0) sched_yield(); /* a team mate descheduled: let it run */
+    }
+}
+
+void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
+                 float *xp, float *y, SpinBarrier &barrier) {
+    const bool packed = v.packs && rows > 1;
+    if (packed) {
+#pragma omp single nowait
+        pack_tiles(x, rows, w.k, xp);
+        barrier.wait();
+    }
+    const float *in = packed ? xp : x;
+#pragma omp for schedule(static) nowait
+    for (int64_t c = 0; c < (w.n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < w.n ? n0 + ROW_CHUNK : w.n;
+        v.product_rows(w, in, rows, n0, n1, y);
+    }
+    barrier.wait();
+    if (w.bias) {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < w.n; i++) y[r * w.n + i] += w.bias[i];
+        barrier.wait();
     }
 }
 

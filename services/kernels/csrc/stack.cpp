@@ -5,7 +5,7 @@
  * region: on SmolLM2-135M that was about 40 % of a batch-1 decode step (11.7 ms
  * in-process against 6.8 ms for the products alone). Here every layer runs inside
  * one parallel region, the threads meeting at a barrier between the operations (each
- * omp for or single ends with one), the way llama.cpp's graph runs on its pool: 8.1 ms.
+ * a spinning SpinBarrier, kernels.h), the way llama.cpp's graph runs on its pool: 8.1 ms.
  *
  * It computes what the separate ops compute, bit for bit (the same row functions and
  * products, in the same order; threads only share out rows, heads and output rows),
@@ -18,6 +18,7 @@
 #include <omp.h>
 #else
 static int omp_get_thread_num() { return 0; }
+static int omp_get_num_threads() { return 1; }
 #endif
 
 namespace omni {
@@ -38,21 +39,25 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
     float *act = aligned_floats(rows * inter);
     float *scores = aligned_floats(static_cast<int64_t>(threads) * (columns + 16));
     const bool failed = !x || !xp || !qkv || !att || !delta || !gate_up || !act || !scores;
+    SpinBarrier barrier;
     if (!failed) {
 #pragma omp parallel num_threads(threads)
         {
+#pragma omp single
+            barrier.team = omp_get_num_threads();  /* the team it got (implicit barrier) */
             float *p = scores + static_cast<int64_t>(omp_get_thread_num()) * (columns + 16);
             for (int64_t l = 0; l < shape.layers; l++) {
                 const StackLayer &L = layers[l];
                 float *lk = keys + l * layer_stride, *lv = values + l * layer_stride;
                 /* the previous layer's MLP output into the residual, the input norm */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm_row(h + r * size, l ? delta + r * size : nullptr, size, L.norm_in,
                                  L.eps_in, x + r * size);
-                product_for(v, L.qkv, x, rows, xp, qkv);
+                barrier.wait();
+                product_for(v, L.qkv, x, rows, xp, qkv, barrier);
                 /* per-head norms (Qwen3), rotary on q's and k's heads, k and v cached */
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++) {
                     float *row = qkv + r * width;
                     if (L.q_norm)
@@ -71,7 +76,8 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                                     dim * sizeof(float));
                     }
                 }
-#pragma omp for schedule(static)
+                barrier.wait();
+#pragma omp for schedule(static) nowait
                 for (int64_t rh = 0; rh < rows * heads; rh++) {
                     const int64_t r = rh / heads, hd = rh % heads;
                     const int64_t at = r * row_stride + (hd / group) * head_stride;
@@ -79,17 +85,20 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                                   mask ? mask + r * columns : nullptr, columns, dim, L.scale, p,
                                   att + rh * dim);
                 }
-                product_for(v, L.o, att, rows, xp, delta);
-#pragma omp for schedule(static)
+                barrier.wait();
+                product_for(v, L.o, att, rows, xp, delta, barrier);
+#pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm_row(h + r * size, delta + r * size, size, L.norm_post, L.eps_post,
                                  x + r * size);
-                product_for(v, L.gate_up, x, rows, xp, gate_up);
-#pragma omp for schedule(static)
+                barrier.wait();
+                product_for(v, L.gate_up, x, rows, xp, gate_up, barrier);
+#pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++)
                     v.silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter,
                                act + r * inter, inter);
-                product_for(v, L.down, act, rows, xp, delta);
+                barrier.wait();
+                product_for(v, L.down, act, rows, xp, delta, barrier);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)

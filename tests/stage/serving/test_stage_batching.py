@@ -39,7 +39,8 @@ async def test_one_stream_of_requests_shares_steps_within_the_memory_plan(
         engine = server.runtime.engine
         assert isinstance(engine, TransformersEngine)
         plan = next(e for e in await client.wait_ready() if e.phase == stage_pb2.MEMORY_PLANNED)
-        assert engine.kv_plan == (plan.memory.cache_pages, plan.memory.page_size)
+        budget = engine.runner.budget
+        assert (budget.pages, budget.page_size) == (plan.memory.cache_pages, plan.memory.page_size)
         rows: list[int] = []
         # Each forward, the model's own or the lean one, calls the first layer's
         # output projection with [rows, columns, features].
