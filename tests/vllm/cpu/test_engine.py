@@ -149,10 +149,15 @@ async def test_concurrent_requests_run_together(engine: VllmEngine) -> None:
     # Each ran to its length or its end of text (the haiku ends early).
     assert {finish(r).reason for r in results} <= {"length", "eos"}
     assert all(finish(r).completion_tokens == len(tokens_of(r)) > 0 for r in results)
-    # Batched, not queued, as vLLM's scheduler ran them: all eight in one step (its own
-    # count of running requests, per step), not one after another.
+    # Batched, not queued, as vLLM's scheduler ran them (its own count of running
+    # requests, per step): at least every request that ran its whole length in one step
+    # together. One that met its end of text in its first tokens may be gone before the
+    # last arrivals join (seen with vLLM's AVX2 kernels, whose bfloat16 answers differ:
+    # 6 of 8 at most); one after another would show one a step.
     during = list(engine.steps.running)[before:]
-    assert during and max(during) == n, during
+    whole = sum(finish(r).completion_tokens == MAX_TOKENS for r in results)
+    assert whole >= n // 2, [finish(r) for r in results]
+    assert during and max(during) >= whole, during
     # The same prompt, the same greedy answer, whichever batch it ran in.
     for i in range(len(PROMPTS), n):
         assert tokens_of(results[i]) == tokens_of(results[i - len(PROMPTS)])
