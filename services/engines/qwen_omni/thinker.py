@@ -9,7 +9,6 @@ the thinker is still writing.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -23,11 +22,9 @@ from services.engines.base import (
     EnginePlan,
     EngineRequest,
     EngineSettings,
-    FinishOutput,
     ModelInfo,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
-from services.engines.loop_post import loop_post
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading, media
 from services.engines.qwen_omni import processor as processors
@@ -35,7 +32,7 @@ from services.engines.qwen_omni.config import ThinkerArgs
 from services.engines.qwen_omni.thinker_runner import ThinkerRequest, ThinkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
-from services.engines.scheduler import Delivery, Limits, Scheduler
+from services.engines.scheduler import Inbox, Limits, Scheduler
 
 BUILT_IN = RequestDefaults(max_tokens=128, temperature=0.0, top_p=1.0, top_k=0)
 
@@ -111,8 +108,7 @@ class QwenOmniThinker:
         return ThinkerPlan(request, inputs, params.max_tokens or 1, sampling, params.seed)
 
     async def generate(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
-        post = loop_post(asyncio.get_running_loop())
-        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
+        inbox = Inbox()
         generator = torch.Generator(device=self.settings.device)
         if plan.seed is None:
             generator.seed()
@@ -127,20 +123,14 @@ class QwenOmniThinker:
             eos=self._config.im_end_token_id,
             handoff=self.args.handoff,
             text=_Text(self._processor.tokenizer),
-            deliver=lambda delivery: post.post(inbox.put_nowait, delivery),
+            deliver=inbox.deliver,
             submitted=time.monotonic(),
         )
         scheduler = self.scheduler
         try:
             scheduler.submit(request)
-            while True:
-                delivery = await inbox.get()
-                if isinstance(delivery, BaseException):
-                    raise delivery
-                for event in delivery:
-                    yield event
-                    if isinstance(event, FinishOutput):
-                        return
+            async for event in inbox.events():
+                yield event
         finally:
             # Normal end, aclose() and task cancellation alike: the scheduler drops the
             # request (and its row) at its next step.

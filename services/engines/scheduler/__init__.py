@@ -1,7 +1,8 @@
 """The scheduler every generating engine runs under: admission, waiting, gathering,
 prefill / mixed / decode planning, retiring, cancellation and delivery, knowing no
 model (scheduler.py); what it asks of a request and of a model runner (contract.py);
-when an idle scheduler stops gathering newcomers (arrivals.py)."""
+when an idle scheduler stops gathering newcomers (arrivals.py); a request's
+deliveries to the event loop (inbox.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from services.engines.scheduler.contract import (
     Step,
     StepTaken,
 )
+from services.engines.scheduler.inbox import Inbox
 from services.engines.scheduler.scheduler import Limits, Scheduler
 
 __all__ = [
     "Delivery",
+    "Inbox",
     "Limits",
     "ModelRunner",
     "Outbox",

@@ -8,7 +8,6 @@ leaves at the next step. The model runner (runners/) is chosen once at load.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
@@ -30,9 +29,8 @@ from services.engines.base import (
     SamplingParams,
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
-from services.engines.loop_post import loop_post
 from services.engines.prompt_size import longest_token_chars
-from services.engines.scheduler import Delivery, Limits, Scheduler
+from services.engines.scheduler import Delivery, Inbox, Limits, Scheduler
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
@@ -181,13 +179,8 @@ class TransformersEngine:
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
         request, resolved = plan.request, plan.resolved
         rid = request.request_id
-        post = loop_post(asyncio.get_running_loop())
-        inbox: asyncio.Queue[Delivery] = asyncio.Queue()
-
-        def deliver(delivery: Delivery) -> None:  # on the model thread
-            post.post(inbox.put_nowait, delivery)
-
-        sequence = self._sequence(request, resolved, deliver)
+        inbox = Inbox()
+        sequence = self._sequence(request, resolved, inbox.deliver)
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
         self._active[rid] = sequence
@@ -195,20 +188,15 @@ class TransformersEngine:
         logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
             scheduler.submit(sequence)
-            while True:
-                delivery = await inbox.get()
-                if isinstance(delivery, BaseException):
-                    raise delivery
-                for event in delivery:
-                    yield event
-                    if isinstance(event, FinishOutput):
-                        logger.debug(
-                            "request %s: finished (%s) after %d tokens",
-                            rid,
-                            event.reason,
-                            event.completion_tokens,
-                        )
-                        return
+            async for event in inbox.events():
+                if isinstance(event, FinishOutput):
+                    logger.debug(
+                        "request %s: finished (%s) after %d tokens",
+                        rid,
+                        event.reason,
+                        event.completion_tokens,
+                    )
+                yield event
         finally:
             # Normal end, aclose() and task cancellation alike: the scheduler drops the
             # request (and its rows) at its next step boundary.
