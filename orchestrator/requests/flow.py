@@ -24,6 +24,7 @@ import grpc
 from orchestrator.pipeline import Edge
 from orchestrator.requests import observe
 from orchestrator.requests.audio_clock import AudioClock
+from orchestrator.requests.client_event import client_event
 from orchestrator.requests.errors import StageFailed, StreamBroken, first_failure
 from orchestrator.requests.lanes import Lane
 from orchestrator.requests.sink import EventSink
@@ -302,15 +303,10 @@ class RequestFlow:
             channel.taken(output)  # handed on: the stage may send another
 
     async def _to_client(self, stage: str, output: stage_pb2.StageOutput) -> None:
-        event = _event(stage, output, self.request_id)
+        hidden = self._client_hidden.get(stage, False)
+        event = client_event(stage, output, self.request_id, hidden=hidden)
         if event.WhichOneof("kind") == "segment":
             tensors = event.segment.tensors
-            if not self._client_hidden.get(stage, False):
-                # Asked for by an edge, not by the client: they are not its to see (a
-                # thinker's hand-off names its prompt's "prompt_hidden_states").
-                kept = [t for t in tensors if not t.name.endswith("hidden_states")]
-                del tensors[:]
-                tensors.extend(kept)
             self.audio.segment(stage, event.segment)
             for index, tensor in enumerate(tensors):
                 if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
@@ -342,15 +338,3 @@ class RequestFlow:
 
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
 
-
-def _event(
-    stage: str, output: stage_pb2.StageOutput, request_id: str
-) -> orchestrator_pb2.GenerateEvent:
-    """A stage's output as the client's event, under the client's own request id."""
-    event = orchestrator_pb2.GenerateEvent(stage=stage)
-    kind = output.WhichOneof("kind")
-    message = getattr(event, kind)
-    message.CopyFrom(getattr(output, kind))
-    if kind in ("segment", "progress", "completed"):
-        message.request_id = request_id
-    return event

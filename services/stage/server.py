@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from services.engines.base import WritesIntoBlocks, accepted_kinds, offered_voices
+from services.engines.capabilities import WritesIntoBlocks, accepted_kinds, offered_voices
 from services.engines.registry import engine_class
 from services.mesh.data.chunk_wire import EncodedChunk, serializer
 from services.mesh.data.node import node_identity

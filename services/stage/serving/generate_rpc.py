@@ -29,7 +29,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 
-from services.engines.base import EngineRequest, SamplingParams, accepted_kinds
+from services.engines.base import EngineRequest, SamplingParams
+from services.engines.capabilities import accepted_kinds
 from services.mesh.data.chunk_wire import ChunkFrame, EncodedChunk
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import (

@@ -21,12 +21,11 @@ from services.engines.base import (
     EnginePlan,
     EngineRequest,
     FinishOutput,
-    HoldsInputBack,
-    KeepsRequestState,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
 )
+from services.engines.capabilities import HoldsInputBack, KeepsRequestState
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.malloc import FreedMemory
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable

@@ -16,7 +16,13 @@ import logging
 import time
 from pathlib import Path
 
-from services.engines.base import Engine, FetchesFiles, PlansKvCache, PreparesModel, SizesKvCache
+from services.engines.base import Engine
+from services.engines.capabilities import (
+    FetchesFiles,
+    PlansKvCache,
+    PreparesModel,
+    SizesKvCache,
+)
 from services.mesh.errors import InitFailed, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig

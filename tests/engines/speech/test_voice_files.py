@@ -13,7 +13,8 @@ import pytest
 from hibari import Hibari
 from hibari.voices import voice_path
 
-from services.engines.base import EngineSettings, FetchesFiles
+from services.engines.base import EngineSettings
+from services.engines.capabilities import FetchesFiles
 from services.engines.speech import SpeechEngine
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import stage_pb2 as P
