@@ -40,3 +40,16 @@ def smollm2_gguf() -> Path:
 
 
 # --- end of models and caches ----------------------------------------------------
+
+
+# --- what the model says on this machine (owner: every test of a model's answer) ---
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_gguf: Path, omni_cache_dir: Path):
+    """SmolLM2's float32 greedy answers on this machine, judged by float64: what a
+    stage's answer is compared with (tests/helpers/reference_answer.py)."""
+    from services.engines.transformers.loading import converted_folder
+    from tests.helpers.reference_answer import ReferenceLM
+
+    return ReferenceLM(converted_folder(smollm2_gguf, omni_cache_dir))
