@@ -26,6 +26,7 @@ from services.engines.capabilities import (
 from services.mesh.errors import InitFailed, OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.stage.config import StageConfig
+from services.stage.startup import cpu_isa
 from services.stage.startup.cache_dir import ready_cache_dir
 from services.stage.startup.device_lock import DeviceLock
 from services.stage.startup.fetch import FetchCancel, FetchCancelled, FetchResult, fetch_model
@@ -157,6 +158,8 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             if step is not None:
                 bus.publish(stage_pb2.PREPARE, message=step)
                 await asyncio.to_thread(engine.prepare, model_path)
+        # Before anything of oneDNN runs in this process or those the engine starts.
+        isa_note = await asyncio.to_thread(cpu_isa.guard)
         what = model_path.name if model_path else f"a dummy {config.engine} model"
         bus.publish(stage_pb2.LOAD_START, message=f"loading {what}")
         free_before: int | None = None  # an engine sizing its own KV cache: not measured
@@ -164,9 +167,9 @@ async def start_up(config: StageConfig, engine: Engine, bus: InitBus) -> bool:
             free_before = free_device_memory(runtime.device)
         t0 = time.monotonic()
         info = await asyncio.to_thread(engine.load, model_path)
-        bus.compute = info.compute
-        if info.compute:
-            logger.info("stage %s computes on: %s", config.name, info.compute)
+        bus.compute = "; ".join(part for part in (info.compute, isa_note) if part)
+        if bus.compute:
+            logger.info("stage %s computes on: %s", config.name, bus.compute)
         bus.publish(
             stage_pb2.LOAD_DONE, duration_ms=(time.monotonic() - t0) * 1e3, message=info.description
         )
