@@ -2,7 +2,8 @@
 reference the vllm engine's tests and benchmark compare with. Run as a process
 (vLLM spawns its own, and exiting frees its memory before the next engine starts):
 
-    python -m tests.helpers.plain_vllm FOLDER OUT < {"prompts": [[ids], ...], "max_tokens": N}
+    python -m tests.helpers.plain_vllm FOLDER OUT < {"prompts": [[ids], ...], "max_tokens": N,
+                                                     "dtype": "float32"}
 
 writes {"token_ids": [[ids], ...], "texts": [...]} to OUT (vLLM logs on stdout):
 greedy, one prompt at a time.
@@ -15,8 +16,9 @@ import os
 import sys
 from typing import Any
 
-# The engine under test runs with exactly these (services.engines.vllm.config.CpuArgs).
-SETTINGS: dict[str, Any] = {"dtype": "bfloat16", "max_model_len": 2048, "enforce_eager": True}
+# The engine under test runs with exactly these (services.engines.vllm.config.CpuArgs),
+# in the dtype it is asked for (the CPU example's: tests/vllm/cpu/conftest.py).
+SETTINGS: dict[str, Any] = {"max_model_len": 2048, "enforce_eager": True}
 
 
 def main() -> None:
@@ -27,7 +29,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     asked = json.load(sys.stdin)
-    llm = LLM(model=sys.argv[1], disable_log_stats=True, **SETTINGS)
+    llm = LLM(model=sys.argv[1], disable_log_stats=True, dtype=asked["dtype"], **SETTINGS)
     greedy = SamplingParams(temperature=0.0, max_tokens=asked["max_tokens"])
     outs = [
         llm.generate([TokensPrompt(prompt_token_ids=ids)], greedy, use_tqdm=False)[0].outputs[0]

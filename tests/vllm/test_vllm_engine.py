@@ -72,6 +72,24 @@ def test_engine_args_map_to_async_engine_args(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    ("device", "dtype", "runs"),
+    [
+        ("cpu", None, "float32"),
+        ("cpu", "auto", "float32"),
+        ("cpu", "bfloat16", "bfloat16"),
+        ("cuda", None, "auto"),
+        ("cuda:1", "auto", "auto"),
+    ],
+)
+def test_auto_precision_is_float32_on_a_cpu(
+    tmp_path: Path, device: str, dtype: str | None, runs: str
+) -> None:
+    # vLLM's own auto takes bfloat16 on a CPU, which changes answers (vllm/config.py).
+    settings = EngineSettings(device=device, dtype=dtype)
+    assert VllmArgs.of(settings).async_engine_kwargs(settings, tmp_path)["dtype"] == runs
+
+
+@pytest.mark.parametrize(
     ("engine_args", "field"),
     [
         ({"model": "x"}, "engine_args.model"),

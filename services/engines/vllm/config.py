@@ -113,7 +113,7 @@ class VllmArgs(EngineArgs):
         """Keyword arguments for ``vllm.engine.arg_utils.AsyncEngineArgs``."""
         kwargs: dict[str, Any] = {
             "model": str(model_path),
-            "dtype": settings.dtype or "auto",
+            "dtype": resolved_dtype(settings),
             # The stage reports its own metrics; vLLM's periodic stat lines are noise here
             # (the engine's own stat logger still sees every step: steps.py).
             "disable_log_stats": True,
@@ -124,3 +124,13 @@ class VllmArgs(EngineArgs):
             kwargs["gpu_memory_utilization"] = self.memory_ratio
         kwargs.update(self.vllm)
         return kwargs
+
+
+def resolved_dtype(settings: EngineSettings) -> str:
+    """The stage's ``dtype`` for vLLM. ``auto`` (or none) on a CPU is float32: vLLM's
+    own ``auto`` takes bfloat16 there, which changes about half of SmolLM2's greedy
+    answers (one at its first token) and got a one-fact question wrong on an Intel
+    CPU, for less than twice the tokens/s (benchmarks/vllm_precision.py; the figures
+    are in docs/engines.md). Elsewhere vLLM decides."""
+    name = settings.dtype or "auto"
+    return "float32" if name == "auto" and settings.device == "cpu" else name

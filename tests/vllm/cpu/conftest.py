@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from services.engines.transformers.loading import converted_folder
@@ -28,6 +29,11 @@ PROMPTS = (
     "List three colours:",
     "def fibonacci(n):",
 )
+# A question as a chat stage asks it (the chat template around it), for the stage tests.
+QUESTION = "What is the capital of France?"
+EXAMPLE = ROOT / "examples" / "stages" / "vllm-cpu.yaml"
+# The engine and plain vLLM both run the precision the CPU example runs.
+DTYPE: str = yaml.safe_load(EXAMPLE.read_text())["dtype"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -64,15 +70,28 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
+def question_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """QUESTION as the stage's text intake makes it a prompt."""
+    conversation = [{"role": "user", "content": QUESTION}]
+    encoded = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, return_dict=True
+    )
+    return list(encoded["input_ids"])
+
+
+@pytest.fixture(scope="session")
 def plain(
     cpu_vllm: None,
     smollm2_folder: Path,
     prompt_ids: list[list[int]],
+    question_ids: list[int],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, Any]:
-    """Plain vLLM's greedy answers to PROMPTS, in a process of its own."""
+    """Plain vLLM's greedy answers to PROMPTS, then to QUESTION as a chat prompt, in
+    a process of its own: what our engine and stage must say on this machine."""
     out = tmp_path_factory.mktemp("plain") / "answers.json"
-    asked = json.dumps({"prompts": prompt_ids, "max_tokens": MAX_TOKENS})
+    prompts = [*prompt_ids, question_ids]
+    asked = json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "dtype": DTYPE})
     run = subprocess.run(
         [sys.executable, "-m", "tests.helpers.plain_vllm", str(smollm2_folder), str(out)],
         input=asked,

@@ -18,8 +18,9 @@ from services.engines.base import EngineEvent, EngineSettings, FinishOutput, Tok
 from services.engines.vllm import VllmEngine, cpu
 from tests.helpers.engine_runs import collect, generate, tokens_of
 from tests.helpers.polling import eventually
+from tests.helpers.reference_answer import ReferenceLM
 from tests.helpers.vllm_parts import embeds_request, request
-from tests.vllm.cpu.conftest import FRANCE, MAX_TOKENS, PROMPTS
+from tests.vllm.cpu.conftest import DTYPE, FRANCE, MAX_TOKENS, PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def engine(
     # `plain` first: its vLLM process has exited before this one starts.
     settings = EngineSettings(
         device="cpu",
-        dtype="bfloat16",
+        dtype=DTYPE,
         cache_dir=omni_cache_dir,
         max_prompt_tokens=1024,
         engine_args={"max_model_len": 2048, "enforce_eager": True, "enable_prompt_embeds": True},
@@ -55,10 +56,15 @@ def finish(events: list[EngineEvent]) -> FinishOutput:
     return last
 
 
-def test_converted_smollm2_answers_in_plain_vllm(plain: dict[str, Any]) -> None:
-    ids, text = plain["token_ids"][PROMPTS.index(FRANCE)], plain["texts"][PROMPTS.index(FRANCE)]
-    assert len(ids) == MAX_TOKENS and set(ids) != {0}
-    assert "Paris" in text
+def test_converted_smollm2_answers_in_plain_vllm(
+    plain: dict[str, Any], prompt_ids: list[list[int]], smollm2_reference: ReferenceLM
+) -> None:
+    """The converted folder loads in plain vLLM as the model it is: in float32, vLLM's
+    answers are transformers' float32 answers on this machine, up to a near-tie."""
+    for i, ids in enumerate(plain["token_ids"][: len(PROMPTS)]):
+        assert len(ids) > 0 and set(ids) != {0}  # a folder vLLM misreads says token 0
+        if DTYPE == "float32":
+            smollm2_reference.continuation(prompt_ids[i], MAX_TOKENS).assert_said(ids)
 
 
 async def test_greedy_ids_equal_plain_vllms(
@@ -77,14 +83,14 @@ async def test_greedy_ids_equal_plain_vllms(
         )
         for ids in prompt_ids
     ]
-    assert ours == plain["token_ids"]
+    assert ours == plain["token_ids"][: len(PROMPTS)]
 
 
-async def test_tokens_stream_one_by_one(engine: VllmEngine) -> None:
+async def test_tokens_stream_one_by_one(engine: VllmEngine, plain: dict[str, Any]) -> None:
     events = await collect(generate(engine, request(text=FRANCE, max_tokens=8, temperature=0.0)))
     tokens = [e for e in events if isinstance(e, TokenOutput)]
     assert [len(t.token_ids) for t in tokens] == [1] * 8
-    assert "Paris" in text_of(events)
+    assert tokens_of(events) == plain["token_ids"][PROMPTS.index(FRANCE)][:8]
     assert finish(events).reason == "length" and finish(events).completion_tokens == 8
 
 
@@ -94,15 +100,13 @@ async def test_a_stop_string_ends_the_text_before_it(engine: VllmEngine) -> None
             generate(engine, request(text=FRANCE, max_tokens=MAX_TOKENS, temperature=0.0))
         )
     )
-    assert "Paris" in full
+    # A word of what vLLM says on this machine, past its first.
+    stop = next(w for w in full.split()[1:] if w.isalpha())
     events = await collect(
-        generate(
-            engine, request(text=FRANCE, max_tokens=MAX_TOKENS, temperature=0.0, stop=("Paris",))
-        )
+        generate(engine, request(text=FRANCE, max_tokens=MAX_TOKENS, temperature=0.0, stop=(stop,)))
     )
     assert finish(events).reason == "stop"
-    assert "Paris" not in text_of(events)
-    assert full.startswith(text_of(events))
+    assert text_of(events) == full[: full.index(stop)]
 
 
 async def test_closing_the_stream_cancels_the_request(engine: VllmEngine) -> None:

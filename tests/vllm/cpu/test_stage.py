@@ -22,6 +22,7 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.__main__ import EXIT_ENGINE_DEAD
 from tests.helpers.stage import chat, collect, write_config
+from tests.vllm.cpu.conftest import QUESTION
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLE = ROOT / "examples" / "stages" / "vllm-cpu.yaml"
@@ -76,7 +77,7 @@ async def test_a_dead_vllm_engine_fails_the_stage_process(
 
 
 async def test_a_vllm_thinker_answers_through_the_orchestrator(
-    cpu_vllm: None, tmp_path: Path, omni_cache_dir: Path, smollm2_gguf: Path
+    cpu_vllm: None, plain: dict[str, Any], tmp_path: Path, omni_cache_dir: Path
 ) -> None:
     stage_file = write_config(tmp_path / "thinker.yaml", vllm_stage(omni_cache_dir))
     pipeline = tmp_path / "vllm.yaml"
@@ -98,10 +99,9 @@ async def test_a_vllm_thinker_answers_through_the_orchestrator(
         await launcher.start()
         async with AsyncClient(launcher.address) as client:
             await client.wait_ready(timeout_s=300)
-            result = await client.generate(
-                "What is the capital of France?", params={"max_tokens": 12}
-            ).collect()
+            result = await client.generate(QUESTION, params={"max_tokens": 12}).collect()
     finally:
         await launcher.stop()
     assert result.ok, result.done
-    assert "Paris" in result.stages["thinker"].text
+    # What plain vLLM says to the same chat prompt on this machine, token for token.
+    assert result.stages["thinker"].token_ids == plain["token_ids"][-1][:12]
