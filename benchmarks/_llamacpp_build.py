@@ -20,6 +20,29 @@ ISA_FLAGS = {
     "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
              "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"],
 }  # fmt: skip
+# A CPU that lists AMX may fault on it in a virtual machine (an Intel guest: llama.cpp
+# built GGML_NATIVE dies at ldtilecfg), and -march=native turns it on. There the
+# "native" build names the CPU's other sets one by one and leaves AMX out.
+_NAMED = {
+    "avx2": "GGML_AVX2", "fma": "GGML_FMA", "f16c": "GGML_F16C", "bmi2": "GGML_BMI2",
+    "avx512f": "GGML_AVX512", "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI", "avx512_bf16": "GGML_AVX512_BF16",
+    "avx_vnni": "GGML_AVX_VNNI",
+}  # fmt: skip
+
+
+def isa_flags(isa: str, cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """cmake flags for ``--isa``; "native" without AMX where the CPU lists it."""
+    flags = next(
+        (set(line.split(":", 1)[1].split()) for line in cpuinfo.read_text().splitlines()
+         if line.startswith("flags")),
+        set(),
+    )  # fmt: skip
+    if isa != "native" or "amx_tile" not in flags:
+        return ISA_FLAGS[isa]
+    named = [f"-D{cmake}={'ON' if flag in flags else 'OFF'}" for flag, cmake in _NAMED.items()]
+    return ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", *named, "-DGGML_AMX_TILE=OFF",
+            "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]  # fmt: skip
 
 
 def _build_dir(isa: str) -> str:
@@ -78,7 +101,7 @@ def build_server(isa: str) -> Path | None:
     print(f"building llama-server {version} into {build} (ten minutes or more)", flush=True)
     subprocess.run(
         ["cmake", "-S", str(tree), "-B", str(build), *generator,
-         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *ISA_FLAGS[isa],
+         "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *isa_flags(isa),
          "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"],
         check=True,
     )  # fmt: skip
