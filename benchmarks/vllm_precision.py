@@ -48,16 +48,13 @@ def one(dtype: str, out: Path) -> None:
 
     folder = converted_folder(gguf_path(), environment.CACHE_DIR.get().expanduser())
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = [
-        TokensPrompt(
-            prompt_token_ids=list(
-                tokenizer.apply_chat_template(
-                    [{"role": "user", "content": p}], add_generation_prompt=True, return_dict=True
-                )["input_ids"]
-            )
+    def chat(question: str) -> list[int]:
+        encoded: Any = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True
         )
-        for p in CHAT_PROMPTS
-    ]
+        return list(encoded["input_ids"])
+
+    prompts = [TokensPrompt(prompt_token_ids=chat(p)) for p in CHAT_PROMPTS]
     llm = LLM(
         model=str(folder), dtype=dtype, max_model_len=2048, enforce_eager=True,
         disable_log_stats=True,

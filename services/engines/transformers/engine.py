@@ -156,11 +156,6 @@ class TransformersEngine:
         return self._running().runner  # type: ignore[return-value]
 
     @property
-    def kv_budget(self) -> KvBudget | None:
-        """The stage's memory plan as this engine spends it; None before plan_kv_cache."""
-        return self._budget
-
-    @property
     def active_requests(self) -> frozenset[str]:
         """Ids of the requests being generated now (for metrics and tests)."""
         return frozenset(self._active)

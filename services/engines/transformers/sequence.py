@@ -8,7 +8,6 @@ its prompt and hands it each new token); the request's ``generate`` only reads w
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -63,9 +62,6 @@ class Sequence:
     def final_length(self) -> int:
         """Tokens its KV rows may hold at most: the prompt and every new token."""
         return self.prompt_tokens + self.plan.max_tokens
-
-    def pages(self, page_size: int) -> int:
-        return math.ceil(self.final_length / page_size)
 
     def prompt_chunk(self, count: int, embed: torch.nn.Module) -> torch.Tensor:
         """The next ``count`` prompt positions as embeddings [count, hidden]."""

@@ -50,9 +50,6 @@ class Timeline:
         with self._lock:
             return [s for s in self.spans if s.queue == queue]
 
-    def busy_s(self, queue: str) -> float:
-        return sum(s.end - s.start for s in self.of(queue))
-
 
 @dataclass(frozen=True)
 class Work:

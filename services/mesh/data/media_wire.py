@@ -41,10 +41,6 @@ def media_fields(inputs: stage_pb2.StageInputs, prefix: str = "inputs") -> Itera
                 yield MediaField(where, kind, getattr(part, kind))
 
 
-def has_media(inputs: stage_pb2.StageInputs) -> bool:
-    return any(True for _ in media_fields(inputs))
-
-
 def media_bytes(inputs: stage_pb2.StageInputs) -> int:
     """The inline bytes of every media part (encoded data and raw PCM)."""
     total = 0
