@@ -12,70 +12,23 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
 
 from services.engines.base import Engine
 from services.engines.engine_args import EngineArgs
 
-
-def _transformers() -> type[Engine]:
-    from services.engines.transformers import TransformersEngine
-
-    return TransformersEngine
-
-
-def _diffusers() -> type[Engine]:
-    from services.engines.diffusers import DiffusersEngine
-
-    return DiffusersEngine
-
-
-def _vllm() -> type[Engine]:
-    from services.engines.vllm import VllmEngine
-
-    return VllmEngine
-
-
-def _video() -> type[Engine]:
-    from services.engines.video import VideoEngine
-
-    return VideoEngine
-
-
-def _video_frames() -> type[Engine]:
-    from services.engines.video import FrameSourceEngine
-
-    return FrameSourceEngine
-
-
-def _speech() -> type[Engine]:
-    from services.engines.speech import SpeechEngine
-
-    return SpeechEngine
-
-
-def _qwen_omni(role: str) -> Callable[[], type[Engine]]:
-    def engine() -> type[Engine]:
-        from services.engines import qwen_omni
-
-        found: type[Engine] = getattr(qwen_omni, role)
-        return found
-
-    return engine
-
-
-ENGINES: dict[str, Callable[[], type[Engine]]] = {
-    "transformers": _transformers,
-    "diffusers": _diffusers,
-    "vllm": _vllm,
-    "video": _video,
-    "video_frames": _video_frames,
-    "speech": _speech,
+# Each engine as the ``module:Class`` that implements it, imported only when asked for.
+ENGINES: dict[str, str] = {
+    "transformers": "services.engines.transformers:TransformersEngine",
+    "diffusers": "services.engines.diffusers:DiffusersEngine",
+    "vllm": "services.engines.vllm:VllmEngine",
+    "video": "services.engines.video:VideoEngine",
+    "video_frames": "services.engines.video:FrameSourceEngine",
+    "speech": "services.engines.speech:SpeechEngine",
     # One engine per part: each part accepts, emits and is tuned differently, and
     # a stage reads those from the engine class before any engine_args.
-    "qwen_omni_thinker": _qwen_omni("QwenOmniThinker"),
-    "qwen_omni_talker": _qwen_omni("QwenOmniTalker"),
-    "qwen_omni_code2wav": _qwen_omni("QwenOmniCode2Wav"),
+    "qwen_omni_thinker": "services.engines.qwen_omni:QwenOmniThinker",
+    "qwen_omni_talker": "services.engines.qwen_omni:QwenOmniTalker",
+    "qwen_omni_code2wav": "services.engines.qwen_omni:QwenOmniCode2Wav",
 }
 
 
@@ -95,13 +48,12 @@ def engine_class(name: str) -> type[Engine]:
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"plug-in engine {name!r} cannot be loaded: {exc}") from None
         return found
-    try:
-        return ENGINES[name]()
-    except KeyError:
+    if name not in ENGINES:
         known = ", ".join(sorted(ENGINES))
-        raise ValueError(
-            f"unknown engine {name!r} (known: {known}, or package.module:ClassName)"
-        ) from None
+        raise ValueError(f"unknown engine {name!r} (known: {known}, or package.module:ClassName)")
+    module_name, _, class_name = ENGINES[name].partition(":")
+    built_in: type[Engine] = getattr(importlib.import_module(module_name), class_name)
+    return built_in
 
 
 def settings_model(name: str) -> type[EngineArgs] | None:
