@@ -11,8 +11,8 @@ with a quarter's headroom). Rows join (``add_rows``, ``concat``) and leave
 padding does not outlive the row that caused it.
 
 It stores and hands out views: which forward reads it is the runner's choice (a
-model runner: services/engines/transformers/runners/). ``transformers_cache`` adapts
-it to a transformers ``Cache`` for the models' own forwards.
+model runner: services/engines/transformers/runners/). It imports no model library:
+``hf_cache.py`` adapts it to a transformers ``Cache`` for the models' own forwards.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,8 @@ class KvShape:
     device: torch.device
 
     @classmethod
-    def of(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> KvShape:
+    def of(cls, config: Any, dtype: torch.dtype, device: torch.device) -> KvShape:
+        """From a model config (transformers' attribute names)."""
         heads = config.num_attention_heads
         return cls(
             layers=config.num_hidden_layers,
@@ -64,7 +63,6 @@ class KvCache:
         self.values = shape.buffer(rows, 0)
         self.mask = torch.zeros((rows, 0), dtype=torch.long, device=shape.device)
         self.next_pos = torch.zeros(rows, dtype=torch.long, device=shape.device)
-        self._transformers: DynamicCache | None = None
 
     @property
     def rows(self) -> int:
@@ -170,39 +168,3 @@ class KvCache:
     def _adopt(self, other: KvCache) -> None:
         self.keys, self.values = other.keys, other.values
         self.mask, self.next_pos = other.mask, other.next_pos
-
-    def transformers_cache(self, config: PretrainedConfig) -> DynamicCache:
-        """This cache as a transformers ``Cache`` for a model's own forward: each layer's
-        ``update`` writes its new columns here (``reserve`` first, ``extend`` after)."""
-        if self._transformers is None:
-            self._transformers = DynamicCache(config=config)
-            self._transformers.layers = [_Layer(self, i) for i in range(self.shape.layers)]
-        return self._transformers
-
-
-class _Layer(DynamicLayer):
-    """One layer of a ``KvCache`` as transformers' forwards call a cache layer."""
-
-    def __init__(self, cache: KvCache, index: int) -> None:  # no super(): keys are views
-        self._cache, self._index = cache, index
-        self.is_initialized = True
-        self.device = cache.shape.device
-
-    @property
-    def keys(self) -> torch.Tensor:  # type: ignore[override]
-        return self._cache.layer(self._index)[0]
-
-    @property
-    def values(self) -> torch.Tensor:  # type: ignore[override]
-        return self._cache.layer(self._index)[1]
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cache.write(self._index, key_states, value_states)
-
-    def get_seq_length(self) -> int:
-        return self._cache.width
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # type: ignore[override]
-        return self._cache.width + query_length, 0

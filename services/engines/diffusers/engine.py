@@ -42,8 +42,8 @@ from services.engines.diffusers.loading import (
     model_bytes,
     native_size,
 )
-from services.engines.loop_post import loop_post
 from services.engines.prompt_size import PromptBound, longest_token_chars
+from services.engines.scheduler.loop_post import loop_post
 from services.engines.text_intake import EMBEDS
 from services.mesh.errors import Cancelled, FailedPrecondition, InitFailed
 

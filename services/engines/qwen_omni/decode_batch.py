@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.engines.loop_post import loop_post
+from services.engines.scheduler.loop_post import loop_post
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,6 @@ from services.engines.base import (
     ModelInfo,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
-from services.engines.loop_post import loop_post
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading
 from services.engines.qwen_omni.config import TalkerArgs
@@ -42,6 +41,7 @@ from services.engines.qwen_omni.talker_runner import Starved, TalkerRequest, Tal
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
 from services.engines.scheduler import Delivery, Limits, Scheduler
+from services.engines.scheduler.loop_post import loop_post
 from services.mesh.errors import InitFailed
 
 

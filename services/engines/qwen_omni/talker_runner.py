@@ -16,7 +16,6 @@ scheduler sleeps until its input comes (``Scheduler.wake``).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from services.engines.base import EngineEvent, FinishOutput, TensorOutput
+from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni.handoff import Handoff, Prompt, talker_prompt, trailing
@@ -84,8 +84,7 @@ class TalkerRunner:
         self.rows: OmniRows[TalkerRequest] = OmniRows(self._shape)
         self._groups = model.config.num_code_groups
         self._eos = model.config.codec_eos_token_id
-        parameters = inspect.signature(type(model.model).forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_argument = cache_argument(type(model.model).forward)
         # Called with each request's logits before a code is drawn, the first codebook's
         # (group 0) and the code predictor's (1 ..): tests, as the thinker's.
         self.watch: Callable[[str, int, torch.Tensor], None] | None = None
@@ -127,7 +126,7 @@ class TalkerRunner:
         out = self.model.model(
             inputs_embeds=embeds, attention_mask=mask, position_ids=positions, use_cache=True,
             output_hidden_states=True,
-            **{self._cache_argument: kv.transformers_cache(self._text_config)},
+            **{self._cache_argument: transformers_cache(kv, self._text_config)},
         )  # fmt: skip
         logits = self.model.codec_head(out.last_hidden_state).float()
         return logits, out.hidden_states[-1]

@@ -13,7 +13,6 @@ answer), as per-token "hidden_states" the edge's windows split with the tokens.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
+from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni.rows import OmniRows, prompt_positions, right_padded
@@ -104,8 +104,7 @@ class ThinkerRunner:
             [config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id],
             device=device,
         )
-        parameters = inspect.signature(type(model.model).forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_argument = cache_argument(type(model.model).forward)
         # Called with each request's logits before its token is drawn (tests: how far
         # batching moves them, how close a choice was).
         self.watch: Callable[[str, torch.Tensor], None] | None = None
@@ -146,7 +145,7 @@ class ThinkerRunner:
         kv.reserve(width)
         out = self.model.model(
             **inputs, position_ids=positions, use_cache=True, output_hidden_states=hidden,
-            **{self._cache_argument: kv.transformers_cache(self._text_config)},
+            **{self._cache_argument: transformers_cache(kv, self._text_config)},
         )  # fmt: skip
         return out
 

@@ -2,7 +2,8 @@
 prefill / mixed / decode planning, retiring, cancellation and delivery, knowing no
 model (scheduler.py); what it asks of a request and of a model runner (contract.py);
 when an idle scheduler stops gathering newcomers (arrivals.py); a request's
-deliveries to the event loop (inbox.py)."""
+deliveries to the event loop (inbox.py), posted from the model thread with one wake
+for many (loop_post.py)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from services.engines.base import EngineEvent, FinishOutput
-from services.engines.loop_post import loop_post
 from services.engines.scheduler.contract import Delivery
+from services.engines.scheduler.loop_post import loop_post
 
 
 class Inbox:

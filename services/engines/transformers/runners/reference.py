@@ -9,12 +9,11 @@ against, and what every model that path does not take runs on.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache
 from services.engines.transformers.runners.rows import Forwarded, KvBudget, TextRunner
 
@@ -33,10 +32,7 @@ class ReferenceRunner(TextRunner):
         if why is not None:
             raise ValueError(why)
         super().__init__(model, budget)
-        # transformers 5.24 renamed past_key_values to cache (the old name warns);
-        # vLLM's environment holds an older transformers.
-        parameters = inspect.signature(type(model).forward).parameters
-        self._cache_argument = "cache" if "cache" in parameters else "past_key_values"
+        self._cache_argument = cache_argument(type(model).forward)
 
     def forward(
         self, kv: KvCache, embeds: torch.Tensor, valid: torch.Tensor, hidden: bool
@@ -49,7 +45,7 @@ class ReferenceRunner(TextRunner):
             use_cache=True,
             output_hidden_states=hidden,
             logits_to_keep=1,  # the other columns need no logits
-            **{self._cache_argument: kv.transformers_cache(self.model.config)},
+            **{self._cache_argument: transformers_cache(kv, self.model.config)},
         )
         kv.extend(valid)
         states = out.hidden_states[-1][:, -1] if hidden else None

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from services.engines import loop_post as module
-from services.engines.loop_post import LoopPost, loop_post
+import services.engines.scheduler.loop_post as module
+from services.engines.scheduler.loop_post import LoopPost, loop_post
 
 
 @pytest.fixture(params=["eventfd", "call_soon_threadsafe"])
