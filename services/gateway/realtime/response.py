@@ -119,6 +119,7 @@ class Response:
             )
             self._emit({"type": kind, **where, "delta": delta})
         if pcm:
+            item.parts[0].audio_bytes += len(pcm)
             audio = base64.b64encode(pcm).decode()
             self._emit({"type": "response.output_audio.delta", **where, "delta": audio})
 
@@ -177,8 +178,8 @@ class Response:
         output = []
         item = self.item
         if item is not None:
-            text = "".join(self._text)
-            item.parts[0].text = text
+            item.parts[0].finish("".join(self._text))
+            text = item.parts[0].text  # what the client heard, if it truncated
             item.status = "completed" if status == "completed" else "incomplete"
             where = {"response_id": self.id, "item_id": item.id, "output_index": 0}
             if self._speaks:
