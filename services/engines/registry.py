@@ -54,6 +54,12 @@ def _speech() -> type[Engine]:
     return SpeechEngine
 
 
+def _whisper() -> type[Engine]:
+    from services.engines.whisper import WhisperEngine
+
+    return WhisperEngine
+
+
 def _qwen_omni(role: str) -> Callable[[], type[Engine]]:
     def engine() -> type[Engine]:
         from services.engines import qwen_omni
@@ -71,6 +77,7 @@ ENGINES: dict[str, Callable[[], type[Engine]]] = {
     "video": _video,
     "video_frames": _video_frames,
     "speech": _speech,
+    "whisper": _whisper,
     # One engine per part: each part accepts, emits and is tuned differently, and
     # a stage reads those from the engine class before any engine_args.
     "qwen_omni_thinker": _qwen_omni("QwenOmniThinker"),

@@ -47,6 +47,20 @@ class Pipeline:
         return next((s.name for s in self.stages if "audio" in s.output_tensors), None)
 
     @property
+    def recogniser(self) -> str | None:
+        """The stage that turns speech into text for an entry stage that takes
+        none (the default pipeline's whisper stage), if any: a later stage that
+        accepts audio. None when the entry hears audio itself."""
+        if "audio" in self.entry.accepts:
+            return None
+        return next((s.name for s in self.stages[1:] if "audio" in s.accepts), None)
+
+    @property
+    def hears(self) -> bool:
+        """Spoken input is served: the entry stage takes audio, or a recogniser does."""
+        return "audio" in self.entry.accepts or self.recogniser is not None
+
+    @property
     def voices(self) -> list[str]:
         """The speech stage's voices, the first its default."""
         stage = next((s for s in self.stages if s.name == self.audio_stage), None)

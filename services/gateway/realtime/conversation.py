@@ -101,9 +101,13 @@ class Item:
             "content": [p.view() for p in self.parts],
         }
 
-    def message(self) -> stage_pb2.ChatMessage:
+    def message(self, audio: bool = True) -> stage_pb2.ChatMessage:
         """The item as the mesh's chat message: text alone as a string (as a chat
-        completion's string content), audio as a WAV content part."""
+        completion's string content), audio as a WAV content part; without
+        ``audio`` (an entry stage that takes none) audio as its transcript."""
+        if not audio:
+            said = " ".join(p.text.strip() for p in self.parts if p.text.strip())
+            return stage_pb2.ChatMessage(role=self.role, content=said)
         if all(not p.pcm for p in self.parts):
             return stage_pb2.ChatMessage(
                 role=self.role, content="".join(p.text for p in self.parts)

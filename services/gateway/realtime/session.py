@@ -18,8 +18,8 @@ from services.gateway.realtime import client_events as ce
 from services.gateway.realtime import wire
 from services.gateway.realtime.conversation import Budget, Conversation, Item, Part, new_id
 from services.gateway.realtime.items import part_of
-from services.gateway.realtime.plan import plan_response
-from services.gateway.realtime.response import Emit, Response
+from services.gateway.realtime.plan import plan_response, refill
+from services.gateway.realtime.response import Emit, Events, Plan, Response
 from services.gateway.realtime.session_config import (
     RATE,
     Audio,
@@ -27,6 +27,7 @@ from services.gateway.realtime.session_config import (
     ServerVadSettings,
     SessionConfig,
 )
+from services.gateway.realtime.transcripts import AfterTranscripts, Transcripts
 from services.gateway.realtime.vad import ServerVad, Turn
 from services.gateway.schema import validate
 from services.gateway.voices import Voices
@@ -65,8 +66,7 @@ class Session:
         self._emit = emit
         modalities = ["audio"] if pipeline.audio_stage else ["text"]
         # A pipeline that hears starts with server VAD on, as OpenAI's sessions do.
-        hears = "audio" in pipeline.entry.accepts
-        detection = ServerVadSettings() if hears else None
+        detection = ServerVadSettings() if pipeline.hears else None
         self.config = SessionConfig(
             model=model or pipeline.name,
             output_modalities=modalities,  # type: ignore[arg-type]
@@ -76,7 +76,12 @@ class Session:
         self._buffer = bytearray()
         self._before_buffer = 0  # bytes of the session's audio before the buffer's first
         self._vad = ServerVad(detection) if detection is not None else None
+        recogniser = pipeline.recogniser
+        self._transcripts = (
+            Transcripts(context.client, recogniser, token, emit) if recogniser else None
+        )
         self._turn_item = ""  # the item id of the turn server VAD is hearing
+        self._turn_start_ms = 0  # where it started, in the session's audio
         self.response: Response | None = None
 
     @property
@@ -126,6 +131,8 @@ class Session:
     def close(self) -> None:
         if self.response is not None:
             self.response.cancel("client_cancelled")
+        if self._transcripts is not None:
+            self._transcripts.close()
 
     # -- settings
 
@@ -186,6 +193,7 @@ class Session:
         settings = self._vad.settings
         if turn.kind == "started":
             self._turn_item = new_id("item")
+            self._turn_start_ms = turn.ms
             self._emit(
                 {
                     "type": "input_audio_buffer.speech_started",
@@ -203,8 +211,9 @@ class Session:
                 "item_id": self._turn_item,
             }
         )
-        # Everything before the turn's padding is silence: left out of the item.
-        start = (turn.ms - settings.prefix_padding_ms) * BYTES_PER_MS
+        # Everything before the turn's padding is silence: left out of the item
+        # (from where the turn started: ``turn.ms`` is where it stopped).
+        start = (self._turn_start_ms - settings.prefix_padding_ms) * BYTES_PER_MS
         skip = max(0, start - self._before_buffer)
         try:
             self._commit(len(self._buffer), skip=skip, item_id=self._turn_item)
@@ -220,7 +229,7 @@ class Session:
     def _commit(self, end: int, *, skip: int = 0, item_id: str = "") -> None:
         pcm = bytes(self._buffer[skip:end])
         entry = self._pipeline.entry
-        if "audio" not in entry.accepts:
+        if not self._pipeline.hears:
             self._drop_buffer(end)
             kinds = ", ".join(entry.accepts) or "text"
             raise ce.bad(
@@ -277,6 +286,8 @@ class Session:
         self._added(item, previous)
 
     def _added(self, item: Item, previous: str | None) -> None:
+        if self._transcripts is not None:
+            self._transcripts.start(item, self.config.audio.input.transcription)
         view = item.view()
         self._emit({"type": "conversation.item.added", "previous_item_id": previous, "item": view})
         self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": view})
@@ -348,7 +359,16 @@ class Session:
             )
         plan = plan_response(self, params)
         self.response = Response(plan, self.conversation, self._emit)
-        self.response.start(self._context.client.send(plan.request, token=self._token))
+        waits = self._transcripts.pending(plan.sent) if self._transcripts is not None else []
+        if waits:
+            self.response.start(AfterTranscripts(waits, lambda: self._send(plan, refilled=True)))
+        else:
+            self.response.start(self._send(plan))
+
+    def _send(self, plan: Plan, *, refilled: bool = False) -> Events:
+        if refilled:
+            refill(plan, "audio" in self._pipeline.entry.accepts)
+        return self._context.client.send(plan.request, token=self._token)
 
     def _cancel(self, response_id: str | None) -> None:
         response = self.response
