@@ -55,7 +55,7 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
         ready = await read_until(up.stdout, "ready in", 240)
         address = ready.rsplit(" ", 1)[1]
         children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) == 3  # one process per stage; the orchestrator is omni up itself
+        assert len(children) == 4  # one process per stage; the orchestrator is omni up itself
 
         out = tmp_path / "out"
         generate = await asyncio.create_subprocess_exec(
