@@ -142,4 +142,3 @@ async def test_bad_audio_is_refused_by_name_while_others_go_on(
     assert bad.error is not None and bad.error.code_name == "INVALID_ARGUMENT"
     assert bad.error.field == field and says in bad.error.message, bad.error
     assert results["good"].error is None and wer(SAID, results["good"].text) <= MAX_WER
-
