@@ -269,7 +269,7 @@ class Session:
             raise ce.bad("item.id", f"{message.id!r} is already in the conversation")
         limit = self._context.limits.max_audio_buffer_bytes
         parts = [
-            part_of(message.role, part, f"item.content[{j}]", self._pipeline.entry, limit)
+            part_of(message.role, part, f"item.content[{j}]", self._pipeline, limit)
             for j, part in enumerate(message.content)
         ]
         item = Item(message.role, parts)

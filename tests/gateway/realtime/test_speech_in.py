@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from services.mesh import wav
 from tests.engines.whisper.wer import wer
-from tests.helpers.realtime import read_turn, sdk, until
+from tests.helpers.realtime import read_turn, sdk, until, user_audio
 
 MODEL = "omni-default"
 RATE = 24000
@@ -130,3 +130,22 @@ async def test_silence_committed_by_hand_fails_its_transcription_by_name(default
         failed = (await until(connection, "conversation.item.input_audio_transcription.failed"))[-1]
     assert failed["error"]["param"] == "item.content[0].audio", failed
     assert "silent" in failed["error"]["message"]
+
+
+async def test_an_audio_item_created_by_the_client_is_heard_too(default: str) -> None:
+    async with sdk(default).realtime.connect(model=MODEL) as connection:
+        await until(connection, "session.created")
+        await connection.session.update(
+            session={
+                "type": "realtime",
+                "max_output_tokens": 8,
+                "audio": {"input": {"transcription": {"model": "whisper-1"}}},
+            }
+        )
+        await until(connection, "session.updated")
+        await connection.conversation.item.create(item=user_audio(speech(QUESTION)))
+        done = await until(connection, "conversation.item.input_audio_transcription.completed")
+        assert wer(QUESTION, done[-1]["transcript"]) <= MAX_WER, done[-1]
+        await connection.conversation.item.retrieve(item_id=done[-1]["item_id"])
+        item = (await until(connection, "conversation.item.retrieved"))[-1]["item"]
+        assert item["content"][0]["transcript"] == done[-1]["transcript"]
