@@ -3,7 +3,7 @@
 omni stage serve --config STAGE.yaml [--port N]        run one stage service
 omni stage run --config STAGE.yaml "PROMPT"            start a stage, ask it, stop it
 omni orchestrator serve --pipeline PIPE.yaml [--port]  run the orchestrator
-omni generate "PROMPT" [--address A] [--out DIR]       ask a running mesh
+omni generate ["PROMPT"] [--audio F] [--address A]     ask a running mesh
 omni gateway [--orchestrator A] [--port 8000]          an OpenAI-compatible HTTP API
 omni up [PIPE.yaml] [--http PORT]                      everything on this machine
 
@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", help="the text (optional with --audio or --image)")
     address = environment.ADDRESS.get()
     gen.add_argument("--address", default=DEFAULT_ADDRESS if address is None else address)
     gen.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.command == "up" and (args.image or args.audio) and args.prompt is None:
             print("omni up: --image and --audio go with --prompt", file=sys.stderr)
+            return 2
+        if args.command == "generate" and args.prompt is None and not (args.image or args.audio):
+            print("omni generate: give a prompt, --audio or --image", file=sys.stderr)
             return 2
         try:  # before anything starts: a wrong path is told at once
             media = files(args.image, args.audio)

@@ -119,7 +119,7 @@ def serve_orchestrator(
 
 async def generate(
     address: str,
-    prompt: str,
+    prompt: str | None,
     out: Path,
     *,
     request_id: str = "",
@@ -143,6 +143,9 @@ async def generate(
     except grpc.aio.AioRpcError as exc:
         print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except NotHeard as exc:
+        print(f"omni generate: {exc}", file=sys.stderr)
+        return 1
     print()
     done = result.done
     if done is None or done.code != 0:
@@ -156,7 +159,7 @@ async def generate(
 
 async def _stream(
     address: str,
-    prompt: str,
+    prompt: str | None,
     params: dict[str, object],
     request_id: str,
     result: Result,
@@ -166,6 +169,7 @@ async def _stream(
 ) -> None:
     """Print the output stages' text as it streams (status lines to stderr)."""
     async with AsyncClient(address, dialing) as client:
+        media = await _heard(client, media, timeout_s)
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
         events = client.generate(
             prompt, params=params, request_id=request_id, timeout_s=timeout_s, media=media
@@ -191,6 +195,43 @@ async def _stream(
                 else:  # logs: a line each
                     print(step, file=sys.stderr, flush=True)
                     line = ""
+
+
+class NotHeard(Exception):
+    """A clip the recogniser refused (its message names why)."""
+
+
+async def _heard(
+    client: AsyncClient, media: Sequence[stage_pb2.ContentPart], timeout_s: float | None
+) -> Sequence[stage_pb2.ContentPart]:
+    """``media`` for a pipeline whose entry stage takes no audio but whose
+    recogniser does (the default pipeline): each clip sent to the recogniser
+    alone and replaced by its transcript, as the gateway does (docs/api.md,
+    "Speech in"). Otherwise as it is: the entry stage takes it or refuses it."""
+    if not any(part.WhichOneof("kind") == "audio" for part in media):
+        return media
+    stages = list((await client.pipeline()).stages)
+    if not stages or "audio" in stages[0].accepts:
+        return media
+    recogniser = next((s.name for s in stages[1:] if "audio" in s.accepts), None)
+    if recogniser is None:
+        return media
+    heard: list[stage_pb2.ContentPart] = []
+    for part in media:
+        if part.WhichOneof("kind") != "audio":
+            heard.append(part)
+            continue
+        result = await client.generate(
+            media=[part], stage=recogniser, timeout_s=timeout_s
+        ).collect()
+        done = result.done
+        if done is None or done.code != 0:
+            what = f"{done.code_name}: {done.message}" if done else "no status"
+            raise NotHeard(f"--audio: the {recogniser} stage could not hear it: {what}")
+        text = result.stages[recogniser].text.strip() if recogniser in result.stages else ""
+        print(f"[{recogniser}] {text}", file=sys.stderr, flush=True)
+        heard.append(stage_pb2.ContentPart(text=text))
+    return heard
 
 
 def default_pipeline() -> Path:

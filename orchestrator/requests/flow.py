@@ -337,4 +337,3 @@ class RequestFlow:
                 )
 
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
-

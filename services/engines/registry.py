@@ -24,6 +24,7 @@ ENGINES: dict[str, str] = {
     "video": "services.engines.video:VideoEngine",
     "video_frames": "services.engines.video:FrameSourceEngine",
     "speech": "services.engines.speech:SpeechEngine",
+    "whisper": "services.engines.whisper:WhisperEngine",
     # One engine per part: each part accepts, emits and is tuned differently, and
     # a stage reads those from the engine class before any engine_args.
     "qwen_omni_thinker": "services.engines.qwen_omni:QwenOmniThinker",

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from orchestrator.client import AsyncClient, Events, Result
-from services.gateway import chat, images, speech
+from services.gateway import chat, images, speech, transcribe
 from services.gateway.audio_out import Speech, chat_speech, speech_stage
 from services.gateway.catalog import Catalog
 from services.gateway.config import GatewayConfig
@@ -105,6 +105,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         gateway, body, token = await _intake(request, ChatRequest)
         pipeline = await gateway.catalog.model(body.model, token)
         generate, fields = chat.generate_request(body)
+        await transcribe.spoken_parts_as_text(gateway.client, token, pipeline, generate)
         speech = chat_speech(body, pipeline, generate, fields, gateway.voices)
         events = gateway.client.send(generate, token=token)
         if body.stream:
@@ -144,6 +145,22 @@ def create_app(config: GatewayConfig) -> FastAPI:
             return await _streamed(request, events, speech.pcm_stream(said), fields, media_type)
         await _gather(request, events, said, fields)
         return Response(said.wav(), media_type=media_type)
+
+    @app.post("/v1/audio/transcriptions", response_model=None)
+    async def audio_transcriptions(request: Request) -> Response:
+        """Speech to text by the pipeline's recogniser stage (transcribe.py)."""
+        gateway = _gateway(request)
+        token = bearer_token(request)
+        upload = await transcribe.read_form(request, gateway.config.max_body_bytes)
+        stage = transcribe.recogniser_stage(await gateway.catalog.model(None, token), upload.model)
+        generate = transcribe.request(stage, upload.audio, upload.language, upload.prompt)
+        fields = {"inputs.messages[0].parts[0]": "file", "params.extra.language": "language"}
+        fields["params.extra.prompt"] = "prompt"
+        said = await transcribe.transcribe(gateway.client, token, generate, fields)
+        body = transcribe.response_body(said, upload.response_format, upload.language)
+        if isinstance(body, str):
+            return Response(body, media_type="text/plain; charset=utf-8")
+        return JSONResponse(body)
 
     @app.get("/v1/audio/voices")
     async def audio_voices(request: Request) -> dict[str, object]:

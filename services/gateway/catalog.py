@@ -5,12 +5,19 @@ every stage has described itself the answer is kept."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.client import AsyncClient
 from services.gateway.errors import ApiError
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+
+# OpenAI's realtime model names, present and future (gpt-realtime, gpt-realtime-2.1,
+# gpt-4o-realtime-preview-2025-06-03, gpt-4o-mini-realtime-preview): voice-agent
+# frameworks dial one by default, and on /v1/realtime each is served by the
+# pipeline as an OpenAI voice name is served by the speaker's default voice.
+OPENAI_REALTIME = re.compile(r"gpt-(4o-(mini-)?)?realtime(-[\w.-]+)?")
 
 
 @dataclass(frozen=True)
@@ -40,14 +47,35 @@ class Pipeline:
         return next((s.name for s in self.stages if "audio" in s.output_tensors), None)
 
     @property
+    def recogniser(self) -> str | None:
+        """The stage that turns speech into text for an entry stage that takes
+        none (the default pipeline's whisper stage), if any: a later stage that
+        accepts audio. None when the entry hears audio itself."""
+        if "audio" in self.entry.accepts:
+            return None
+        return next((s.name for s in self.stages[1:] if "audio" in s.accepts), None)
+
+    @property
+    def hears(self) -> bool:
+        """Spoken input is served: the entry stage takes audio, or a recogniser does."""
+        return "audio" in self.entry.accepts or self.recogniser is not None
+
+    @property
     def voices(self) -> list[str]:
         """The speech stage's voices, the first its default."""
         stage = next((s for s in self.stages if s.name == self.audio_stage), None)
         return list(stage.voices) if stage is not None else []
 
-    def check_model(self, model: str | None) -> None:
+    def serves(self, model: str | None, *, realtime: bool = False) -> bool:
+        """``model`` names this pipeline (None does too); with ``realtime``, so
+        does any OpenAI realtime model name."""
+        if model is None or model == self.name:
+            return True
+        return realtime and OPENAI_REALTIME.fullmatch(model) is not None
+
+    def check_model(self, model: str | None, *, realtime: bool = False) -> None:
         """404 for a model this mesh does not serve (None: the pipeline itself)."""
-        if model is not None and model != self.name:
+        if not self.serves(model, realtime=realtime):
             raise ApiError(
                 404,
                 f"model {model!r} does not exist: this mesh serves {self.name!r}",
@@ -88,9 +116,11 @@ class Catalog:
             self._known = pipeline
         return pipeline
 
-    async def model(self, name: str | None, token: str | None) -> Pipeline:
+    async def model(
+        self, name: str | None, token: str | None, *, realtime: bool = False
+    ) -> Pipeline:
         """The pipeline (the kept answer, else asked now), if ``name`` names it:
         404 otherwise (None: the pipeline, whatever its name)."""
         pipeline = self._known if self._known is not None else await self.fresh(token)
-        pipeline.check_model(name)
+        pipeline.check_model(name, realtime=realtime)
         return pipeline

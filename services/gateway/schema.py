@@ -172,7 +172,7 @@ def validate(model: type[M], data: Any, *, prefix: str = "") -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise _refusal(exc, prefix) from None
+        raise refusal(exc, prefix) from None
 
 
 def parse(model: type[M], body: bytes) -> M:
@@ -180,15 +180,16 @@ def parse(model: type[M], body: bytes) -> M:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _refusal(exc) from None
+        raise refusal(exc) from None
 
 
-def _refusal(exc: ValidationError, prefix: str = "") -> ApiError:
-    """A 400 naming the first offending field, as the request spells it."""
+def refusal(exc: ValidationError, prefix: str = "", tags: frozenset[str] = frozenset()) -> ApiError:
+    """A 400 naming the first offending field, as the request spells it
+    (``tags``: a tagged union's tags, which pydantic puts in the location)."""
     error = exc.errors()[0]
     if error["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {error['msg']}")
-    param = _path(prefix, error["loc"])
+    param = _path(prefix, tuple(part for part in error["loc"] if part not in tags))
     message = error["msg"].removeprefix("Value error, ")
     return ApiError(400, f"{param}: {message}" if param else message, param=param or None)
 

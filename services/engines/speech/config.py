@@ -26,9 +26,11 @@ class SpeechArgs(EngineArgs):
     """``voices``: the voices this stage offers, the first the default: a hibari
     voice name (in the package, or already in hibari's cache: a name alone is
     never downloaded) or a ``VoiceSource`` the stage fetches in its download
-    phase. ``max_text_chars``: the most text one request may speak (every window
-    of it together). ``max_sentence_chars``: text held back without a sentence
-    end is spoken in pieces of at most this much."""
+    phase. ``max_text_chars``: the most text one input may carry (a request's
+    text, or one window of a streamed answer: an answer of any length is spoken
+    window by window in bounded memory), and with ``extra.return_wav`` the most
+    of the whole (its WAV is held to the end). ``max_sentence_chars``: text held
+    back without a sentence end is spoken in pieces of at most this much."""
 
     voices: tuple[str | VoiceSource, ...] = Field(("heart",), min_length=1)
     speed: float = Field(1.0, ge=MIN_SPEED, le=MAX_SPEED)

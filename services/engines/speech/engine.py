@@ -142,16 +142,22 @@ class SpeechEngine:
         if not request.text.strip() if request.text else not request.token_ids:
             refuse(TEXT, "the text is empty: nothing to speak")
         field_ = one_input(request, (TEXT, TOKEN_IDS))
+        limit = self.args.max_text_chars
+        # A streamed answer is spoken window by window, so each window is bounded
+        # and the whole is not: what is held is one unfinished sentence. Only a
+        # WAV asked for at the end holds all the audio: its whole text counts.
+        before = state.chars if state.return_wav else 0
+        what = "the text (with extra.return_wav, all of it)" if state.return_wav else "one input"
         if field_ == TOKEN_IDS:
             if state.text is None:
                 refuse(TOKEN_IDS, "this stage has no tokenizer (set its model) to read token ids")
-            if state.chars + len(request.token_ids) > self.args.max_text_chars:
-                refuse(TOKEN_IDS, f"over the limit of {self.args.max_text_chars} characters")
+            if before + len(request.token_ids) > limit:
+                refuse(TOKEN_IDS, f"{what} is over the limit of {limit} characters")
             text = state.text.add(request.token_ids)
         else:
             text = request.text or ""
-        if state.chars + len(text) > self.args.max_text_chars:
-            refuse(field_, f"the text is over the limit of {self.args.max_text_chars} characters")
+        if before + len(text) > limit:
+            refuse(field_, f"{what} is over the limit of {limit} characters")
         if rid not in self._requests:  # every check passed: keep it
             self._keep(rid, state)
         state.chars += len(text)

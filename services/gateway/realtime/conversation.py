@@ -15,6 +15,7 @@ before the stage would refuse it.
 from __future__ import annotations
 
 import math
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -34,6 +35,32 @@ class Part:
     type: str  # input_text, input_audio, output_text, output_audio
     text: str = ""
     pcm: bytes = b""
+    audio_bytes: int = 0  # an answer's audio, as sent to the client (the mesh keeps none)
+    heard_ms: int | None = None  # the client played only this much of it (truncate)
+    whole: str = ""  # an answer's whole text, before any truncate
+
+    def truncate(self, heard_ms: int) -> None:
+        """The client played ``heard_ms`` of this answer's audio: the transcript
+        keeps the words said by then, by their share of the audio (the speech
+        stage reports no word times). A cut holds for an answer still being
+        written, and a later, shorter one cuts more."""
+        if not self.audio_bytes:
+            return  # no audio of it was sent: nothing was left unheard
+        self.heard_ms = heard_ms if self.heard_ms is None else min(self.heard_ms, heard_ms)
+        self._cut()
+
+    def finish(self, text: str) -> None:
+        """The answer's whole text, cut to what was heard if it was truncated."""
+        self.whole = self.text = text
+        self._cut()
+
+    def _cut(self) -> None:
+        if self.heard_ms is None:
+            return
+        heard = self.heard_ms * 2 * RATE // 1000
+        words = list(re.finditer(r"\S+", self.whole))
+        kept = len(words) * min(heard, self.audio_bytes) // self.audio_bytes
+        self.text = self.whole[: words[kept - 1].end()] if kept else ""
 
     def view(self) -> dict[str, Any]:
         """As the client sees it: audio is never sent back (it has it)."""
@@ -74,9 +101,13 @@ class Item:
             "content": [p.view() for p in self.parts],
         }
 
-    def message(self) -> stage_pb2.ChatMessage:
+    def message(self, audio: bool = True) -> stage_pb2.ChatMessage:
         """The item as the mesh's chat message: text alone as a string (as a chat
-        completion's string content), audio as a WAV content part."""
+        completion's string content), audio as a WAV content part; without
+        ``audio`` (an entry stage that takes none) audio as its transcript."""
+        if not audio:
+            said = " ".join(p.text.strip() for p in self.parts if p.text.strip())
+            return stage_pb2.ChatMessage(role=self.role, content=said)
         if all(not p.pcm for p in self.parts):
             return stage_pb2.ChatMessage(
                 role=self.role, content="".join(p.text for p in self.parts)

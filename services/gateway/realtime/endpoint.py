@@ -3,12 +3,14 @@ hands them to the session in order; one writes its server events (outbox.py).
 The gateway's limits end a session with an ``error`` event and a close code:
 
     1013  the gateway holds --max-sessions sessions already
-    1008  the client stopped reading (--max-unread-bytes), or its model or
-          token was refused
+    1008  the client stopped reading (--max-unread-bytes)
     1001  idle: no client event and no response for --session-idle-s
     1009  a message over --max-event-bytes (uvicorn's own, without an event)
 
-A refused event is answered with ``error`` and the session goes on.
+A model or token the gateway refuses is refused at the HTTP handshake, before
+the WebSocket is accepted (404, 401: an OpenAI error body), so a client that
+retries closed sessions does not retry a refusal. A refused event is answered
+with ``error`` and the session goes on.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import grpc
+from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from services.gateway.catalog import Catalog
+from services.gateway.catalog import Catalog, Pipeline
 from services.gateway.errors import ApiError
 from services.gateway.http_io import bearer_token
 from services.gateway.realtime import client_events as ce
@@ -57,6 +60,16 @@ class Sessions:
         self.open = 0
 
     async def serve(self, websocket: WebSocket) -> None:
+        requested = websocket.query_params.get("model")
+        try:
+            token = bearer_token(websocket)
+            pipeline = await self.catalog.model(requested, token, realtime=True)
+        except ApiError as exc:
+            await _deny(websocket, exc)
+            return
+        except grpc.aio.AioRpcError as exc:  # e.g. a token the orchestrator refuses
+            await _deny(websocket, ApiError.from_rpc(exc))
+            return
         await websocket.accept()
         outbox = Outbox(websocket, self.context.limits.max_unread_bytes)
         writer = asyncio.create_task(outbox.write(), name="realtime writer")
@@ -68,7 +81,7 @@ class Sessions:
             else:
                 self.open += 1
                 counted = True
-                ending = await self._session(websocket, outbox)
+                ending = await self._session(websocket, outbox, pipeline, token, requested)
             if ending is not None:
                 await _end(websocket, outbox, writer, ending)
         except WebSocketDisconnect:
@@ -85,15 +98,15 @@ class Sessions:
         message = f"the gateway serves {limit} sessions at once; try again later"
         return Ending(ApiError(429, message, code="session_limit_reached"), FULL)
 
-    async def _session(self, websocket: WebSocket, outbox: Outbox) -> Ending | None:
-        try:
-            token = bearer_token(websocket)
-            pipeline = await self.catalog.model(websocket.query_params.get("model"), token)
-        except ApiError as exc:
-            return Ending(exc, POLICY)
-        except grpc.aio.AioRpcError as exc:  # e.g. a token the orchestrator refuses
-            return Ending(ApiError.from_rpc(exc), POLICY)
-        session = Session(self.context, pipeline, token, outbox.put)
+    async def _session(
+        self,
+        websocket: WebSocket,
+        outbox: Outbox,
+        pipeline: Pipeline,
+        token: str | None,
+        requested: str | None,
+    ) -> Ending | None:
+        session = Session(self.context, pipeline, token, outbox.put, model=requested)
         outbox.put({"type": "session.created", "session": session.view()})
         try:
             return await self._read(websocket, session, outbox)
@@ -141,6 +154,17 @@ class Sessions:
             await session.handle(event)
         except ApiError as exc:
             outbox.put(wire.error(exc, event.event_id))
+
+
+async def _deny(websocket: WebSocket, failure: ApiError) -> None:
+    """Refuse the handshake with ``failure`` as an HTTP response (its status and
+    OpenAI error body); a server without the denial extension gets a close
+    before accept, which the client sees as HTTP 403."""
+    logger.info("realtime handshake refused: %s", failure.message)
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        await websocket.send_denial_response(JSONResponse(failure.body, failure.status))
+    else:
+        await websocket.close(POLICY, failure.code)
 
 
 async def _end(

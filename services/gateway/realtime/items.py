@@ -1,13 +1,14 @@
 """A client's conversation item, part by part, as the session keeps it: which
 parts each role may hold, audio checked (base64 16-bit PCM at 24 kHz, within
-the buffer's limit, and only if the pipeline's entry stage takes audio), an
+the buffer's limit, and only if the pipeline hears: its entry stage takes audio
+or a recogniser stage transcribes it), an
 assistant's audio kept as its transcript."""
 
 from __future__ import annotations
 
+from services.gateway.catalog import Pipeline
 from services.gateway.realtime import client_events as ce
 from services.gateway.realtime.conversation import Part
-from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 _KINDS = {
     "user": ("input_text", "input_audio"),
@@ -20,7 +21,7 @@ def part_of(
     role: str,
     part: ce.ContentPart,
     where: str,
-    entry: orchestrator_pb2.StageStatus,
+    pipeline: Pipeline,
     audio_limit: int,
 ) -> Part:
     """``part`` (the client's ``where``) of a ``role`` item; errors name the field."""
@@ -30,7 +31,8 @@ def part_of(
     if part.type == "input_audio":
         if part.audio is None:
             raise ce.bad(f"{where}.audio", "expected base64 16-bit PCM at 24 kHz")
-        if "audio" not in entry.accepts:
+        if not pipeline.hears:
+            entry = pipeline.entry
             accepted = ", ".join(entry.accepts) or "text"
             message = f"the pipeline's entry stage {entry.name!r} accepts {accepted}, not audio"
             raise ce.bad(where, message, "audio_not_supported")

@@ -49,8 +49,9 @@ def plan_response(session: Session, params: ce.ResponseParams) -> Plan:
     request = orchestrator_pb2.GenerateRequest(request_id=response_id())
     if instructions:
         request.inputs.messages.add(role="system", content=instructions)
+    hears = "audio" in pipeline.entry.accepts
     for item in sent:
-        request.inputs.messages.add().CopyFrom(item.message())
+        request.inputs.messages.add().CopyFrom(item.message(audio=hears))
     if max_tokens != "inf":
         request.params.max_tokens = int(max_tokens)
     source = "response" if params.audio is not None and params.audio.output else "session"
@@ -72,3 +73,11 @@ def plan_response(session: Session, params: ce.ResponseParams) -> Plan:
         if extra:
             request.stage_params[stage].extra.update(extra)
     return Plan(request, fields, sent, stage, output.voice, max_tokens, params.metadata)
+
+
+def refill(plan: Plan, audio: bool) -> None:
+    """The plan's conversation again, once the transcripts it waited for are in."""
+    messages = plan.request.inputs.messages
+    first = len(messages) - len(plan.sent)
+    for k, item in enumerate(plan.sent):
+        messages[first + k].CopyFrom(item.message(audio=audio))

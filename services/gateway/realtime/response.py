@@ -16,13 +16,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from orchestrator.client import Events
 from services.gateway.audio_out import Speech
 from services.gateway.chat import Answer
 from services.gateway.errors import ApiError
@@ -33,6 +32,14 @@ from services.mesh.pb.omni.v1 import orchestrator_pb2
 logger = logging.getLogger(__name__)
 
 Emit = Callable[[dict[str, Any]], None]
+
+
+class Events(Protocol):
+    """A request's events from the mesh (``AsyncClient.send``), cancellable."""
+
+    def __aiter__(self) -> AsyncIterator[orchestrator_pb2.GenerateEvent]: ...
+
+    def cancel(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class Response:
             )
             self._emit({"type": kind, **where, "delta": delta})
         if pcm:
+            item.parts[0].audio_bytes += len(pcm)
             audio = base64.b64encode(pcm).decode()
             self._emit({"type": "response.output_audio.delta", **where, "delta": audio})
 
@@ -177,8 +185,8 @@ class Response:
         output = []
         item = self.item
         if item is not None:
-            text = "".join(self._text)
-            item.parts[0].text = text
+            item.parts[0].finish("".join(self._text))
+            text = item.parts[0].text  # what the client heard, if it truncated
             item.status = "completed" if status == "completed" else "incomplete"
             where = {"response_id": self.id, "item_id": item.id, "output_index": 0}
             if self._speaks:

@@ -18,9 +18,16 @@ from services.gateway.realtime import client_events as ce
 from services.gateway.realtime import wire
 from services.gateway.realtime.conversation import Budget, Conversation, Item, Part, new_id
 from services.gateway.realtime.items import part_of
-from services.gateway.realtime.plan import plan_response
-from services.gateway.realtime.response import Emit, Response
-from services.gateway.realtime.session_config import RATE, SessionConfig
+from services.gateway.realtime.plan import plan_response, refill
+from services.gateway.realtime.response import Emit, Events, Plan, Response
+from services.gateway.realtime.session_config import (
+    RATE,
+    Audio,
+    AudioInput,
+    ServerVadSettings,
+    SessionConfig,
+)
+from services.gateway.realtime.transcripts import AfterTranscripts, Transcripts
 from services.gateway.realtime.vad import ServerVad, Turn
 from services.gateway.schema import validate
 from services.gateway.voices import Voices
@@ -41,19 +48,40 @@ class Context:
 
 
 class Session:
-    def __init__(self, context: Context, pipeline: Pipeline, token: str | None, emit: Emit) -> None:
+    def __init__(
+        self,
+        context: Context,
+        pipeline: Pipeline,
+        token: str | None,
+        emit: Emit,
+        *,
+        model: str | None = None,
+    ) -> None:
+        """``model``: the name the client dialled (the pipeline's, or an OpenAI
+        realtime name it serves), said back as the session's."""
         self.id = new_id("sess")
         self._context = context
         self._pipeline = pipeline
         self._token = token
         self._emit = emit
         modalities = ["audio"] if pipeline.audio_stage else ["text"]
-        self.config = SessionConfig(model=pipeline.name, output_modalities=modalities)  # type: ignore[arg-type]
+        # A pipeline that hears starts with server VAD on, as OpenAI's sessions do.
+        detection = ServerVadSettings() if pipeline.hears else None
+        self.config = SessionConfig(
+            model=model or pipeline.name,
+            output_modalities=modalities,  # type: ignore[arg-type]
+            audio=Audio(input=AudioInput(turn_detection=detection)),
+        )
         self.conversation = Conversation()
         self._buffer = bytearray()
         self._before_buffer = 0  # bytes of the session's audio before the buffer's first
-        self._vad: ServerVad | None = None
+        self._vad = ServerVad(detection) if detection is not None else None
+        recogniser = pipeline.recogniser
+        self._transcripts = (
+            Transcripts(context.client, recogniser, token, emit) if recogniser else None
+        )
         self._turn_item = ""  # the item id of the turn server VAD is hearing
+        self._turn_start_ms = 0  # where it started, in the session's audio
         self.response: Response | None = None
 
     @property
@@ -103,26 +131,37 @@ class Session:
     def close(self) -> None:
         if self.response is not None:
             self.response.cancel("client_cancelled")
+        if self._transcripts is not None:
+            self._transcripts.close()
 
     # -- settings
 
     def _update(self, event: ce.SessionUpdate) -> None:
-        config = self.config.updated(event.session)
-        model = config.model
-        if model is not None and model != self._pipeline.name:
-            raise ce.bad("session.model", f"this mesh serves {self._pipeline.name!r}")
+        """Every field the mesh can serve applies; one ``error`` after
+        ``session.updated`` names each field left as it was."""
+        config, refused = self.config.updated(event.session)
+        if not self._pipeline.serves(config.model, realtime=True):
+            refused.append(ce.bad("session.model", f"this mesh serves {self._pipeline.name!r}"))
+            config = config.model_copy(update={"model": self.config.model})
         if config.speaks and self._pipeline.audio_stage is None:
-            raise ce.bad(
-                "session.output_modalities",
-                f"model {self._pipeline.name!r} has no stage that speaks; use ['text']",
+            refused.append(
+                ce.bad(
+                    "session.output_modalities",
+                    f"model {self._pipeline.name!r} has no stage that speaks; use ['text']",
+                )
             )
+            config = config.model_copy(update={"output_modalities": self.config.output_modalities})
+        changed = config != self.config
         detection = config.audio.input.turn_detection
         if detection != self.config.audio.input.turn_detection:
             # Its times count the session's audio from the start, as OpenAI's do.
             heard = (self._before_buffer + len(self._buffer)) // BYTES_PER_MS
             self._vad = ServerVad(detection, heard) if detection is not None else None
         self.config = config
-        self._emit({"type": "session.updated", "session": self.view()})
+        if changed or not refused:
+            self._emit({"type": "session.updated", "session": self.view()})
+        if refused:
+            raise _refusals(refused, changed)
 
     def _budget_tokens(self) -> int:
         truncation = self.config.truncation
@@ -154,6 +193,7 @@ class Session:
         settings = self._vad.settings
         if turn.kind == "started":
             self._turn_item = new_id("item")
+            self._turn_start_ms = turn.ms
             self._emit(
                 {
                     "type": "input_audio_buffer.speech_started",
@@ -171,8 +211,9 @@ class Session:
                 "item_id": self._turn_item,
             }
         )
-        # Everything before the turn's padding is silence: left out of the item.
-        start = (turn.ms - settings.prefix_padding_ms) * BYTES_PER_MS
+        # Everything before the turn's padding is silence: left out of the item
+        # (from where the turn started: ``turn.ms`` is where it stopped).
+        start = (self._turn_start_ms - settings.prefix_padding_ms) * BYTES_PER_MS
         skip = max(0, start - self._before_buffer)
         try:
             self._commit(len(self._buffer), skip=skip, item_id=self._turn_item)
@@ -188,7 +229,7 @@ class Session:
     def _commit(self, end: int, *, skip: int = 0, item_id: str = "") -> None:
         pcm = bytes(self._buffer[skip:end])
         entry = self._pipeline.entry
-        if "audio" not in entry.accepts:
+        if not self._pipeline.hears:
             self._drop_buffer(end)
             kinds = ", ".join(entry.accepts) or "text"
             raise ce.bad(
@@ -228,7 +269,7 @@ class Session:
             raise ce.bad("item.id", f"{message.id!r} is already in the conversation")
         limit = self._context.limits.max_audio_buffer_bytes
         parts = [
-            part_of(message.role, part, f"item.content[{j}]", self._pipeline.entry, limit)
+            part_of(message.role, part, f"item.content[{j}]", self._pipeline, limit)
             for j, part in enumerate(message.content)
         ]
         item = Item(message.role, parts)
@@ -245,6 +286,8 @@ class Session:
         self._added(item, previous)
 
     def _added(self, item: Item, previous: str | None) -> None:
+        if self._transcripts is not None:
+            self._transcripts.start(item, self.config.audio.input.transcription)
         view = item.view()
         self._emit({"type": "conversation.item.added", "previous_item_id": previous, "item": view})
         self._emit({"type": "conversation.item.done", "previous_item_id": previous, "item": view})
@@ -280,13 +323,20 @@ class Session:
         self._emit({"type": "conversation.item.deleted", "item_id": item_id})
 
     def _truncate(self, event: ce.ItemTruncate) -> None:
-        """The client played only ``audio_end_ms`` of an answer. The mesh keeps no
-        audio to cut; the transcript stays whole (docs/api.md)."""
+        """The client played only ``audio_end_ms`` of an answer: its transcript is
+        cut to the words said by then, so the next turn's context holds what
+        the user heard (conversation.py says how)."""
         item = self._item(event.item_id)
         if item.role != "assistant":
             raise ce.bad("item_id", "only an assistant item's audio can be truncated")
         if event.content_index >= len(item.parts):
             raise ce.bad("content_index", f"the item has {len(item.parts)} part(s)")
+        part = item.parts[event.content_index]
+        if part.type != "output_audio":
+            raise ce.bad("content_index", f"part {event.content_index} has no audio")
+        # Past the audio sent (a player's clock runs on a little) cuts nothing.
+        part.truncate(event.audio_end_ms)
+        item.tokens = None  # estimated again from what is left
         self._emit(
             {
                 "type": "conversation.item.truncated",
@@ -309,7 +359,16 @@ class Session:
             )
         plan = plan_response(self, params)
         self.response = Response(plan, self.conversation, self._emit)
-        self.response.start(self._context.client.send(plan.request, token=self._token))
+        waits = self._transcripts.pending(plan.sent) if self._transcripts is not None else []
+        if waits:
+            self.response.start(AfterTranscripts(waits, lambda: self._send(plan, refilled=True)))
+        else:
+            self.response.start(self._send(plan))
+
+    def _send(self, plan: Plan, *, refilled: bool = False) -> Events:
+        if refilled:
+            refill(plan, "audio" in self._pipeline.entry.accepts)
+        return self._context.client.send(plan.request, token=self._token)
 
     def _cancel(self, response_id: str | None) -> None:
         response = self.response
@@ -327,3 +386,13 @@ class Session:
     @property
     def context(self) -> Context:
         return self._context
+
+
+def _refusals(refused: list[ApiError], applied: bool) -> ApiError:
+    """One ``error`` for a ``session.update``: ``param`` the first field refused,
+    the message each of them, and whether the rest applied."""
+    first = refused[0]
+    rest = "the other fields were applied" if applied else "nothing was changed"
+    listed = "; ".join(error.message for error in refused)
+    code = first.code or "invalid_value"
+    return ApiError(400, f"{listed} ({rest})", param=first.param, code=code)

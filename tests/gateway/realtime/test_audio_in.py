@@ -67,7 +67,13 @@ async def test_committed_audio_is_answered_as_a_chat_completion_answers_the_clip
     )
     audio = expected.choices[0].message.audio
     async with sdk(qwen).realtime.connect(model=MODEL) as connection:
-        await until(connection, "session.created")
+        created = (await until(connection, "session.created"))[-1]["session"]
+        # A pipeline that hears starts with server VAD on, as OpenAI's sessions do.
+        assert created["audio"]["input"]["turn_detection"]["type"] == "server_vad"
+        await connection.session.update(
+            session={"type": "realtime", "audio": {"input": {"turn_detection": None}}}
+        )
+        await until(connection, "session.updated")
         for piece in chunks(pcm):
             await connection.input_audio_buffer.append(audio=base64.b64encode(piece).decode())
         await connection.input_audio_buffer.commit()

@@ -9,7 +9,12 @@ from hibari import Hibari
 
 from services.gateway.errors import ApiError
 from services.gateway.realtime.conversation import Budget, Conversation, Item, Part
-from services.gateway.realtime.session_config import SessionConfig, TurnDetection
+from services.gateway.realtime.session_config import (
+    EAGERNESS_SILENCE_MS,
+    SemanticVadSettings,
+    SessionConfig,
+)
+from services.gateway.realtime.session_config import ServerVadSettings as TurnDetection
 from services.gateway.realtime.vad import ServerVad
 from services.mesh import wav
 
@@ -48,21 +53,92 @@ def test_measured_tokens_go_to_the_items_sent_for_the_first_time() -> None:
     assert new_a.tokens + new_b.tokens == 60 and new_b.tokens > new_a.tokens
 
 
-def test_a_session_update_merges_and_a_refused_one_changes_nothing() -> None:
+def test_a_session_update_merges_and_a_refused_field_is_named_and_left_alone() -> None:
     config = SessionConfig(instructions="Be brief.")
-    voiced = config.updated({"audio": {"output": {"voice": "marin"}}})
+    voiced, refused = config.updated({"audio": {"output": {"voice": "marin"}}})
     assert voiced.audio.output.voice == "marin" and voiced.instructions == "Be brief."
-    assert voiced.audio.output.format.rate == 24000
-    vad = voiced.updated({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
+    assert voiced.audio.output.format.rate == 24000 and refused == []
+    vad, _ = voiced.updated({"audio": {"input": {"turn_detection": {"type": "server_vad"}}}})
     assert vad.audio.input.turn_detection == TurnDetection(type="server_vad")
-    assert (
-        vad.updated({"audio": {"input": {"turn_detection": None}}}).audio.input.turn_detection
-        is None
-    )
-    with pytest.raises(ApiError) as refused:
-        voiced.updated({"instructions": "x", "audio": {"output": {"format": {"rate": 16000}}}})
-    assert refused.value.param == "session.audio.output.format.rate"
+    off, _ = vad.updated({"audio": {"input": {"turn_detection": None}}})
+    assert off.audio.input.turn_detection is None
+    # An unrelated field the mesh cannot serve does not cost the instructions.
+    change = {
+        "instructions": "x",
+        "temperature": 0.5,
+        "audio": {"output": {"format": {"rate": 16000}, "speed": 1.5}},
+    }
+    updated, refused = voiced.updated(change)
+    assert [e.param for e in refused] == ["session.audio.output.format.rate", "session.temperature"]
+    assert updated.instructions == "x" and updated.audio.output.speed == 1.5
+    assert updated.audio.output.format.rate == 24000
     assert voiced.instructions == "Be brief."  # unchanged: configs are replaced, never mutated
+    # Not an object at all: refused whole.
+    with pytest.raises(ApiError) as whole:
+        voiced.updated(["instructions"])
+    assert whole.value.param == "session"
+
+
+def test_what_the_frameworks_send_at_their_defaults_is_accepted() -> None:
+    """The first session.update of openai-agents, Pipecat and LiveKit (their
+    defaults, as probed): semantic VAD, input transcription, noise reduction,
+    tracing, a realtime model name; and the beta shape's top-level names."""
+    config, refused = SessionConfig().updated(
+        {
+            "type": "realtime",
+            "model": "gpt-realtime-2.1",
+            "instructions": "Speak like a pirate.",
+            "audio": {
+                "input": {
+                    "turn_detection": {"type": "semantic_vad", "eagerness": "high"},
+                    "transcription": {"model": "gpt-4o-mini-transcribe"},
+                    "noise_reduction": {"type": "near_field"},
+                }
+            },
+            "tracing": "auto",
+        }
+    )
+    assert refused == []
+    detection = config.audio.input.turn_detection
+    assert isinstance(detection, SemanticVadSettings)
+    assert detection.silence_duration_ms == EAGERNESS_SILENCE_MS["high"]
+    assert config.audio.input.transcription is not None and config.tracing == "auto"
+    # The client echoing a silence duration cannot set one eagerness does not say.
+    echoed, _ = config.updated(
+        {"audio": {"input": {"turn_detection": {"eagerness": "low", "silence_duration_ms": 1}}}}
+    )
+    assert echoed.audio.input.turn_detection.silence_duration_ms == EAGERNESS_SILENCE_MS["low"]  # type: ignore[union-attr]
+    # Back to server VAD: a new type replaces the object, it is not merged into it.
+    server, refused = config.updated(
+        {"turn_detection": {"type": "server_vad"}, "input_audio_transcription": None}
+    )
+    assert refused == [] and server.audio.input.turn_detection == TurnDetection()
+    assert server.audio.input.transcription is None
+    _, refused = config.updated({"audio": {"input": {"turn_detection": {"eagerness": "now"}}}})
+    assert [e.param for e in refused] == ["session.audio.input.turn_detection.eagerness"]
+
+
+def test_a_truncated_answer_keeps_the_words_heard() -> None:
+    second = 2 * RATE
+    part = Part("output_audio", audio_bytes=4 * second)
+    part.finish("one two  three four five six seven eight")
+    part.truncate(2000)  # half the audio: half the words
+    assert part.text == "one two  three four"
+    part.truncate(3000)  # what was cut stays cut
+    assert part.text == "one two  three four"
+    part.truncate(1000)
+    assert part.text == "one two"
+    early = Part("output_audio", audio_bytes=2 * second)
+    early.truncate(500)  # before the answer's text is whole: applied when it is
+    early.finish("a b c d e f g h")
+    assert early.text == "a b"
+    past = Part("output_audio", audio_bytes=second)
+    past.truncate(5000)
+    past.finish("all of it")
+    assert past.text == "all of it"
+    told = Part("output_audio", text="a client's own transcript")  # no audio sent: kept
+    told.truncate(0)
+    assert told.text == "a client's own transcript"
 
 
 @pytest.fixture(scope="module")

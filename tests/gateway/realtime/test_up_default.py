@@ -10,29 +10,16 @@ import asyncio
 import base64
 import hashlib
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import websockets
 from openai import OpenAI
 
-from tests.gateway.realtime.conftest import omni_up
 from tests.helpers.node import node_client
 from tests.helpers.realtime import Turn, respond, sdk, until, user_text
 
 MODEL = "omni-default"
 PROMPT = "Say one short sentence about the moon."
-
-
-@pytest.fixture(scope="module")
-async def default(
-    tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path, smollm2_gguf: Path
-) -> AsyncIterator[str]:
-    folder = tmp_path_factory.mktemp("default-up")
-    pipeline = "examples/pipelines/default.yaml"
-    async with omni_up(pipeline, folder, omni_cache_dir, "--max-sessions", "3") as base_url:
-        yield base_url
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import psutil
 import yaml
+from hibari import Hibari
 
 from orchestrator.client import AsyncClient, Result
+from services.mesh import wav
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+from tests.engines.whisper.wer import wer
 from tests.helpers.reference_answer import ReferenceLM
 from tests.helpers.shm_blocks import blocks_of
 
@@ -31,6 +34,18 @@ async def read_until(stream: asyncio.StreamReader, prefix: str, timeout_s: float
         raise AssertionError(f"omni up ended before printing {prefix!r}")
 
     return await asyncio.wait_for(scan(), timeout_s)
+
+
+async def omni_generate(address: str, out: Path, *args: str) -> tuple[str, str]:
+    """`omni generate ARGS --max-tokens 8`: its stdout (the answer) and stderr."""
+    run = await asyncio.create_subprocess_exec(
+        OMNI, "generate", *args, "--address", address, "--max-tokens", "8", "--out", str(out),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(run.communicate(), 180)
+    assert run.returncode == 0, err.decode()
+    return out.decode(), err.decode()
 
 
 def shm_blocks(mesh_id: str) -> list[str]:
@@ -57,7 +72,7 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
         ready = await read_until(up.stdout, "ready in", 240)
         address = ready.rsplit(" ", 1)[1]
         children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) == 3  # one process per stage; the orchestrator is omni up itself
+        assert len(children) == 4  # one process per stage; the orchestrator is omni up itself
 
         out = tmp_path / "out"
         generate = await asyncio.create_subprocess_exec(
@@ -91,6 +106,23 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
         answer = stdout.decode().strip()  # the thinker's text (labels go to stderr)
         assert spoken.getframerate() == 24000 and np.abs(pcm).max() > 3000
         assert len(answer) / 25 <= seconds <= len(answer) / 10, (seconds, answer)
+
+        # A spoken question (our speaker's speech): the recogniser hears it, and
+        # the thinker answers it as it answers the words typed.
+        question = "What is the capital of France?"
+        pcm = wav.pcm16(Hibari()(question, seed=0))
+        (tmp_path / "q.wav").write_bytes(wav.header(24000, 1, len(pcm)) + pcm)
+        spoken = await omni_generate(
+            address, tmp_path / "heard", "--audio", str(tmp_path / "q.wav")
+        )
+        heard = next(
+            line.removeprefix("[recogniser] ")
+            for line in spoken[1].splitlines()
+            if line.startswith("[recogniser] ")
+        )
+        assert wer(question, heard) <= 0.2, heard
+        typed = await omni_generate(address, tmp_path / "typed", heard)
+        assert spoken[0] == typed[0] and spoken[0].strip()
 
         # A stage that crashes fails its in-flight request at once, naming it,
         # and comes back (restarted by omni up on the same port).

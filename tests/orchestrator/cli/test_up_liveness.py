@@ -150,7 +150,7 @@ async def test_each_stage_killed_idle_and_busy_is_down_at_once_and_served_after(
 @pytest.mark.slow
 async def test_a_killed_omni_up_takes_its_stages_with_it_within_3s(up: Up) -> None:
     stages = psutil.Process(up.process.pid).children(recursive=True)
-    assert len(stages) == 3
+    assert len(stages) == 4  # thinker, renderer, speaker, recogniser
     async with AsyncClient(up.address) as client:
         busy = client.generate("Write at length.", params={"max_tokens": 300})
         events = aiter(busy)

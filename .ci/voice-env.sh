@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates (or brings up to date) .venv-voice: the voice-agent frameworks' own
+# realtime clients (OpenAI Agents SDK, Pipecat, LiveKit Agents), for
+# tests/gateway/realtime/test_frameworks.py, which runs each framework's turn
+# (tests/gateway/frameworks/*.py) with this venv's Python against a gateway the
+# main venv starts. A venv of their own: their pins are not the mesh's (LiveKit
+# needs protobuf < 7; the mesh runs 7), and the mesh never imports them.
+# Idempotent: a second run only re-checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv-voice
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q 'openai-agents>=0.24,<0.25' 'pipecat-ai[openai]>=1.14,<2' \
+    'livekit-agents>=1.8.9,<1.9' 'livekit-plugins-openai>=1.8.9,<1.9'
+"$venv/bin/python" -c '
+from agents.realtime import RealtimeRunner
+from pipecat.services.openai.realtime.llm import OpenAIRealtimeLLMService
+from livekit.plugins import openai
+'
