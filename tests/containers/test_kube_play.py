@@ -24,6 +24,7 @@ from services.engines.transformers.loading import kernels_refuse
 from tests.containers import podman
 from tests.deploy.chart import CHART_DIR, load_values, merge, render
 from tests.helpers.grpcurl import grpcurl, health, json_stream
+from tests.helpers.reference_answer import ReferenceLM
 
 pytestmark = [pytest.mark.container, pytest.mark.timeout(1800)]
 
@@ -49,12 +50,13 @@ def _free_ports(count: int) -> list[int]:
 
 def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
     repository, tag = image.rsplit(":", 1)
-    orchestrator, thinker, renderer, speaker = _free_ports(4)
+    orchestrator, thinker, renderer, speaker, recogniser = _free_ports(5)
     ports = {
         "orchestrator": orchestrator,
         "thinker": thinker,
         "renderer": renderer,
         "speaker": speaker,
+        "recogniser": recogniser,
     }
     values = merge(
         load_values(PODMAN_VALUES),
@@ -65,6 +67,7 @@ def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
                 "thinker": {"port": thinker},
                 "renderer": {"port": renderer},
                 "speaker": {"port": speaker},
+                "recogniser": {"port": recogniser},
             },
         },
     )
@@ -75,14 +78,17 @@ def _manifests(image: str, tmp_path: Path) -> tuple[Path, dict[str, int]]:
 
 
 async def test_rendered_chart_answers_a_prompt_with_text_an_image_and_speech_under_podman(
-    cpu_image: podman.Image, figures: dict[str, object], tmp_path: Path
+    cpu_image: podman.Image,
+    figures: dict[str, object],
+    tmp_path: Path,
+    smollm2_reference: ReferenceLM,
 ) -> None:
     manifests, ports = _manifests(cpu_image.ref, tmp_path)
     with podman.machine_lock():
         began = time.monotonic()
         with podman.kube_played(manifests) as pods:
             units = sorted(pod.removeprefix(f"{RELEASE}-").split("-pod")[0] for pod in pods)
-            assert units == ["orchestrator", "renderer", "speaker", "thinker"], pods
+            assert units == ["orchestrator", "recogniser", "renderer", "speaker", "thinker"], pods
             (thinker_pod,) = (pod for pod in pods if pod.startswith(f"{RELEASE}-thinker-pod"))
             async with AsyncClient(f"127.0.0.1:{ports['orchestrator']}") as client:
                 await client.wait_ready(timeout_s=900)
@@ -96,7 +102,9 @@ async def test_rendered_chart_answers_a_prompt_with_text_an_image_and_speech_und
                 answer_s = time.monotonic() - asked
             assert result.ok, result.done
             thinker = result.stages["thinker"]
-            assert len(thinker.token_ids) == 16 and thinker.text.strip()
+            # What this machine's float32 run says, not a length the CPU decides.
+            smollm2_reference.answer("Describe a red apple.", 16).assert_said(thinker.token_ids)
+            assert thinker.text.strip()
             saved = save_outputs(result, "podman-1", tmp_path / "out")
             (png,) = [path for path in saved if path.suffix == ".png"]
             with Image.open(png) as image:

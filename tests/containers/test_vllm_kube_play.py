@@ -43,6 +43,7 @@ def _manifests(cpu: str, vllm: str, tmp_path: Path, dev_shm: Path) -> tuple[Path
             "stages": {
                 "renderer": None,  # Helm drops a key set to null
                 "speaker": None,
+                "recogniser": None,
                 "thinker": {
                     "engine": "vllm",
                     "model": example["model"],

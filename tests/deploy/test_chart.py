@@ -48,7 +48,13 @@ def test_every_manifest_is_valid_for_kubernetes_1_29_and_1_33(variant: str) -> N
 
 def test_defaults_deploy_the_default_pipeline() -> None:
     docs = render()
-    names = {"omni-orchestrator", "omni-thinker", "omni-renderer", "omni-speaker"}
+    names = {
+        "omni-orchestrator",
+        "omni-thinker",
+        "omni-renderer",
+        "omni-speaker",
+        "omni-recogniser",
+    }
     assert set(by_kind(docs, "Deployment")) == set(by_kind(docs, "Service")) == names
     assert set(by_kind(docs, "NetworkPolicy")) == {"omni-stages"}
     assert "PersistentVolumeClaim" not in {d["kind"] for d in docs}
@@ -79,7 +85,7 @@ def test_podman_values_render_only_what_podman_kube_play_runs() -> None:
         ports.add(port)
         if name != "orchestrator":
             assert pipeline.stage(name).address == f"127.0.0.1:{port}"
-    assert len(ports) == 4  # one host network: every service its own port
+    assert len(ports) == 5  # one host network: every service its own port
 
 
 def test_the_documented_example_values_render_valid_stage_files() -> None:

@@ -68,4 +68,4 @@ def test_network_policy_lets_only_the_orchestrator_reach_stages() -> None:
     assert (
         peer["podSelector"]["matchLabels"] == orchestrator["spec"]["template"]["metadata"]["labels"]
     )
-    assert sorted(p["port"] for p in rule["ports"]) == [50051, 50052, 50055]
+    assert sorted(p["port"] for p in rule["ports"]) == [50051, 50052, 50055, 50056]

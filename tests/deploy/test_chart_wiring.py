@@ -64,7 +64,8 @@ def test_stage_addresses_are_the_rendered_services(variant: str) -> None:
 def test_grouped_stages_share_one_pod_and_its_shm() -> None:
     docs = render(GROUP)
     specs = pod_specs(docs)
-    assert set(specs) == {"omni-orchestrator", "omni-pair", "omni-speaker"}  # speaker: own Pod
+    # speaker and recogniser: Pods of their own
+    assert set(specs) == {"omni-orchestrator", "omni-pair", "omni-speaker", "omni-recogniser"}
     spec = specs["omni-pair"]
     assert [c["name"] for c in spec["containers"]] == ["renderer", "thinker"]
     assert spec["shareProcessNamespace"] is True  # cudaIpc: true
