@@ -69,6 +69,9 @@ class Stage(Frozen):
     python: Path | None = None
     init_timeout_s: float = Field(600.0, gt=0)
     download_stall_timeout_s: float = Field(60.0, gt=0)
+    # Which replica a new request goes to when the address names several
+    # (stages/replicas.py): the least busy ready one, or each in turn.
+    routing: Literal["least_outstanding", "round_robin"] = "least_outstanding"
 
     @field_validator("address")
     @classmethod

@@ -93,6 +93,7 @@ class RequestFlow:
         self.blocked_s: dict[str, float] = {}
         self.bytes_in: dict[str, int] = {}  # wire bytes read from each stage
         self.audio = AudioClock(clock)  # the audio the client hears, as it would play
+        self._served_by: dict[str, StageClient] = {}  # the replica of each stage it ran on
 
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
@@ -183,7 +184,6 @@ class RequestFlow:
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: str) -> None:
-        client = self._clients[stage]
         channel = await self._streams.join(stage, self.stage_id)
         self.active_stages.add(stage)
         writer: asyncio.Task[None] | None = None
@@ -202,15 +202,14 @@ class RequestFlow:
                 await writer
         except StageFailed:
             raise
-        except StreamBroken as exc:
+        except StreamBroken as exc:  # its details name the replica
             raise StageFailed(
-                stage,
-                exc.code,
-                f"stage {stage} at {client.address} failed: {exc.code.name}: {exc.details}",
+                stage, exc.code, f"stage {stage} failed: {exc.code.name}: {exc.details}"
             ) from None
         except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
             raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         finally:
+            self._served_by[stage] = channel.replica.client  # it holds the shared blocks
             channel.close()
             if writer is not None:
                 writer.cancel()
@@ -327,7 +326,8 @@ class RequestFlow:
 
         async def release(stage: str) -> None:
             try:
-                await self._clients[stage].release_tensors(request, timeout_s=5.0)
+                client = self._served_by.get(stage, self._clients[stage])
+                await client.release_tensors(request, timeout_s=5.0)
             except grpc.aio.AioRpcError as exc:  # its TTL frees them
                 logger.info(
                     "request %s: release on stage %s failed: %s",
@@ -337,4 +337,3 @@ class RequestFlow:
                 )
 
         await asyncio.gather(*(release(stage) for stage in self.shared_from))
-

@@ -31,6 +31,7 @@ from orchestrator.requests.flow import Describe, RequestFlow
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
 from orchestrator.requests.topology import Topology, unoffered
+from orchestrator.stages.replicas import ReplicaSet
 from services.mesh import errors, media_types
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.ref_reader import RefReader
@@ -80,6 +81,7 @@ class Router:
         self,
         pipeline: PipelineConfig,
         clients: Mapping[str, StageClient],
+        replicas: Mapping[str, ReplicaSet],
         gate: Gate,
         clock: Callable[[], float] = time.monotonic,
         *,
@@ -92,7 +94,7 @@ class Router:
         self._max_pause_s = max_pause_s
         self._paused_at: float | None = None
         self._clients = clients
-        self.streams = StageStreams(clients)  # every request's streams to the stages
+        self.streams = StageStreams(replicas)  # every request's streams to the replicas
         self._gate = gate
         self._clock = clock
         self._describe = describe
