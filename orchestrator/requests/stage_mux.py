@@ -320,7 +320,13 @@ class _Stream:
     async def close(self) -> None:
         self._call.cancel()
         self._break(StreamBroken(grpc.StatusCode.UNAVAILABLE, "the orchestrator is stopping"))
-        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+        # A write still waiting for a connection to a replica that is gone
+        # (wait_for_ready) was seen to outlive its cancelled call: it is cut off.
+        tasks = (self._writer, self._reader)
+        _done, late = await asyncio.wait(tasks, timeout=CLOSING_WAIT_S)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class StageStreams:
