@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -69,6 +70,7 @@ class Replica:
         self.in_flight = 0
         self.queued = 0  # in flight, nothing heard from it yet
         self.served = 0
+        self.finished_at = 0.0  # when a request last ended there (time.monotonic)
 
     def took(self) -> None:
         """A request was given to it."""
@@ -79,6 +81,7 @@ class Replica:
     def gave_back(self, heard: bool) -> None:
         """A request given to it ended there (``heard``: it had sent something of it)."""
         self.in_flight -= 1
+        self.finished_at = time.monotonic()
         if not heard:
             self.queued -= 1
         if self.in_flight == 0 and not self.listed:
@@ -196,7 +199,9 @@ class ReplicaSet:
         if self.settings.routing == "round_robin":
             ready.sort(key=lambda r: r.address)
             return ready[next(self._turn) % len(ready)]
-        return min(ready, key=lambda r: (r.in_flight, r.served))
+        # Ties go to the replica that finished a request last: one held by a long
+        # answer has not, and a request sent there would queue behind it.
+        return min(ready, key=lambda r: (r.in_flight, -r.finished_at))
 
     def _none_ready(self) -> str:
         if not self.replicas:
