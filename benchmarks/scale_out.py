@@ -10,8 +10,8 @@ one ``ipv4:`` address, and an in-process orchestrator:
 1. ``--replicas`` replicas, ``--requests`` short requests 32 at a time: requests
    each replica served (the orchestrator's count, ListStages) per run. Targets:
    all serve, the busiest <= 1.25x the least busy.
-2. The first ``--mix-replicas`` of them, a mix: 8 long answers (128 tokens) and 64
-   short ones (2 tokens) arriving every 20 ms, once with least-outstanding routing
+2. The first ``--mix-replicas`` of them, a mix: 3 long answers (128 tokens) among
+   64 short ones (2 tokens) arriving every 20 ms, once with least-outstanding routing
    and once round robin, side by side in each run: p99 of the short ones' latency.
    Target: least-outstanding <= 0.6x round robin.
 
@@ -136,7 +136,9 @@ async def mix(addresses: list[str], routing: str) -> dict[str, Any]:
                 assert result.ok, result.done
                 return time.perf_counter() - began
 
-            kinds = [LONG if i % 9 == 0 else SHORT for i in range(72)]  # 8 long, 64 short
+            # 3 long among 64 short: fewer long answers at once than replicas, so
+            # there is always a replica with room; dealt in turn, shorts queue behind them.
+            kinds = [LONG if i % 24 == 0 else SHORT for i in range(67)]
             tasks = []
             for tokens in kinds:
                 tasks.append(asyncio.create_task(one(tokens)))

@@ -109,7 +109,10 @@ class OrchestratorServer:
         # Every replica of each stage, each dialled on its own: requests go to them.
         self.replicas = {
             s.name: ReplicaSet(
-                s.name, addresses[s.name], dialing, ReplicaSettings(routing=s.routing)
+                s.name,
+                addresses[s.name],
+                dialing,
+                ReplicaSettings(routing=s.routing, affinity=s.affinity),
             )
             for s in pipeline.stages
         }

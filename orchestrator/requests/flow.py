@@ -68,11 +68,13 @@ class RequestFlow:
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
         deadline: float | None = None,
+        affinity: str = "",
     ) -> None:
         self.request_id = request_id  # the client's: in every event it gets
         # What the stages know the request by: unique in the mesh (the router's making).
         self.stage_id = stage_id or request_id
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
+        self._affinity = affinity  # its conversation's key ("": none)
         self.topology = topology  # the pipeline's, or one stage's alone
         self._clients = clients
         self._streams = streams
@@ -184,7 +186,7 @@ class RequestFlow:
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: str) -> None:
-        channel = await self._streams.join(stage, self.stage_id)
+        channel = await self._streams.join(stage, self.stage_id, self._affinity)
         self.active_stages.add(stage)
         writer: asyncio.Task[None] | None = None
         try:

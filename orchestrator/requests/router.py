@@ -169,11 +169,13 @@ class Router:
         timeout_s: float | None = None,
         id_field: str = "request_id",
         alone: str = "",
+        affinity: str = "",
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
         ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
         ``id_field``: where the client's message holds the id (named if refused);
-        ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline."""
+        ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline;
+        ``affinity``: its conversation's key (stages with affinity keep it on one replica)."""
         key = (owner.name, request_id)
         if self._stopping:
             raise Unavailable("the orchestrator is stopping: it takes no new requests")
@@ -197,6 +199,7 @@ class Router:
             refs=self._refs,
             chunk_bytes=self._chunk_bytes,
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            affinity=affinity,
         )
         task = asyncio.create_task(self._run(key, flow, sink), name=f"request-{flow.stage_id}")
         self._running[key] = RouterEntry(flow, task, owner)

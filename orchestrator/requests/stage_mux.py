@@ -344,9 +344,10 @@ class StageStreams:
             replica_set.on_lost(self._lost)
             replica_set.on_gone(self._gone)
 
-    async def join(self, stage: str, request_id: str) -> RequestStream:
-        """``request_id``'s share of the stream of the replica ``stage`` picks for it;
-        StageFailed (UNAVAILABLE) when no replica is READY within its wait."""
+    async def join(self, stage: str, request_id: str, affinity: str = "") -> RequestStream:
+        """``request_id``'s share of the stream of the replica ``stage`` picks for it
+        (``affinity``: its conversation's key); StageFailed (UNAVAILABLE) when no
+        replica is READY within its wait."""
         for stream in [*self._streams.values(), *self._retired]:
             # An id reused at once: its cancelled namesake ends first.
             closing = stream.closing.get(request_id) if stream.stage == stage else None
@@ -356,7 +357,7 @@ class StageStreams:
                 except TimeoutError:
                     logger.warning("stage %s: request %r reused before its end", stage, request_id)
         try:
-            replica = await self._replicas[stage].pick()
+            replica = await self._replicas[stage].pick(affinity=affinity)
         except NoReplica as exc:
             raise StageFailed(stage, grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         return self._stream(replica).join(request_id)

@@ -20,6 +20,7 @@ import asyncio
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -39,11 +40,13 @@ READY = orchestrator_pb2.REPLICA_READY
 DRAINING = orchestrator_pb2.REPLICA_DRAINING
 DOWN = orchestrator_pb2.REPLICA_DOWN
 Routing = Literal["least_outstanding", "round_robin"]
+MAX_AFFINITY_KEYS = 65536  # conversations remembered per stage
 
 
 @dataclass(frozen=True)
 class ReplicaSettings:
     routing: Routing = "least_outstanding"
+    affinity: bool = False  # a conversation's requests to the replica that had its last
     resolve_s: float = 5.0  # a dns: name is looked up again this often
     health_poll_s: float = 0.5
     health_timeout_s: float = 1.0
@@ -136,6 +139,8 @@ class ReplicaSet:
         self._gone: list[Callable[[Replica], None]] = []
         self._change: list[Callable[[], None]] = []
         self._lookup_failed = False
+        # Conversation -> the address its requests go to, the least recently used first.
+        self._affinity: OrderedDict[str, str] = OrderedDict()
 
     # --- who hears of what ------------------------------------------------------------
 
@@ -172,14 +177,24 @@ class ReplicaSet:
 
     # --- picking ----------------------------------------------------------------------
 
-    async def pick(self, exclude: Collection[Replica] = (), wait: bool = True) -> Replica:
-        """The replica a new request goes to; waits (``pick_wait_s``) for a READY one,
-        or not (``wait=False``); raises NoReplica."""
+    async def pick(self, affinity: str = "") -> Replica:
+        """The replica a new request goes to (``affinity``: its conversation's key,
+        with ``settings.affinity``: the replica its last request went to, while that
+        one takes requests); waits (``pick_wait_s``) for a READY one; raises NoReplica."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + (self.settings.pick_wait_s if wait else 0.0)
+        give_up = loop.time() + self.settings.pick_wait_s
+        key = affinity if self.settings.affinity else ""
         while True:
-            replica = self.choose_now(exclude)
+            kept = self.replicas.get(self._affinity.get(key, "")) if key else None
+            if kept is not None and kept.takes_requests:
+                self._affinity.move_to_end(key)
+                return kept
+            replica = self.choose_now()
             if replica is not None:
+                if key:
+                    self._affinity[key] = replica.address
+                    while len(self._affinity) > MAX_AFFINITY_KEYS:
+                        self._affinity.popitem(last=False)
                 return replica
             left = give_up - loop.time()
             if left <= 0:

@@ -77,8 +77,8 @@ async def replicas(
         await asyncio.gather(*(s.stop(0.5) for s in servers.values()))
 
 
-def solo(address: str, routing: str = "least_outstanding"):
-    stage = {"name": "solo", "address": address, "routing": routing}
+def solo(address: str, routing: str = "least_outstanding", affinity: bool = False):
+    stage = {"name": "solo", "address": address, "routing": routing, "affinity": affinity}
     return parse_pipeline({"name": "solo", "stages": [stage], "outputs": ["solo"]}, "p.yaml")
 
 
@@ -148,6 +148,35 @@ async def test_least_outstanding_routing_spreads_long_requests(
             await client.abort(*(f"long{index}" for index in range(4)))
             for stream in held:
                 await stream.collect()
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+async def test_a_conversation_stays_on_its_replica_on_a_stage_with_affinity(
+    omni_cache_dir: Path, affinity: bool
+) -> None:
+    """A conversation's first turn lands on a replica, a long request then keeps
+    that replica busy: by room the next turn goes to the other one; with affinity
+    it stays."""
+    async with replicas(omni_cache_dir, 2) as servers:
+        config = solo(ipv4(servers), affinity=affinity)
+        async with orchestrator(config) as (server, client):
+            await all_ready(client, 2)
+            first = await client.generate("Hi", request_id="turn-0", affinity_key="chat").collect()
+            held = client.generate("hold", request_id="long")
+            await eventually(lambda: server.router.in_flight == 1, 5)
+            second = await client.generate("Hi", request_id="turn-1", affinity_key="chat").collect()
+            assert first.ok and second.ok, (first.done, second.done)
+            view = await replica_view(client)
+            await client.abort("long")
+            await held.collect()
+
+        def where(rid: str) -> str:
+            (address,) = [a for a, s in servers.items() if any(rid in r for r in s.engine.released)]
+            return address
+
+        busy = [a for a, r in view.items() if r.in_flight == 1]
+        assert busy == [where("turn-0")]  # the long request went where the turn had been
+        assert (where("turn-1") == where("turn-0")) == affinity
 
 
 async def test_a_dead_replica_fails_only_what_it_held_and_a_request_it_had_not_started_moves(

@@ -37,7 +37,7 @@ REPLICA_DRAINING: ReplicaState
 REPLICA_DOWN: ReplicaState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage")
+    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage", "affinity_key")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -50,15 +50,17 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _stage_pb2.StageInputs
     params: _stage_pb2.GenerationParams
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
     stage: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ...) -> None: ...
+    affinity_key: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
 
 class StreamInput(_message.Message):
-    __slots__ = ("submit", "cancel", "chunk", "stage_params")
+    __slots__ = ("submit", "cancel", "chunk", "stage_params", "affinity_key")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -70,11 +72,13 @@ class StreamInput(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
     submit: _stage_pb2.Submit
     cancel: _stage_pb2.Cancel
     chunk: _tensor_pb2.TensorChunk
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
-    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
+    affinity_key: str
+    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., affinity_key: _Optional[str] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms", "field")
