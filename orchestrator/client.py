@@ -109,11 +109,15 @@ def make_request(
     request_id: str = "",
     media: Sequence[stage_pb2.ContentPart] = (),
     stage: str = "",
+    affinity_key: str = "",
 ) -> orchestrator_pb2.GenerateRequest:
     """A GenerateRequest; a plain prompt is sent as one user chat message, with
     ``media`` (orchestrator/content.py) as its first parts when given. ``stage``:
-    run that stage alone (its inputs and ``params`` are the request's)."""
-    request = orchestrator_pb2.GenerateRequest(request_id=request_id, stage=stage)
+    run that stage alone (its inputs and ``params`` are the request's).
+    ``affinity_key``: one conversation's (its stages with affinity keep it on one replica)."""
+    request = orchestrator_pb2.GenerateRequest(
+        request_id=request_id, stage=stage, affinity_key=affinity_key
+    )
     if inputs is not None:
         request.inputs.CopyFrom(inputs)
     if prompt is not None or media:

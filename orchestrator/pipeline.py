@@ -69,6 +69,12 @@ class Stage(Frozen):
     python: Path | None = None
     init_timeout_s: float = Field(600.0, gt=0)
     download_stall_timeout_s: float = Field(60.0, gt=0)
+    # Which replica a new request goes to when the address names several
+    # (stages/replicas.py): the least busy ready one, or each in turn.
+    routing: Literal["least_outstanding", "round_robin"] = "least_outstanding"
+    # The requests of one conversation (GenerateRequest.affinity_key) go to the
+    # replica that had its last one while that one is ready: its prefix cache.
+    affinity: bool = False
 
     @field_validator("address")
     @classmethod

@@ -23,6 +23,7 @@ from orchestrator.requests.router import Router
 from orchestrator.requests.topology import unoffered
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.stages.monitor import StageMonitor, StageTarget
+from orchestrator.stages.replicas import ReplicaSet, ReplicaSettings
 from orchestrator.stages.watchdog import WatchdogSettings
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.chunks import CHUNK_BYTES
@@ -105,6 +106,16 @@ class OrchestratorServer:
             name: StageClient(address, dialing, route_by_health=True)
             for name, address in addresses.items()
         }
+        # Every replica of each stage, each dialled on its own: requests go to them.
+        self.replicas = {
+            s.name: ReplicaSet(
+                s.name,
+                addresses[s.name],
+                dialing,
+                ReplicaSettings(routing=s.routing, affinity=s.affinity),
+            )
+            for s in pipeline.stages
+        }
         settings = WatchdogSettings  # one per stage: budgets differ
         self.monitors = {
             s.name: StageMonitor(
@@ -121,6 +132,9 @@ class OrchestratorServer:
             )
             for s in pipeline.stages
         }
+        for name, replica_set in self.replicas.items():
+            self.monitors[name].replicas = replica_set.statuses
+            replica_set.on_change(self.monitors[name].replicas_changed)
         # What each stage says of itself once READY (Describe): where it runs (who
         # can open whose refs) and the transforms it offers.
         self.descriptions: dict[str, stage_pb2.StageDescription] = {}
@@ -132,6 +146,7 @@ class OrchestratorServer:
         self.router = Router(
             pipeline,
             self.clients,
+            self.replicas,
             self.gate,
             describe=self.descriptions.get,
             refs=refs,
@@ -236,6 +251,8 @@ class OrchestratorServer:
         await rpc.set_health({LIVENESS_SERVICE: True})
         await rpc.start(host, health_port)
         self.health_port = rpc.health_port
+        for replica_set in self.replicas.values():
+            await replica_set.start()
         for monitor in self.monitors.values():
             monitor.on_change(self._on_change)
             await monitor.start()
@@ -270,6 +287,8 @@ class OrchestratorServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for monitor in self.monitors.values():
             await monitor.stop()
+        for replica_set in self.replicas.values():
+            await replica_set.stop()
         if stopping is not None:
             await stopping
         for client in self.clients.values():

@@ -70,6 +70,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 owner=caller,
                 timeout_s=context.time_remaining(),
                 alone=request.stage,
+                affinity=request.affinity_key,
             )
         except OmniError as exc:
             logger.info("request %s refused: %s", rid, exc.message)

@@ -5,7 +5,7 @@
 ``flow``          one request through the pipeline's stages
 ``submits``       the Submits a request sends a stage: built and completed in one place
 ``errors``        what ends a request inside the orchestrator, each with its status
-``stage_mux``     long-lived Generate streams to each stage, shared by every
+``stage_mux``     long-lived Generate streams to each replica, shared by every
                   request: demultiplexing by id, per-request credit
 ``lanes``         one edge of one request: the windows in flight and the watermarks
 ``windows``       one edge of one request: -1 / N window state over segments

@@ -137,7 +137,7 @@ class _StreamReader:
     async def read(self, message: orchestrator_pb2.StreamInput) -> None:
         kind = message.WhichOneof("kind")
         if kind == "submit":
-            await self._submit(message.submit, message.stage_params)
+            await self._submit(message.submit, message.stage_params, message.affinity_key)
         elif kind == "chunk":
             try:
                 self._chunks.add(message.chunk)
@@ -155,7 +155,7 @@ class _StreamReader:
             error = InvalidArgument("input: expected submit, chunk or cancel", field="input")
             await self._sink.put(refusal("", error))
 
-    async def _submit(self, submit: stage_pb2.Submit, params: Params) -> None:
+    async def _submit(self, submit: stage_pb2.Submit, params: Params, affinity: str = "") -> None:
         rid = submit.request_id
         started = rid in self.open
         try:
@@ -181,6 +181,7 @@ class _StreamReader:
                     owner=self._owner,
                     timeout_s=self._timeout_s,
                     id_field="submit.request_id",
+                    affinity=affinity,
                 )
                 self.feeds[rid] = feed
                 self.open.add(rid)

@@ -68,11 +68,13 @@ class RequestFlow:
         refs: RefReader | None = None,
         chunk_bytes: int = chunks.CHUNK_BYTES,
         deadline: float | None = None,
+        affinity: str = "",
     ) -> None:
         self.request_id = request_id  # the client's: in every event it gets
         # What the stages know the request by: unique in the mesh (the router's making).
         self.stage_id = stage_id or request_id
         self.deadline = deadline  # time.monotonic() by which the client wants its answer
+        self._affinity = affinity  # its conversation's key ("": none)
         self.topology = topology  # the pipeline's, or one stage's alone
         self._clients = clients
         self._streams = streams
@@ -93,6 +95,7 @@ class RequestFlow:
         self.blocked_s: dict[str, float] = {}
         self.bytes_in: dict[str, int] = {}  # wire bytes read from each stage
         self.audio = AudioClock(clock)  # the audio the client hears, as it would play
+        self._served_by: dict[str, StageClient] = {}  # the replica of each stage it ran on
 
     async def run(self) -> orchestrator_pb2.Done:
         """Drive the request to its end; never raises except on cancellation."""
@@ -183,8 +186,7 @@ class RequestFlow:
             await self._run_stage(stage)
 
     async def _run_stage(self, stage: str) -> None:
-        client = self._clients[stage]
-        channel = await self._streams.join(stage, self.stage_id)
+        channel = await self._streams.join(stage, self.stage_id, self._affinity)
         self.active_stages.add(stage)
         writer: asyncio.Task[None] | None = None
         try:
@@ -202,15 +204,14 @@ class RequestFlow:
                 await writer
         except StageFailed:
             raise
-        except StreamBroken as exc:
+        except StreamBroken as exc:  # its details name the replica
             raise StageFailed(
-                stage,
-                exc.code,
-                f"stage {stage} at {client.address} failed: {exc.code.name}: {exc.details}",
+                stage, exc.code, f"stage {stage} failed: {exc.code.name}: {exc.details}"
             ) from None
         except OmniError as exc:  # what the stage sent could not be routed (chunks, windows)
             raise StageFailed(stage, exc.code, f"stage {stage}: {exc.message}", exc.field) from None
         finally:
+            self._served_by[stage] = channel.replica.client  # it holds the shared blocks
             channel.close()
             if writer is not None:
                 writer.cancel()
@@ -327,7 +328,8 @@ class RequestFlow:
 
         async def release(stage: str) -> None:
             try:
-                await self._clients[stage].release_tensors(request, timeout_s=5.0)
+                client = self._served_by.get(stage, self._clients[stage])
+                await client.release_tensors(request, timeout_s=5.0)
             except grpc.aio.AioRpcError as exc:  # its TTL frees them
                 logger.info(
                     "request %s: release on stage %s failed: %s",

@@ -31,6 +31,7 @@ from orchestrator.requests.flow import Describe, RequestFlow
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.stage_mux import StageStreams
 from orchestrator.requests.topology import Topology, unoffered
+from orchestrator.stages.replicas import ReplicaSet
 from services.mesh import errors, media_types
 from services.mesh.data.chunks import CHUNK_BYTES
 from services.mesh.data.ref_reader import RefReader
@@ -80,6 +81,7 @@ class Router:
         self,
         pipeline: PipelineConfig,
         clients: Mapping[str, StageClient],
+        replicas: Mapping[str, ReplicaSet],
         gate: Gate,
         clock: Callable[[], float] = time.monotonic,
         *,
@@ -92,7 +94,7 @@ class Router:
         self._max_pause_s = max_pause_s
         self._paused_at: float | None = None
         self._clients = clients
-        self.streams = StageStreams(clients)  # every request's streams to the stages
+        self.streams = StageStreams(replicas)  # every request's streams to the replicas
         self._gate = gate
         self._clock = clock
         self._describe = describe
@@ -167,11 +169,13 @@ class Router:
         timeout_s: float | None = None,
         id_field: str = "request_id",
         alone: str = "",
+        affinity: str = "",
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
         ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
         ``id_field``: where the client's message holds the id (named if refused);
-        ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline."""
+        ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline;
+        ``affinity``: its conversation's key (stages with affinity keep it on one replica)."""
         key = (owner.name, request_id)
         if self._stopping:
             raise Unavailable("the orchestrator is stopping: it takes no new requests")
@@ -195,6 +199,7 @@ class Router:
             refs=self._refs,
             chunk_bytes=self._chunk_bytes,
             deadline=None if timeout_s is None else time.monotonic() + timeout_s,
+            affinity=affinity,
         )
         task = asyncio.create_task(self._run(key, flow, sink), name=f"request-{flow.stage_id}")
         self._running[key] = RouterEntry(flow, task, owner)

@@ -1,20 +1,22 @@
-"""Long-lived Generate streams to the stages, shared by every request.
+"""Long-lived Generate streams to every replica of every stage, shared by every request.
 
-Each stage gets a small pool of streams (one per replica address its target
-names, else one), each opened at its first turn and kept open: a request's
-Submits, Credits and Cancels for that stage go on one of them, and a reader per
-stream hands each output to its request by id. Opening a stream per request
-per stage cost more than the messages themselves (issue 11).
+Each replica (``stages.replicas``) gets one stream, opened at its first request
+and kept open: a request's Submits, Credits and Cancels for that stage go on the
+stream of the replica its stage's ReplicaSet picked (the least busy READY one),
+and a reader per stream hands each output to its request by id. Opening a stream
+per request per stage cost more than the messages themselves (issue 11).
 
 Flow control is per request (``Submit.credit``): a request starts with
 ``CREDIT`` outputs and its flow grants them back as it takes what came, so a
 request whose consumer is slow pauses on the stage alone while the others on
 the stream go on, and what waits here for it stays bounded. A stream that
-breaks (the stage restarted, a reset, UNAVAILABLE) fails the requests on it,
-each with ``StreamBroken``; the next request opens a new one. Stopping one
-request sends its Cancel on the shared stream, never cancels the stream.
-A stream older than ``MAX_AGE_S`` takes no new requests and is half-closed
-after its last one, so the target is resolved again (new replicas are found).
+breaks (the replica restarted or died, a reset, UNAVAILABLE) fails the requests
+on it, each with ``StreamBroken``, except one the replica had said nothing of
+whose only Submit is still in hand: that one moves to another READY replica.
+The next request opens a new stream. Stopping one request sends its Cancel on
+the shared stream, never cancels the stream. A stream older than ``MAX_AGE_S``
+takes no new requests and is half-closed after its last one (the stage's
+connection age ends it otherwise).
 """
 
 from __future__ import annotations
@@ -22,16 +24,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 
-from orchestrator.requests.errors import StreamBroken
+from orchestrator.requests.errors import StageFailed, StreamBroken
+from orchestrator.stages.replicas import NoReplica, Replica, ReplicaSet
 from services.mesh.data.chunk_wire import EncodedChunk
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
-from services.mesh.rpc.stage_client import StageClient
 
 logger = logging.getLogger(__name__)
 
@@ -48,19 +50,8 @@ _CREDITED = ("segment", "progress")
 _CROSSING = frozenset({"cancel.request_id", "submit.input_ended"})
 
 
-def pool_size(address: str) -> int:
-    """Streams per stage: one per address an ``ipv4:``/``ipv6:`` target lists; a
-    ``dns:`` target may name any number of replicas behind one name, so a few."""
-    scheme, _, rest = address.partition(":")
-    if scheme in ("ipv4", "ipv6"):
-        return max(len(rest.split(",")), 1)
-    if scheme == "dns":
-        return 4
-    return 1
-
-
 class RequestStream:
-    """One request's share of a stage stream: its writes, its outputs, its credit."""
+    """One request's share of a replica's stream: its writes, its outputs, its credit."""
 
     def __init__(self, stream: _Stream, request_id: str) -> None:
         self.request_id = request_id
@@ -69,7 +60,34 @@ class RequestStream:
         self._owed = 0  # taken outputs not yet granted back
         self._sent = False
         self._closed = False
+        self._heard = False  # the replica has sent something for it
+        # Its one whole Submit, posted before anything else was sent: until the
+        # replica says something of it, the request may move to another replica.
+        self.replay: stage_pb2.StageInput | None = None
         self.final = False
+        stream.replica.took()
+
+    @property
+    def replica(self) -> Replica:
+        return self._stream.replica
+
+    @property
+    def address(self) -> str:
+        """The replica's, as its errors name it."""
+        return self._stream.replica.address
+
+    @property
+    def movable(self) -> bool:
+        return self.replay is not None and not self._heard and not self._closed
+
+    def moved(self, stream: _Stream) -> None:
+        """Now on ``stream`` (another replica's): its Submit is posted there again."""
+        assert self.replay is not None
+        self._stream.replica.gave_back(heard=False)
+        self._stream = stream
+        stream.adopt(self)
+        stream.replica.took()
+        self._stream.post(self.replay)
 
     @property
     def buffered(self) -> int:
@@ -85,6 +103,8 @@ class RequestStream:
     def post(self, message: stage_pb2.StageInput) -> None:
         """Send without waiting for the write (a request's last Submit, whole): in
         order after what came before; if the stream breaks, ``read`` says so."""
+        if not self._sent:
+            self.replay = message
         self._sent = True
         self._stream.post(message)
 
@@ -107,6 +127,10 @@ class RequestStream:
             self._stream.post(stage_pb2.StageInput(credit=credit))
 
     def deliver(self, item: stage_pb2.StageOutput | OmniError) -> None:
+        if not self._heard:
+            self._heard = True
+            self.replay = None
+            self._stream.replica.queued -= 1
         self._queue.put_nowait(item)
 
     def close(self) -> None:
@@ -115,14 +139,21 @@ class RequestStream:
         if self._closed:
             return
         self._closed = True
+        self.replay = None
+        self._stream.replica.gave_back(self._heard)
         self._stream.leave(self, cancel=self._sent and not self.final)
 
 
 class _Stream:
-    """One Generate call: a writer task owns its writes, a reader task routes its outputs."""
+    """One Generate call to one replica: a writer task owns its writes, a reader
+    task routes its outputs. ``move`` takes a request that may go elsewhere when
+    the stream breaks (True: it went)."""
 
-    def __init__(self, stage: str, client: StageClient) -> None:
-        self.stage = stage
+    def __init__(self, replica: Replica, move: Callable[[RequestStream, Replica], bool]) -> None:
+        self.replica = replica
+        self.stage = stage = replica.stage
+        client = replica.client
+        self._move = move
         self.opened_at = time.monotonic()
         self.retired = False
         self.broken: StreamBroken | None = None
@@ -143,6 +174,9 @@ class _Stream:
         request = RequestStream(self, request_id)
         self._requests[request_id] = request
         return request
+
+    def adopt(self, request: RequestStream) -> None:
+        self._requests[request.request_id] = request
 
     async def write(self, message: stage_pb2.StageInput | EncodedChunk) -> None:
         if self.broken is not None:
@@ -203,12 +237,15 @@ class _Stream:
         try:
             while (output := await self._call.read()) is not grpc.aio.EOF:
                 self._route(output)
-            broken = StreamBroken(grpc.StatusCode.UNAVAILABLE, "the stage ended its stream")
+            broken = StreamBroken(
+                grpc.StatusCode.UNAVAILABLE, f"{self.replica.name} ended its stream"
+            )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             # The stream is only cancelled here when the orchestrator stops.
             code = grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.CANCELLED else code
-            broken = StreamBroken(code, exc.details() or "the stream broke")
+            details = exc.details() or "its stream broke"
+            broken = StreamBroken(code, f"{self.replica.name}: {details}")
         self._break(broken)
 
     def _route(self, output: stage_pb2.StageOutput) -> None:
@@ -251,20 +288,29 @@ class _Stream:
             del self._requests[rid]
         request.deliver(output)
 
+    def fail(self, broken: StreamBroken) -> None:
+        """End the stream's requests with ``broken`` (or move them) and take no more."""
+        self._call.cancel()
+        self._break(broken)
+
     def _break(self, broken: StreamBroken) -> None:
         if self.broken is not None:
             return
         self.broken = broken
-        if self._requests:
-            logger.warning(
-                "stage %s: its stream broke (%s); failing %d request(s) on it",
-                self.stage,
-                broken,
-                len(self._requests),
-            )
-        for request in self._requests.values():
-            request.deliver(broken.again())
+        requests = list(self._requests.values())
         self._requests.clear()
+        failed = [r for r in requests if not (r.movable and self._move(r, self.replica))]
+        if requests:
+            logger.warning(
+                "stage %s: the stream to %s broke (%s); %d request(s) on it moved, %d failed",
+                self.stage,
+                self.replica.address,
+                broken,
+                len(requests) - len(failed),
+                len(failed),
+            )
+        for request in failed:
+            request.deliver(broken.again())
         for event in self.closing.values():
             event.set()
         self.closing.clear()
@@ -274,58 +320,98 @@ class _Stream:
     async def close(self) -> None:
         self._call.cancel()
         self._break(StreamBroken(grpc.StatusCode.UNAVAILABLE, "the orchestrator is stopping"))
-        await asyncio.gather(self._writer, self._reader, return_exceptions=True)
+        # A write still waiting for a connection to a replica that is gone
+        # (wait_for_ready) was seen to outlive its cancelled call: it is cut off.
+        tasks = (self._writer, self._reader)
+        _done, late = await asyncio.wait(tasks, timeout=CLOSING_WAIT_S)
+        for task in late:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class StageStreams:
-    """The shared streams of every stage, opened on first use and reopened when broken."""
+    """The shared streams of every replica of every stage, opened on first use and
+    reopened when broken; each new request goes to the replica its stage picks."""
 
-    def __init__(self, clients: Mapping[str, StageClient]) -> None:
-        self._clients = clients
-        self._pools: dict[str, list[_Stream | None]] = {}
-        self._turn: dict[str, int] = {}
+    def __init__(self, replicas: Mapping[str, ReplicaSet]) -> None:
+        self._replicas = replicas
+        self._streams: dict[Replica, _Stream] = {}
         self._retired: set[_Stream] = set()
+        self._closing: set[asyncio.Task[None]] = set()
         self.opened: dict[str, int] = {}  # streams opened per stage, ever
+        self._stopping = False
+        for replica_set in replicas.values():
+            replica_set.on_lost(self._lost)
+            replica_set.on_gone(self._gone)
 
-    async def join(self, stage: str, request_id: str) -> RequestStream:
-        """``request_id``'s share of one of ``stage``'s streams."""
-        pool = self._pool(stage)
-        for slot in pool:  # an id reused at once: its cancelled namesake ends first
-            closing = None if slot is None else slot.closing.get(request_id)
+    async def join(self, stage: str, request_id: str, affinity: str = "") -> RequestStream:
+        """``request_id``'s share of the stream of the replica ``stage`` picks for it
+        (``affinity``: its conversation's key); StageFailed (UNAVAILABLE) when no
+        replica is READY within its wait."""
+        for stream in [*self._streams.values(), *self._retired]:
+            # An id reused at once: its cancelled namesake ends first.
+            closing = stream.closing.get(request_id) if stream.stage == stage else None
             if closing is not None:
                 try:
                     await asyncio.wait_for(closing.wait(), CLOSING_WAIT_S)
                 except TimeoutError:
                     logger.warning("stage %s: request %r reused before its end", stage, request_id)
-        turn = self._turn[stage] = (self._turn.get(stage, -1) + 1) % len(pool)
-        stream = pool[turn]
-        if stream is None:
-            stream = pool[turn] = self._open(stage)
-        elif stream.broken is not None or time.monotonic() - stream.opened_at > MAX_AGE_S:
-            if stream.broken is None:
-                stream.retire()
-                self._retired.add(stream)
-            stream = pool[turn] = self._open(stage)
-        return stream.join(request_id)
+        try:
+            replica = await self._replicas[stage].pick(affinity=affinity)
+        except NoReplica as exc:
+            raise StageFailed(stage, grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        return self._stream(replica).join(request_id)
 
-    def _pool(self, stage: str) -> list[_Stream | None]:
-        pool = self._pools.get(stage)
-        if pool is None:
-            # Each slot opens at its first turn, not all at once: round_robin then
-            # picks each stream among the replicas ready by then (the first request
-            # may come when one replica's health is known and another's not yet).
-            size = pool_size(self._clients[stage].address)
-            pool = self._pools[stage] = [None] * size
-        return pool
-
-    def _open(self, stage: str) -> _Stream:
-        self.opened[stage] = self.opened.get(stage, 0) + 1
+    def _stream(self, replica: Replica) -> _Stream:
+        """The replica's stream that takes new requests (opened, or reopened)."""
+        stream = self._streams.get(replica)
+        if stream is not None and stream.broken is None:
+            if time.monotonic() - stream.opened_at <= MAX_AGE_S:
+                return stream
+            stream.retire()
+            self._retired.add(stream)
+        self.opened[replica.stage] = self.opened.get(replica.stage, 0) + 1
         self._retired = {s for s in self._retired if s.broken is None}
-        return _Stream(stage, self._clients[stage])
+        stream = self._streams[replica] = _Stream(replica, self._move)
+        return stream
+
+    def _move(self, request: RequestStream, broken_at: Replica) -> bool:
+        """A request the broken replica had said nothing of goes to another READY one."""
+        if self._stopping:
+            return False
+        replica = self._replicas[broken_at.stage].choose_now(exclude=(broken_at,))
+        if replica is None:
+            return False
+        logger.info(
+            "request %s: %s broke before it started; moved to %s",
+            request.request_id,
+            broken_at.name,
+            replica.address,
+        )
+        request.moved(self._stream(replica))
+        return True
+
+    def _lost(self, replica: Replica, why: str) -> None:
+        """Nothing answers at the replica: what it held fails (or moves) now, not
+        when keepalive notices."""
+        stream = self._streams.pop(replica, None)
+        if stream is not None:
+            stream.fail(StreamBroken(grpc.StatusCode.UNAVAILABLE, f"{replica.name} is down: {why}"))
+            self._close_later(stream)
+
+    def _gone(self, replica: Replica) -> None:
+        stream = self._streams.pop(replica, None)
+        if stream is not None:
+            self._close_later(stream)
+
+    def _close_later(self, stream: _Stream) -> None:
+        task = asyncio.create_task(stream.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        streams = [s for pool in self._pools.values() for s in pool if s is not None]
-        streams += list(self._retired)
-        self._pools.clear()
+        self._stopping = True
+        streams = [*self._streams.values(), *self._retired]
+        self._streams.clear()
         self._retired.clear()
-        await asyncio.gather(*(s.close() for s in streams))
+        await asyncio.gather(*(s.close() for s in streams), *self._closing)

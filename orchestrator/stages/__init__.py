@@ -4,6 +4,8 @@
 ``watchdog``     the pausable init watchdog each monitor drives (plain, fake-clock tested)
 ``init_clock``   the watchdog's time: counted and paused seconds, the stall timer
 ``health_probe`` a stage's grpc health: serving or not, and watching a READY one
+``resolver``     the replicas a stage's address names (``ipv4:`` lists, ``dns:`` names)
+``replicas``     every replica of a stage: its channel, health and load; picks one
 ``status_feed``  who hears of a stage's status: callbacks and ``changes()`` readers
 ``progress``     the start-up view ``omni up`` draws from the monitors
 ``launcher``     starts, restarts and stops stage processes for ``omni up``

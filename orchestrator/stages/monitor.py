@@ -88,6 +88,8 @@ class StageMonitor:
         self._last_published = 0.0
         self._unreachable_logged = False
         self._recorded_mono = -1.0  # the last init event recorded as a metric
+        # Every replica's status, shown in the stage's (``replicas.ReplicaSet``).
+        self.replicas: Callable[[], list[orchestrator_pb2.ReplicaStatus]] = list
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -121,7 +123,13 @@ class StageMonitor:
             status.state, status.message = FAILED, self._refused
         elif self._down is not None and status.state == READY:
             status.state, status.message = DOWN, self._down
+        status.replicas.extend(self.replicas())
         return status
+
+    def replicas_changed(self) -> None:
+        """A replica came, went or changed state: watchers hear the stage again."""
+        if self._tasks:
+            self._publish()
 
     def refuse(self, reason: str) -> None:
         """FAILED with ``reason`` (the pipeline's, not the stage's fault) until a new

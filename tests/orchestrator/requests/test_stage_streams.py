@@ -18,7 +18,7 @@ from orchestrator.client import Result
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.requests.client_input import single
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_mux import CREDIT, pool_size
+from orchestrator.requests.stage_mux import CREDIT
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
@@ -295,9 +295,3 @@ async def test_a_killed_stage_fails_the_requests_on_its_stream_then_a_new_one_op
         if second is not None:
             second.terminate()
             await second.wait()
-
-
-def test_a_stage_gets_one_stream_per_replica_address_its_target_names() -> None:
-    assert pool_size("127.0.0.1:50051") == 1
-    assert pool_size("ipv4:127.0.0.1:5000,127.0.0.2:5000") == 2
-    assert pool_size("dns:///omni-thinker.ns.svc.cluster.local:50051") == 4

@@ -17,14 +17,27 @@ class StageState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STAGE_READY: _ClassVar[StageState]
     STAGE_FAILED: _ClassVar[StageState]
     STAGE_DOWN: _ClassVar[StageState]
+
+class ReplicaState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_STATE_UNSPECIFIED: _ClassVar[ReplicaState]
+    REPLICA_STARTING: _ClassVar[ReplicaState]
+    REPLICA_READY: _ClassVar[ReplicaState]
+    REPLICA_DRAINING: _ClassVar[ReplicaState]
+    REPLICA_DOWN: _ClassVar[ReplicaState]
 STAGE_STATE_UNSPECIFIED: StageState
 STAGE_STARTING: StageState
 STAGE_READY: StageState
 STAGE_FAILED: StageState
 STAGE_DOWN: StageState
+REPLICA_STATE_UNSPECIFIED: ReplicaState
+REPLICA_STARTING: ReplicaState
+REPLICA_READY: ReplicaState
+REPLICA_DRAINING: ReplicaState
+REPLICA_DOWN: ReplicaState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage")
+    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage", "affinity_key")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,15 +50,17 @@ class GenerateRequest(_message.Message):
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _stage_pb2.StageInputs
     params: _stage_pb2.GenerationParams
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
     stage: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ...) -> None: ...
+    affinity_key: str
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
 
 class StreamInput(_message.Message):
-    __slots__ = ("submit", "cancel", "chunk", "stage_params")
+    __slots__ = ("submit", "cancel", "chunk", "stage_params", "affinity_key")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,11 +72,13 @@ class StreamInput(_message.Message):
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
     submit: _stage_pb2.Submit
     cancel: _stage_pb2.Cancel
     chunk: _tensor_pb2.TensorChunk
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
-    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ...) -> None: ...
+    affinity_key: str
+    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., affinity_key: _Optional[str] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms", "field")
@@ -98,7 +115,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "voices", "compute")
+    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "voices", "compute", "replicas")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +134,7 @@ class StageStatus(_message.Message):
     ACCEPTS_FIELD_NUMBER: _ClassVar[int]
     VOICES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: StageState
@@ -135,7 +153,28 @@ class StageStatus(_message.Message):
     accepts: _containers.RepeatedScalarFieldContainer[str]
     voices: _containers.RepeatedScalarFieldContainer[str]
     compute: str
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("address", "state", "in_flight", "queued", "message", "served", "pod", "node")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_FIELD_NUMBER: _ClassVar[int]
+    POD_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    state: ReplicaState
+    in_flight: int
+    queued: int
+    message: str
+    served: int
+    pod: str
+    node: str
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., message: _Optional[str] = ..., served: _Optional[int] = ..., pod: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()
