@@ -31,9 +31,10 @@ from services.mesh.errors import InitFailed
 # bfloat16, 13/32 with float32 activations and only the linears in bfloat16.
 # ``auto`` takes a precision only at 0.
 CPU_DIFFERING: dict[str, int] = {"bfloat16": 15}
-# The GGUF-block products' activations unless engine_args names them (see
-# TransformersArgs.activations; benchmarks/precision_agreement.py --activations
-# measured the choice, docs/engines.md).
+# The GGUF-block products' activations unless engine_args names them
+# (TransformersArgs.activations). int8 would be the default only with at least 30 of
+# the 32 greedy answers float32's; benchmarks/precision_agreement.py measured 20 of 32
+# differing on SmolLM2-135M (docs/benchmarks.md), so float32.
 DEFAULT_ACTIVATIONS: Literal["float32", "int8"] = "float32"
 # Fastest first: bfloat16 halves the bytes each token reads (memory-bound decode).
 _CPU_CANDIDATES = ("bfloat16",)
