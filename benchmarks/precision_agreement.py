@@ -2,10 +2,12 @@
 
     python benchmarks/precision_agreement.py [--modes bfloat16 float32/gguf_blocks ...] [--out FILE]
 
-A mode is a stage ``dtype``, optionally ``/`` an ``engine_args.weights`` and ``/`` an
+A mode is a stage ``dtype``, optionally ``/`` an ``engine_args.weights``, ``/`` an
 ``engine_args.runner`` (runners/: ``auto``, the fastest that takes the model, or
-``reference``); the reference is float32 with oneDNN-packed float32 weights through
-transformers' own forward (``float32/packed/reference``).
+``reference``) and ``/`` an ``engine_args.activations`` (``float32`` or ``int8``: the
+GGUF-block products' activations rounded to 8 bits); the reference is float32 with
+oneDNN-packed float32 weights through transformers' own forward
+(``float32/packed/reference``).
 
 ``dtype: auto`` takes a precision only if its greedy answers equal float32's on
 every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
@@ -56,7 +58,12 @@ async def main() -> int:
     parser.add_argument(
         "--modes",
         nargs="+",
-        default=["float32/gguf_blocks/reference", "float32/gguf_blocks", "bfloat16"],
+        default=[
+            "float32/gguf_blocks/reference",
+            "float32/gguf_blocks",
+            "float32/gguf_blocks/auto/int8",
+            "bfloat16",
+        ],
     )
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path)
@@ -64,12 +71,12 @@ async def main() -> int:
     cache = environment.CACHE_DIR.get().expanduser()
     got: dict[str, tuple[float, list[list[int]]]] = {}
     for mode in ["float32/packed/reference", *args.modes]:
-        dtype, weights, runner = ([*mode.split("/"), "", ""])[:3]
+        dtype, weights, runner, activations = ([*mode.split("/"), "", "", ""])[:4]
+        engine_args = {"weights": weights or "packed", "runner": runner or "auto"}
+        if activations:
+            engine_args["activations"] = activations
         settings = EngineSettings(
-            cache_dir=cache,
-            max_batch_size=8,
-            dtype=dtype,
-            engine_args={"weights": weights or "packed", "runner": runner or "auto"},
+            cache_dir=cache, max_batch_size=8, dtype=dtype, engine_args=engine_args
         )
         engine = TransformersEngine(settings)
         engine.load(gguf_path())

@@ -20,12 +20,14 @@ own message as llama-server's SSE sends them (``--shipped-segmenting``: the stag
 file's own, the first token alone then up to 8 a message; its TTFT equals one-token
 segments' side by side, benchmarks/stage_ttft.py) and one
 stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
-``engine_args.weights`` and ``/`` its ``engine_args.runner`` (``auto``: the stage
-file as shipped; ``float32/packed/reference``: the path before the GGUF blocks and
-the fast runner). llama.cpp serves the same GGUF with ``-np 8 -t 2``
-(8 slots, 2 threads) on ``/v1/chat/completions``, streaming, greedy. Both get the
-same chat prompts (tests/helpers/chat_prompts.py). Each run measures every side at
-1 (4 prompts one after another), 4 and 8 concurrent requests, the sides in a
+``engine_args.weights``, ``/`` its ``engine_args.runner`` and ``/`` its
+``engine_args.activations`` (``auto``: the stage file as shipped;
+``float32/packed/reference``: the path before the GGUF blocks and the fast runner;
+``float32/gguf_blocks/auto/int8``: 8-bit activations, llama.cpp's trade).
+llama.cpp serves the same GGUF with ``-np 8 -t 2`` (8 slots, 2 threads) on
+``/v1/chat/completions``, streaming, greedy. Both get the same chat prompts
+(tests/helpers/chat_prompts.py). Each run measures every side at 1 (4 prompts one
+after another), 4 and 8 concurrent requests, the sides in a
 rotating order so drift favours none: tokens/s over the wall time, TTFT p50.
 llama.cpp runs with its prompt cache off unless ``--llama-cache-prompt``: the rounds
 repeat the same prompts, which new traffic never does.
@@ -78,7 +80,7 @@ def gguf_path() -> Path:
 
 def our_stage(mode: str, max_tokens: int, token_segments: bool = False) -> dict[str, Any]:
     config = yaml.safe_load((ROOT / "examples" / "stages" / "chat.yaml").read_text())
-    dtype, weights, runner = [*mode.split("/"), "", ""][:3]
+    dtype, weights, runner, activations = [*mode.split("/"), "", "", ""][:4]
     config["name"] = "vs-llamacpp-" + mode.replace("/", "-")
     config["dtype"] = dtype
     engine_args = config.setdefault("engine_args", {})
@@ -86,6 +88,8 @@ def our_stage(mode: str, max_tokens: int, token_segments: bool = False) -> dict[
         engine_args["weights"] = weights
     if runner:
         engine_args["runner"] = runner
+    if activations:
+        engine_args["activations"] = activations
     config["defaults"] = {**config.get("defaults", {}), "max_tokens": max_tokens}
     if token_segments:
         config["segmenting"] = {"max_segment_tokens": 1, "min_flush_interval_ms": 0}

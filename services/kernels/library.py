@@ -7,7 +7,8 @@ why (the engines then say so once at start, with what it costs). A library built
 from other sources or against another torch is refused here, naming the rebuild
 command, rather than run.
 
-Every variant the build has (``reference``, then ``avx2`` and ``avx512`` on x86-64)
+Every variant the build has (``reference``, then ``avx2``, ``avx512`` and
+``avx512vnni`` on x86-64)
 is in the one library; the best this CPU runs is chosen once, at load, unless
 ``OMNI_KERNELS`` names another (one the CPU cannot run is refused, naming what it
 lacks). ``variant()`` is the capability the engines and the tests both read.
@@ -76,7 +77,8 @@ def ops() -> Any:
 
 
 def variant() -> str:
-    """The variant that runs: "avx512", "avx2", "reference", or "none" (not built)."""
+    """The variant that runs: "avx512vnni", "avx512", "avx2", "reference", or "none"
+    (not built)."""
     loaded = _load()[0]
     return "none" if loaded is None else str(loaded.variant())
 

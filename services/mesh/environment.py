@@ -220,7 +220,7 @@ LOCK_DIR = Variable(
     shown="`/tmp/omni-locks-<uid>`",
 )
 
-KERNEL_VARIANTS = ("reference", "avx2", "avx512")
+KERNEL_VARIANTS = ("reference", "avx2", "avx512", "avx512vnni")
 
 
 def _kernel_variant(value: str) -> str:
@@ -234,8 +234,8 @@ KERNELS = Variable[str | None](
     _kernel_variant,
     None,
     "stage",
-    "the CPU kernel variant to run (`reference`, `avx2`, `avx512`) instead of the best "
-    "this CPU runs; one it cannot run is refused, naming what it lacks",
+    "the CPU kernel variant to run (`reference`, `avx2`, `avx512`, `avx512vnni`) instead of "
+    "the best this CPU runs; one it cannot run is refused, naming what it lacks",
     blank_is_unset=True,
     shown="the best this CPU runs",
 )

@@ -11,54 +11,18 @@ for a dot product of length k). A block one quantisation step off fails both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
 from torch.nn import functional
 
 from services import kernels
 from services.engines.transformers.weights.blocks import Blocks
 from tests.helpers.float_error import FLOAT32_EPS, RowErrors, row_errors
+from tests.kernels.conftest import FileWeight
 
-# One Q4_1 tensor (k = 1536: 48 blocks a row) and the file's one Q8_0 tensor, the
-# token embeddings the output projection shares (49152 x 576).
-Q4_1_TENSOR = "blk.0.ffn_down.weight"
-Q8_0_TENSOR = "token_embd.weight"
 # 1 row: itself; 3 and 7: one tile padded to 4 and to 8 with zero rows; 8: a whole
 # tile; 9: a tile and one row; 13: a tile and a padded one; 40: five tiles.
 ROWS = (1, 3, 7, 8, 9, 13, 40)
-
-
-@pytest.fixture(scope="module")
-def reader(smollm2_gguf: Path) -> GGUFReader:
-    """The file, read once (its 49152-token vocabulary takes seconds)."""
-    return GGUFReader(str(smollm2_gguf))
-
-
-@dataclass(frozen=True)
-class FileWeight:
-    """One tensor of the file: its raw bytes, its blocks, and its weight as gguf-py
-    dequantises it, in float32, float64 and |w| in float64."""
-
-    raw: np.ndarray
-    blocks: Blocks
-    weight: torch.Tensor
-    exact: torch.Tensor
-    magnitude: torch.Tensor
-
-
-@pytest.fixture(scope="module", params=[Q4_1_TENSOR, Q8_0_TENSOR])
-def file_weight(request: pytest.FixtureRequest, reader: GGUFReader) -> FileWeight:
-    tensor = next(t for t in reader.tensors if t.name == request.param)
-    raw = np.asarray(tensor.data)
-    blocks = Blocks.of_gguf(raw, int(tensor.tensor_type))
-    weight = torch.from_numpy(gguf.quants.dequantize(raw, tensor.tensor_type)).float()
-    return FileWeight(raw, blocks, weight, weight.double(), weight.double().abs())
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

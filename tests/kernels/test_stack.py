@@ -96,15 +96,15 @@ def _model(seed: int, kind: str, head_norms: bool) -> Model:
     return Model(layers, norm(SIZE))
 
 
-def _product(x: torch.Tensor, w: Weight) -> torch.Tensor:
-    return kernels.ops().block_linear(x, w.qs, w.d, w.m, w.bias)
-
-
 def _by_ops(model: Model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-            column: int) -> torch.Tensor:  # fmt: skip
+            column: int, int8: bool = False) -> torch.Tensor:  # fmt: skip
     """The step as separate ops, in the stack's order."""
     ops, rows = kernels.ops(), h.shape[0]
+
+    def _product(x: torch.Tensor, w: Weight) -> torch.Tensor:
+        return ops.block_linear(x, w.qs, w.d, w.m, w.bias, int8)
+
     delta = None
     for index, layer in enumerate(model.layers):
         x = ops.rms_norm(h, delta, layer.norm_in, EPS)
@@ -142,20 +142,22 @@ def _inputs(rows: int, column: int, room: int, padded: bool, seed: int):
     return h, cos, sin, keys, values, mask
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("head_norms", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize(("rows", "padded"), [(1, False), (3, True), (8, False), (13, True)])
 @torch.inference_mode()
 def test_the_stack_is_the_separate_ops_bit_for_bit(
-    variant: str, kind: str, head_norms: bool, rows: int, padded: bool
+    variant: str, kind: str, head_norms: bool, rows: int, padded: bool, int8: bool
 ) -> None:
+    """On float32 activations and on 8-bit ones (every product rounding its input)."""
     model = _model(rows, kind, head_norms)
     column, room = 20, 24
     h, cos, sin, keys, values, mask = _inputs(rows, column, room, padded, seed=rows + 1)
     mine_h, mine_keys, mine_values = h.clone(), keys.clone(), values.clone()
     states = kernels.ops().decode_stack(model.stack, mine_h, cos, sin, mine_keys, mine_values,
-                                        mask, column)  # fmt: skip
-    expected = _by_ops(model, h, cos, sin, keys, values, mask, column)
+                                        mask, column, int8)  # fmt: skip
+    expected = _by_ops(model, h, cos, sin, keys, values, mask, column, int8)
     assert torch.equal(states, expected), variant
     assert torch.equal(mine_h, h)  # the residual stream, added into in place
     assert torch.equal(mine_keys, keys) and torch.equal(mine_values, values)

@@ -31,6 +31,11 @@ from services.mesh.errors import InitFailed
 # bfloat16, 13/32 with float32 activations and only the linears in bfloat16.
 # ``auto`` takes a precision only at 0.
 CPU_DIFFERING: dict[str, int] = {"bfloat16": 15}
+# The GGUF-block products' activations unless engine_args names them
+# (TransformersArgs.activations). int8 would be the default only with at least 30 of
+# the 32 greedy answers float32's; benchmarks/precision_agreement.py measured 20 of 32
+# differing on SmolLM2-135M (docs/benchmarks.md), so float32.
+DEFAULT_ACTIVATIONS: Literal["float32", "int8"] = "float32"
 # Fastest first: bfloat16 halves the bytes each token reads (memory-bound decode).
 _CPU_CANDIDATES = ("bfloat16",)
 
@@ -66,10 +71,25 @@ class TransformersArgs(EngineArgs):
     #   auto: gguf_blocks where it applies and the kernels have a vector variant for
     #     this CPU (AVX2 or AVX-512), else packed.
     weights: Literal["auto", "gguf_blocks", "packed", "plain"] = "auto"
+    # The activations the GGUF-block products multiply (weights on gguf_blocks only):
+    #   float32: as they are; every weight dequantised to float32 (float32's answers up
+    #     to the order of the additions).
+    #   int8: rounded to 8 bits per 32 values as llama.cpp's Q8_1 does, multiplied with
+    #     integer dot products (about half the instructions a weight block), in every
+    #     product, prefills included.
+    activations: Literal["float32", "int8"] = DEFAULT_ACTIVATIONS
     # Which model runner (runners/) runs the model: auto, the fastest that takes it
     # (llama_cpu for a Llama-shaped GGUF on its blocks); reference, transformers' own
     # forward for any model.
     runner: Literal["auto", "reference"] = "auto"
+
+    @model_validator(mode="after")
+    def _int8_needs_blocks(self) -> TransformersArgs:
+        if self.activations == "int8" and self.weights in ("packed", "plain"):
+            raise ValueError(
+                f"activations: int8 runs on GGUF blocks only, not with weights: {self.weights}"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod

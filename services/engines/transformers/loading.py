@@ -29,6 +29,7 @@ from transformers import (
 from services import kernels
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
 from services.engines.transformers.config import TransformersArgs
+from services.engines.transformers.weights.blocks import BlockLinear
 from services.engines.transformers.weights.gguf_match import gguf_block_linears
 from services.engines.transformers.weights.packed import pack_linears
 from services.mesh.errors import InitFailed
@@ -126,7 +127,13 @@ def _place_weights(
     held = [f"{blocks} linears on GGUF blocks"] if blocks else []
     held += [f"{packed} packed for oneDNN"] if packed else []
     if blocks:
-        held.append(f"kernels {kernels.describe()}")
+        int8 = args.activations == "int8"
+        for module in model.modules():
+            if isinstance(module, BlockLinear):
+                module.int8 = int8
+        held.append(f"kernels {kernels.describe()}, {args.activations} activations")
+    elif args.activations == "int8":
+        logger.warning("engine_args.activations: int8 applies to GGUF blocks only; none here")
     return ", ".join(held) or "linears as loaded"
 
 

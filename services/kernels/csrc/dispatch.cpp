@@ -5,11 +5,16 @@
 
 #include "kernels.h"
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 namespace omni {
 namespace {
 
 const Variant *const variants[] = {
 #if defined(__x86_64__) && !defined(OMNI_GENERIC_KERNELS)
+    &avx512vnni_variant,
     &avx512_variant,
     &avx2_variant,
 #endif
@@ -26,6 +31,20 @@ const Variant *best() {
 std::atomic<const Variant *> active{nullptr};
 
 }  // namespace
+
+bool os_saves(uint64_t xcr0_bits) {
+#if defined(__x86_64__)
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & bit_OSXSAVE)) return false;
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    const uint64_t xcr0 = (static_cast<uint64_t>(hi) << 32) | lo;
+    return (xcr0 & xcr0_bits) == xcr0_bits;
+#else
+    (void)xcr0_bits;
+    return false;
+#endif
+}
 
 const Variant *const *all_variants(int64_t *n) {
     *n = count;

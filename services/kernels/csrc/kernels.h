@@ -9,7 +9,12 @@
  * dequantises a weight as gguf-py does, (d * q) + m rounded twice in float32 (so
  * -ffp-contract=off, and no FMA in a dequantisation), so a weight is bit for bit the
  * float32 the plain path loads; only the order of a product's additions differs
- * between variants. */
+ * between variants.
+ *
+ * Products take float32 activations, or the same rounded to 8 bits (Q8Rows: llama.cpp's
+ * Q8_1 scheme) and multiplied with integer dot products: a block's 32 products of
+ * 4- or 8-bit weights by 8-bit activations summed exactly in int32, then scaled once,
+ * about half the instructions of dequantising the block to float32. */
 #pragma once
 
 #include <atomic>
@@ -58,6 +63,27 @@ struct BlockWeight {
     const float *bias;
 };
 
+/* Activation rows rounded to 8 bits, per 32-block of a row as llama.cpp's Q8_1 does:
+ * d = max|x| / 127, q = x * (1 / d) rounded to nearest (ties to even), s = d * sum(q)
+ * (the block sum a Q4_1 weight's minimum multiplies). q int8 [rows][k]; d and s
+ * float32 [rows][k/32]. Every variant quantises with the same function, so the
+ * rounded activations are bit for bit one's whatever the variant. */
+struct Q8Rows {
+    int8_t *q;
+    float *d, *s;
+    int64_t k;
+};
+void quantize_q8_row(const float *x, int64_t k, int8_t *q, float *d, float *s);
+/* Q8Rows for `rows` rows of k laid out in scratch that holds tiled_rows(rows) * k
+ * floats (at least 1.25 bytes a value, as it must). */
+Q8Rows q8_rows(float *scratch, int64_t rows, int64_t k);
+/* Whether the OS saves the register state in `xcr0_bits` (XCR0 via xgetbv, after
+ * CPUID's OSXSAVE): a CPU with AVX-512 under an OS that does not save the zmm
+ * registers must not run it. */
+bool os_saves(uint64_t xcr0_bits);
+constexpr uint64_t XCR0_AVX = 0x6;      /* SSE and AVX state */
+constexpr uint64_t XCR0_AVX512 = 0xE6;  /* and opmask, zmm0-15 high halves, zmm16-31 */
+
 /* One instruction set's kernels. A product computes y[b][r] = sum_k W[r][k] x[b][k]
  * for the output rows r in [n0, n1) and every activation row b (y is [rows][w.n]);
  * where `packs`, x comes packed in tiles (pack_tiles) for rows > 1. */
@@ -68,6 +94,10 @@ struct Variant {
     bool packs;
     void (*product_rows)(const BlockWeight &w, const float *x, int64_t rows, int64_t n0,
                          int64_t n1, float *y);
+    /* The same over 8-bit activations: y[b][r] = sum over blocks of d_w d_x (q_w . q_x)
+     * (+ m_w s_x for Q4_1), each block's integer dot product exact in int32. */
+    void (*product_q8)(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0,
+                       int64_t n1, float *y);
     /* Blocks [b0, b1) of the weight (row-major: block j of row r is r * k/32 + j) to
      * float32 at out + b * 32. */
     void (*dequant)(const BlockWeight &w, int64_t b0, int64_t b1, float *out);
@@ -103,18 +133,19 @@ void rms_norm_row(float *h, const float *delta, int64_t n, const float *weight, 
 void rotary_row(float *x, int64_t heads, int64_t dim, const float *cos, const float *sin);
 
 #if defined(__x86_64__) && !defined(OMNI_GENERIC_KERNELS)
-extern const Variant avx2_variant, avx512_variant;
+extern const Variant avx2_variant, avx512_variant, avx512vnni_variant;
 #endif
 
 /* parallel.cpp: the drivers, each its own OpenMP region of `threads`. */
 float *aligned_floats(int64_t count); /* 64-byte aligned, freed with free() */
+/* `int8`: the activations rounded to 8 bits first (Q8Rows), integer dot products. */
 int block_product(const Variant &v, const BlockWeight &w, const float *x, int64_t rows, float *y,
-                  int threads); /* 0, or -1 when out of memory */
+                  bool int8, int threads); /* 0, or -1 when out of memory */
 /* The same inside a parallel region: xp holds tiled_rows(rows) * k floats (packed by
- * one thread where the variant packs), output rows shared out by an orphaned omp for;
- * the bias added. */
+ * one thread where the variant packs, or the rows rounded to 8 bits), output rows
+ * shared out by an orphaned omp for; the bias added. */
 void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
-                 float *xp, float *y);
+                 float *xp, float *y, bool int8);
 
 /* A barrier for one parallel region's team that spins (with a pause, yielding now and
  * then) instead of sleeping. libgomp's own barriers spin only briefly once the process
@@ -132,7 +163,7 @@ struct SpinBarrier {
 /* product_for with the team meeting at `barrier` instead of libgomp's (no implicit
  * barrier is left: its omp fors are nowait). */
 void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
-                 float *xp, float *y, SpinBarrier &barrier);
+                 float *xp, float *y, bool int8, SpinBarrier &barrier);
 void dequantize(const Variant &v, const BlockWeight &w, float *out, int threads);
 void add_rms_norm(float *h, const float *delta, int64_t rows, int64_t n, const float *weight,
                   float eps, float *out, int threads);
@@ -166,11 +197,11 @@ struct StackShape {
  * column `column` of keys/values + l * layer_stride ([rows][kv_heads][room][dim],
  * row and head strides in floats), and attends columns 0..column (those set in mask
  * [rows][column + 1], where given); states [rows][size] gets the final norm's
- * output. 0, or -1 when out of memory. */
+ * output; `int8`: every product on 8-bit activations. 0, or -1 when out of memory. */
 int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &shape, float *h,
                  int64_t rows, const float *cos, const float *sin, float *keys, float *values,
                  int64_t layer_stride, int64_t row_stride, int64_t head_stride,
                  const uint8_t *mask, int64_t column, const float *norm, float eps,
-                 float *states, int threads);
+                 float *states, bool int8, int threads);
 
 }  // namespace omni

@@ -83,15 +83,31 @@ using omni::BlockWeight;
 using namespace omni::ops;
 
 Tensor block_linear(const Tensor &x, const Tensor &qs, const Tensor &d,
-                    const std::optional<Tensor> &m, const std::optional<Tensor> &bias) {
+                    const std::optional<Tensor> &m, const std::optional<Tensor> &bias,
+                    bool int8) {
     const BlockWeight w = block_weight(qs, d, m, bias, "weight");
     check_2d(x, "x");
     TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " columns, the weight ", w.k);
     Tensor y = at::empty({x.size(0), w.n}, x.options());
     const int failed = omni::block_product(omni::active_variant(), w, x.data_ptr<float>(),
-                                           x.size(0), y.data_ptr<float>(), threads());
+                                           x.size(0), y.data_ptr<float>(), int8, threads());
     TORCH_CHECK(!failed, "block_linear: out of memory");
     return y;
+}
+
+/* x's rows rounded to 8 bits as every 8-bit product rounds them: (q int8 [rows][k],
+ * d and s float32 [rows][k/32]). */
+std::tuple<Tensor, Tensor, Tensor> quantize_q8(const Tensor &x) {
+    check_2d(x, "x");
+    TORCH_CHECK(x.size(1) % omni::QK == 0, "x's width must be a multiple of 32, not ", x.size(1));
+    const int64_t rows = x.size(0), k = x.size(1);
+    Tensor q = at::empty({rows, k}, x.options().dtype(at::kChar));
+    Tensor d = at::empty({rows, k / omni::QK}, x.options()), s = at::empty_like(d);
+    for (int64_t r = 0; r < rows; r++)
+        omni::quantize_q8_row(x.data_ptr<float>() + r * k, k, q.data_ptr<int8_t>() + r * k,
+                              d.data_ptr<float>() + r * (k / omni::QK),
+                              s.data_ptr<float>() + r * (k / omni::QK));
+    return {q, d, s};
 }
 
 void block_dequantize(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m,
@@ -195,8 +211,10 @@ TORCH_LIBRARY(omni_kernels, m) {
     m.def("needs(str name) -> str", &needs);
     m.def("use(str name) -> ()", &use);
     m.def("build_hash() -> str", &build_hash);
-    m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias) -> Tensor",
+    m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias, "
+          "bool int8=False) -> Tensor",
           &block_linear);
+    m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &quantize_q8);
     m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor(a!) out) -> ()",
           &block_dequantize);
     m.def("rms_norm(Tensor(a!) h, Tensor? delta, Tensor weight, float eps) -> Tensor",

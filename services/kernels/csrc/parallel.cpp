@@ -33,19 +33,54 @@ float *aligned_floats(int64_t count) {
         std::aligned_alloc(64, (static_cast<size_t>(count) * sizeof(float) + 63) & ~size_t{63}));
 }
 
-void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
-                 float *xp, float *y) {
-    const bool packed = v.packs && rows > 1;
-    if (packed) {
-#pragma omp single
-        pack_tiles(x, rows, w.k, xp);
-    }
-    const float *in = packed ? xp : x;
-#pragma omp for schedule(static)
+namespace {
+
+/* The output rows of one product, shared out by an orphaned omp for (nowait). */
+void rows_for(const Variant &v, const BlockWeight &w, const float *in, const Q8Rows &q8,
+              int64_t rows, float *y, bool int8) {
+#pragma omp for schedule(static) nowait
     for (int64_t c = 0; c < (w.n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < w.n ? n0 + ROW_CHUNK : w.n;
-        v.product_rows(w, in, rows, n0, n1, y);
+        if (int8)
+            v.product_q8(w, q8, rows, n0, n1, y);
+        else
+            v.product_rows(w, in, rows, n0, n1, y);
     }
+}
+
+/* The activations ready for the product: rounded to 8 bits (rows shared out), or
+ * packed by one thread where the variant packs; nowait, a barrier to follow. */
+const float *prepare_for(const Variant &v, const float *x, int64_t rows, int64_t k, float *xp,
+                         const Q8Rows &q8, bool int8) {
+    if (int8) {
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < rows; r++)
+            quantize_q8_row(x + r * k, k, q8.q + r * k, q8.d + r * (k / QK), q8.s + r * (k / QK));
+        return x;
+    }
+    if (v.packs && rows > 1) {
+#pragma omp single nowait
+        pack_tiles(x, rows, k, xp);
+        return xp;
+    }
+    return x;
+}
+
+bool needs_scratch(const Variant &v, int64_t rows, bool int8) {
+    return int8 || (v.packs && rows > 1);
+}
+
+}  // namespace
+
+void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
+                 float *xp, float *y, bool int8) {
+    const Q8Rows q8 = int8 ? q8_rows(xp, rows, w.k) : Q8Rows{};
+    const float *in = prepare_for(v, x, rows, w.k, xp, q8, int8);
+    if (needs_scratch(v, rows, int8)) {
+#pragma omp barrier
+    }
+    rows_for(v, w, in, q8, rows, y, int8);
+#pragma omp barrier
     if (w.bias) {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++)
@@ -68,19 +103,11 @@ void SpinBarrier::wait() {
 }
 
 void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t rows,
-                 float *xp, float *y, SpinBarrier &barrier) {
-    const bool packed = v.packs && rows > 1;
-    if (packed) {
-#pragma omp single nowait
-        pack_tiles(x, rows, w.k, xp);
-        barrier.wait();
-    }
-    const float *in = packed ? xp : x;
-#pragma omp for schedule(static) nowait
-    for (int64_t c = 0; c < (w.n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
-        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < w.n ? n0 + ROW_CHUNK : w.n;
-        v.product_rows(w, in, rows, n0, n1, y);
-    }
+                 float *xp, float *y, bool int8, SpinBarrier &barrier) {
+    const Q8Rows q8 = int8 ? q8_rows(xp, rows, w.k) : Q8Rows{};
+    const float *in = prepare_for(v, x, rows, w.k, xp, q8, int8);
+    if (needs_scratch(v, rows, int8)) barrier.wait();
+    rows_for(v, w, in, q8, rows, y, int8);
     barrier.wait();
     if (w.bias) {
 #pragma omp for schedule(static) nowait
@@ -91,13 +118,14 @@ void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t
 }
 
 int block_product(const Variant &v, const BlockWeight &w, const float *x, int64_t rows, float *y,
-                  int threads) {
+                  bool int8, int threads) {
     /* 64-byte aligned tiles: a 512-bit load then never straddles two cache lines (a
      * token's products at 8 rows measured 15 % slower unaligned). */
-    float *xp = v.packs && rows > 1 ? aligned_floats(tiled_rows(rows) * w.k) : nullptr;
-    if (v.packs && rows > 1 && !xp) return -1;
+    const bool scratch = needs_scratch(v, rows, int8);
+    float *xp = scratch ? aligned_floats(tiled_rows(rows) * w.k) : nullptr;
+    if (scratch && !xp) return -1;
 #pragma omp parallel num_threads(threads)
-    product_for(v, w, x, rows, xp, y);
+    product_for(v, w, x, rows, xp, y, int8);
     std::free(xp);
     return 0;
 }

@@ -46,6 +46,41 @@ void product_rows(const BlockWeight &w, const float *x, int64_t rows, int64_t n0
     }
 }
 
+/* One block's integer dot product, exact: 4-bit weights 0..15 or 8-bit -128..127 by
+ * activations -127..127, 32 of them, well inside int32. */
+int32_t block_dot(const BlockWeight &w, int64_t block, const int8_t *x) {
+    int32_t sum = 0;
+    if (w.kind == Q4_1) {
+        const uint8_t *q = static_cast<const uint8_t *>(w.qs) + block * (QK / 2);
+        for (int64_t i = 0; i < QK / 2; i++)
+            sum += (q[i] & 0x0F) * x[i] + (q[i] >> 4) * x[i + QK / 2];
+    } else {
+        const int8_t *q = static_cast<const int8_t *>(w.qs) + block * QK;
+        for (int64_t i = 0; i < QK; i++) sum += q[i] * x[i];
+    }
+    return sum;
+}
+
+/* Each (output row, activation row): its blocks in order, (d_w d_x) * dot each; the
+ * Q4_1 minimums' sum (m_w s_x over the blocks, in order) added at the end. */
+void product_q8(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0, int64_t n1,
+                float *y) {
+    const int64_t nb = w.k / QK;
+    for (int64_t r = n0; r < n1; r++)
+        for (int64_t b = 0; b < rows; b++) {
+            const int8_t *xq = x.q + b * w.k;
+            const float *xd = x.d + b * nb, *xs = x.s + b * nb;
+            float acc = 0.0f, mins = 0.0f;
+            for (int64_t j = 0; j < nb; j++) {
+                const int64_t block = r * nb + j;
+                acc += (half_to_float(w.d[block]) * xd[j]) *
+                       static_cast<float>(block_dot(w, block, xq + j * QK));
+                if (w.kind == Q4_1) mins += half_to_float(w.m[block]) * xs[j];
+            }
+            y[b * w.n + r] = acc + mins;
+        }
+}
+
 void dequant(const BlockWeight &w, int64_t b0, int64_t b1, float *out) {
     for (int64_t b = b0; b < b1; b++) block_weights(w, b, out + b * QK);
 }
@@ -75,7 +110,7 @@ bool always() { return true; }
 }  // namespace
 
 const Variant reference_variant = {
-    "reference", "nothing", always, false, product_rows, dequant, silu_row, attend_head,
+    "reference", "nothing", always, false, product_rows, product_q8, dequant, silu_row, attend_head,
 };
 
 /* Activation rows go in tiles of 8; what is left in one tile of 8, 4, 2 or 1 padded
@@ -105,6 +140,33 @@ void pack_tiles(const float *x, int64_t rows, int64_t k, float *xp) {
                     std::memset(to, 0, QK * sizeof(float));
             }
     }
+}
+
+/* Rounding to nearest, ties to even, by adding and taking away 1.5 * 2^23 (exact for
+ * |v| < 2^22; this file is built with -ffp-contract=off): the same in every variant
+ * and in torch.round, and the loop vectorises. */
+void quantize_q8_row(const float *x, int64_t k, int8_t *q, float *d, float *s) {
+    constexpr float magic = 12582912.0f;
+    for (int64_t j = 0; j < k / QK; j++) {
+        const float *xj = x + j * QK;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(xj[i]));
+        const float dj = amax / 127.0f, inv = dj != 0.0f ? 1.0f / dj : 0.0f;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < QK; i++) {
+            const int32_t v = static_cast<int32_t>((xj[i] * inv + magic) - magic);
+            q[j * QK + i] = static_cast<int8_t>(v);
+            sum += v;
+        }
+        d[j] = dj;
+        s[j] = dj * static_cast<float>(sum);
+    }
+}
+
+Q8Rows q8_rows(float *scratch, int64_t rows, int64_t k) {
+    int8_t *q = reinterpret_cast<int8_t *>(scratch);
+    float *d = reinterpret_cast<float *>(q + ((rows * k + 63) & ~int64_t{63}));
+    return {q, d, d + rows * (k / QK), k};
 }
 
 /* A float32 dot product over 16 partial sums, added pairwise at the end. */

@@ -27,7 +27,7 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                  int64_t rows, const float *cos, const float *sin, float *keys, float *values,
                  int64_t layer_stride, int64_t row_stride, int64_t head_stride,
                  const uint8_t *mask, int64_t column, const float *norm, float eps,
-                 float *states, int threads) {
+                 float *states, bool int8, int threads) {
     const int64_t heads = shape.heads, kv_heads = shape.kv_heads, dim = shape.dim;
     const int64_t size = shape.size, inter = shape.inter, group = heads / kv_heads;
     const int64_t width = (heads + 2 * kv_heads) * dim, columns = column + 1;
@@ -55,7 +55,7 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                     rms_norm_row(h + r * size, l ? delta + r * size : nullptr, size, L.norm_in,
                                  L.eps_in, x + r * size);
                 barrier.wait();
-                product_for(v, L.qkv, x, rows, xp, qkv, barrier);
+                product_for(v, L.qkv, x, rows, xp, qkv, int8, barrier);
                 /* per-head norms (Qwen3), rotary on q's and k's heads, k and v cached */
 #pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++) {
@@ -86,19 +86,19 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                                   att + rh * dim);
                 }
                 barrier.wait();
-                product_for(v, L.o, att, rows, xp, delta, barrier);
+                product_for(v, L.o, att, rows, xp, delta, int8, barrier);
 #pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++)
                     rms_norm_row(h + r * size, delta + r * size, size, L.norm_post, L.eps_post,
                                  x + r * size);
                 barrier.wait();
-                product_for(v, L.gate_up, x, rows, xp, gate_up, barrier);
+                product_for(v, L.gate_up, x, rows, xp, gate_up, int8, barrier);
 #pragma omp for schedule(static) nowait
                 for (int64_t r = 0; r < rows; r++)
                     v.silu_row(gate_up + r * 2 * inter, gate_up + r * 2 * inter + inter,
                                act + r * inter, inter);
                 barrier.wait();
-                product_for(v, L.down, act, rows, xp, delta, barrier);
+                product_for(v, L.down, act, rows, xp, delta, int8, barrier);
             }
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < rows; r++)

@@ -94,7 +94,7 @@ struct DecodeStack : torch::CustomClassHolder {
  * [rows][column + 1] or none. Returns the final norm's output [rows][size]. */
 Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, const Tensor &cos,
                     const Tensor &sin, Tensor &keys, Tensor &values,
-                    const std::optional<Tensor> &mask, int64_t column) {
+                    const std::optional<Tensor> &mask, int64_t column, bool int8) {
     const omni::StackShape &shape = stack->shape;
     check_2d(h, "h");
     const int64_t rows = h.size(0);
@@ -116,7 +116,7 @@ Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, con
         cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
         values.data_ptr<float>(), keys.stride(0), keys.stride(1), keys.stride(2),
         mask ? mask->data_ptr<uint8_t>() : nullptr, column, stack->norm, stack->eps,
-        states.data_ptr<float>(), threads());
+        states.data_ptr<float>(), int8, threads());
     TORCH_CHECK(!failed, "decode_stack: out of memory");
     return states;
 }
@@ -129,6 +129,6 @@ TORCH_LIBRARY_FRAGMENT(omni_kernels, m) {
                          std::vector<int64_t>>());
     m.def("decode_stack(__torch__.torch.classes.omni_kernels.DecodeStack stack, Tensor(a!) h, "
           "Tensor cos, Tensor sin, Tensor(b!) keys, Tensor(c!) values, Tensor? mask, "
-          "int column) -> Tensor",
+          "int column, bool int8=False) -> Tensor",
           &decode_stack);
 }

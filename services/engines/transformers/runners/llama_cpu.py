@@ -126,6 +126,9 @@ class LlamaCpuRunner(TextRunner):
         super().__init__(model, budget)
         self.lean = LeanForward(model)
         self._stack = decode_stack(self.lean, model.config)
+        # the products' activations, as loading set them on every block linear
+        qkv = self.lean.layers[0].qkv
+        self.int8 = bool(isinstance(qkv, BlockLinear) and qkv.int8)
         self.stack_steps = 0  # decode steps the stack ran (metrics, tests)
 
     def forward(
@@ -154,7 +157,7 @@ class LlamaCpuRunner(TextRunner):
         kv.reserve(1)
         h = embeds.reshape(rows, -1).clone()  # the residual stream, added into in place
         states = kernels.ops().decode_stack(
-            self._stack, h, cos, sin, kv.keys, kv.values, mask, column
+            self._stack, h, cos, sin, kv.keys, kv.values, mask, column, self.int8
         )
         kv.extend(valid)
         self.stack_steps += 1

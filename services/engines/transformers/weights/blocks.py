@@ -3,14 +3,16 @@
 A decode step reads every weight once per token, so on a CPU its speed is the bytes
 per weight: float32 reads 32 bits, the file's Q4_1 blocks 5 (4-bit weights, a
 float16 scale and min per 32, kept as they are). The kernels (services/kernels)
-multiply float32 activations straight from those blocks: the activations are not
-quantised (unlike llama.cpp's kernels), and each weight is dequantised exactly as
-the plain path dequantised it at conversion, ``(d * q) + m`` in float32. The answers
-are float32's up to the order of the additions; ``benchmarks/precision_agreement.py``
-measures the greedy agreement.
+multiply float32 activations straight from those blocks, each weight dequantised
+exactly as the plain path dequantised it at conversion, ``(d * q) + m`` in float32
+(the answers are float32's up to the order of the additions), or (``int8``) the
+activations rounded to 8 bits per block as llama.cpp does and multiplied with integer
+dot products; ``benchmarks/precision_agreement.py`` measures the greedy agreement of
+each.
 
-Products of many rows (a prefill) dequantise the weight into a scratch float32
-matrix and hand it to torch's GEMM, which is faster there than the row-tiled kernel.
+Products of many rows (a prefill) on float32 activations dequantise the weight into a
+scratch float32 matrix and hand it to torch's GEMM, which is faster there than the
+row-tiled kernel.
 """
 
 from __future__ import annotations
@@ -103,8 +105,12 @@ class BlockLinear(nn.Module):
     m: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def __init__(self, blocks: Blocks, bias: torch.Tensor | None) -> None:
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None, int8: bool = False) -> None:
         super().__init__()
+        # activations rounded to 8 bits for the kernels' integer products (config.py's
+        # engine_args.activations), at any number of rows: a row's answer must not
+        # depend on how many rows share its product
+        self.int8 = int8
         self.out_features, self.in_features = blocks.shape
         self.kind = blocks.kind
         self.register_buffer("qs", blocks.qs, persistent=False)
@@ -121,16 +127,17 @@ class BlockLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.to(torch.float32).contiguous()
-        if x2.shape[0] >= MANY_ROWS:
+        if x2.shape[0] >= MANY_ROWS and not self.int8:
             weight = self.blocks.dequantize(_scratch(self.out_features, self.in_features))
             y = nn.functional.linear(x2, weight, self.bias)
         else:
-            y = kernels.ops().block_linear(x2, self.qs, self.d, self.m, self.bias)
+            y = kernels.ops().block_linear(x2, self.qs, self.d, self.m, self.bias, self.int8)
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, {self.kind} blocks"
+            + (", int8 activations" if self.int8 else "")
         )
 
 

@@ -40,6 +40,7 @@ def fuse(modules: list[nn.Module]) -> tuple[Callable[[torch.Tensor], torch.Tenso
                     for b, m in zip(biases, blocks, strict=True)
                 ]
             ),
+            int8=blocks[0].int8,
         )
         start = 0
         for m in blocks:

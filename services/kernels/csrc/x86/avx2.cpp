@@ -20,12 +20,14 @@ namespace {
 bool supported() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+           __builtin_cpu_supports("f16c") && os_saves(XCR0_AVX);
 }
 }  // namespace
 }  // namespace omni
 
 #pragma GCC target("avx2,fma,f16c")
+
+#include "q8_products.h"
 
 namespace omni {
 namespace {
@@ -226,7 +228,8 @@ void attend_head(const float *q, const float *k, const float *v, const uint8_t *
 }  // namespace
 
 const Variant avx2_variant = {
-    "avx2", "AVX2, FMA and F16C", supported, true, product_rows, dequant, silu_row, attend_head,
+    "avx2", "AVX2, FMA and F16C", supported, true, product_rows, q8_product<MaddDot>,
+    dequant, silu_row, attend_head,
 };
 
 }  // namespace omni

@@ -1,0 +1,120 @@
+"""``engine_args.activations: int8``: SmolLM2's GGUF-block products on activations
+rounded to 8 bits, in the decode stack and in the lean forward alike. The stage says so
+in ``compute``; every block linear (the fused ones included) and the stack run it; a
+row's answer is its own whatever the batch; the setting is typed and refused by name
+where it cannot apply."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from services import kernels
+from services.engines.base import EngineSettings
+from services.engines.kv_cache import KvCache, KvShape
+from services.engines.transformers import TransformersEngine
+from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner
+from services.engines.transformers.weights.blocks import BlockLinear
+from services.mesh.errors import InitFailed
+
+pytestmark = pytest.mark.skipif(
+    kernels.variant() in ("none", "reference"),
+    reason=f"the GGUF blocks run by default only on a vector variant of the CPU kernels "
+    f"(here: {kernels.describe()})",
+)
+
+
+def int8_engine(gguf: Path, cache_dir: Path, activations: str) -> TransformersEngine:
+    settings = EngineSettings(
+        cache_dir=cache_dir,
+        max_batch_size=8,
+        engine_args={"weights": "gguf_blocks", "activations": activations},
+    )
+    engine = TransformersEngine(settings)
+    engine.load(gguf)
+    engine.warmup()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engines(smollm2_gguf: Path, omni_cache_dir: Path) -> Iterator[list[TransformersEngine]]:
+    made = [int8_engine(smollm2_gguf, omni_cache_dir, a) for a in ("int8", "float32")]
+    yield made
+    for engine in made:
+        engine.close()
+
+
+@torch.inference_mode()
+def _greedy(runner: LlamaCpuRunner, ids: torch.Tensor, steps: int) -> torch.Tensor:
+    """Each step's logits [steps][rows][vocab]: a prefill, then decode steps."""
+    model = runner.model
+    embed = model.get_input_embeddings()
+    kv = KvCache(KvShape.of(model.config, model.dtype, model.device), ids.shape[0])
+    one = torch.ones(ids.shape[0], 1, dtype=torch.long)
+    logits, _ = runner.forward(kv, embed(ids), torch.ones_like(ids), False)
+    every = [logits]
+    for _ in range(steps):
+        logits, _ = runner.forward(kv, embed(logits.argmax(-1)[:, None]), one, False)
+        every.append(logits)
+    return torch.stack(every)
+
+
+def test_int8_runs_everywhere_and_a_row_is_the_same_in_any_batch(
+    engines: list[TransformersEngine],
+) -> None:
+    """Every block linear (the fused ones too) and the decode stack take 8-bit
+    activations; a row's logits are bit for bit its own alone, whatever the batch (the
+    rounding is per row, the products per row). Against the reference runner no
+    equality is asked: a rounding to 8 bits turns a last-bit difference of attention
+    (sdpa against the kernels') into a step of the activations, the discontinuity
+    the kernels' tests bound product by product (tests/kernels/test_q8.py)."""
+    fast, floats = engines
+    runner = fast.runner
+    assert isinstance(runner, LlamaCpuRunner) and runner.int8
+    blocks = [m for m in fast.model.modules() if isinstance(m, BlockLinear)]
+    blocks += [m for layer in runner.lean.layers for m in (layer.qkv, layer.gate_up)]
+    assert blocks and all(isinstance(m, BlockLinear) and m.int8 for m in blocks)
+    ids = torch.randint(100, 40000, (8, 12), generator=torch.Generator().manual_seed(0))
+    stacked = runner.stack_steps
+    together = _greedy(runner, ids, 6)
+    assert runner.stack_steps - stacked == 6
+    for row in (0, 5):
+        assert torch.equal(_greedy(runner, ids[row : row + 1], 6)[:, 0], together[:, row])
+    float_runner = floats.runner
+    assert isinstance(float_runner, LlamaCpuRunner) and not float_runner.int8
+    assert not torch.equal(_greedy(float_runner, ids[:1], 1), together[:2, :1])
+
+
+def test_compute_names_the_activations(smollm2_gguf: Path, omni_cache_dir: Path) -> None:
+    for activations in ("int8", "float32"):
+        engine = TransformersEngine(
+            EngineSettings(cache_dir=omni_cache_dir, engine_args={"activations": activations})
+        )
+        try:
+            info = engine.load(smollm2_gguf)
+        finally:
+            engine.close()
+        assert f"kernels {kernels.variant()}" in info.compute
+        assert f"{activations} activations" in info.compute
+
+
+@pytest.mark.parametrize(
+    ("engine_args", "message", "field"),
+    [
+        ({"activations": "int4"}, "float32", "engine_args.activations"),
+        (
+            {"activations": "int8", "weights": "packed"},
+            "activations: int8 runs on GGUF blocks only, not with weights: packed",
+            "engine_args",
+        ),
+    ],
+)
+def test_bad_activations_are_refused_naming_the_field(
+    omni_cache_dir: Path, engine_args: dict[str, str], message: str, field: str
+) -> None:
+    with pytest.raises(InitFailed, match=message) as caught:
+        TransformersEngine(EngineSettings(cache_dir=omni_cache_dir, engine_args=engine_args))
+    assert caught.value.field == field
