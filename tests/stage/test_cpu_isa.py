@@ -21,6 +21,7 @@ NEEDS = {
     "reference": set(),
     "avx2": {"avx2", "fma", "f16c"},
     "avx512": {"avx512f", "avx512bw", "avx512vl", "fma", "f16c"},
+    "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "fma", "f16c", "avx512_vnni"},
 }
 
 
