@@ -3,7 +3,7 @@ carries (``services.mesh.errors`` maps them; the Done names ``stage``).
 
 ``NotStarted``    the router would not start it (paused too long, a stage not
                   ready, an edge's transform not offered)
-``StreamBroken``  the shared stage stream it was on broke (``stage_mux``)
+``StreamBroken``  the shared stage stream it was on broke (``replica_stream``)
 ``StageFailed``   a stage ended it with an error, or went away under it (``flow``;
                   ``first_failure`` picks it out of the request's TaskGroup)
 """

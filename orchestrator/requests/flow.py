@@ -27,8 +27,9 @@ from orchestrator.requests.audio_clock import AudioClock
 from orchestrator.requests.client_event import client_event
 from orchestrator.requests.errors import StageFailed, StreamBroken, first_failure
 from orchestrator.requests.lanes import Lane
+from orchestrator.requests.request_stream import RequestStream
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_mux import RequestStream, StageStreams
+from orchestrator.requests.stage_mux import StageStreams
 from orchestrator.requests.submits import StageSubmits, from_window
 from orchestrator.requests.topology import Topology, transform_needs
 from orchestrator.requests.windows import Window

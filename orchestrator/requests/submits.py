@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from orchestrator.requests.stage_mux import CREDIT
+from orchestrator.requests.request_stream import CREDIT
 from orchestrator.requests.windows import Window
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from services.mesh.telemetry import tracing

@@ -5,7 +5,10 @@
 ``init_clock``   the watchdog's time: counted and paused seconds, the stall timer
 ``health_probe`` a stage's grpc health: serving or not, and watching a READY one
 ``resolver``     the replicas a stage's address names (``ipv4:`` lists, ``dns:`` names)
-``replicas``     every replica of a stage: its channel, health and load; picks one
+``replicas``     every replica of a stage: found, health-polled; picks one (ReplicaSet)
+``replica``      one replica: its channel, its state from its health, its load
+``routing``      which replica a new request goes to: least outstanding, round robin,
+                 affinity per conversation
 ``status_feed``  who hears of a stage's status: callbacks and ``changes()`` readers
 ``progress``     the start-up view ``omni up`` draws from the monitors
 ``launcher``     starts, restarts and stops stage processes for ``omni up``

@@ -7,6 +7,8 @@
   may resolve to two addresses of one process).
 
 The lookup is the system's resolver; tests hand in their own (``Lookup``).
+A replica of a ``dns:`` name is dialled by its address, TLS still verifying the
+name (``pinned_dialing``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,11 @@ import ipaddress
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from services.mesh.security import Dialing
 
 # (host, port) -> the addresses it resolves to now
 Lookup = Callable[[str, int], Awaitable[list[str]]]
@@ -72,3 +79,23 @@ class Target:
             return list(self.fixed)
         found = await lookup(self.host, self.port)
         return list(dict.fromkeys(host_port(ip, self.port) for ip in found))
+
+
+def pinned_dialing(dialing: Dialing, host: str) -> Dialing:
+    """Dialing a replica of a ``dns:`` name by its address, TLS still verifies the name."""
+    if dialing.credentials is None:
+        return dialing
+    return _Pinned(dialing.credentials, dialing.token, authority=host)
+
+
+@dataclass(frozen=True)
+class _Pinned(Dialing):
+    authority: str = ""
+
+    def channel(self, address: str, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        pinned = [
+            *options,
+            ("grpc.ssl_target_name_override", self.authority),
+            ("grpc.default_authority", self.authority),
+        ]
+        return super().channel(address, pinned)

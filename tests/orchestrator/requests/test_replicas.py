@@ -21,7 +21,8 @@ import yaml
 from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.stages.processes import StageProcess
-from orchestrator.stages.replicas import READY, ReplicaSet, ReplicaSettings
+from orchestrator.stages.replica import READY
+from orchestrator.stages.replicas import ReplicaSet, ReplicaSettings
 from orchestrator.stages.resolver import Target
 from services.engines.base import EngineEvent, EnginePlan
 from services.mesh.pb.omni.v1 import orchestrator_pb2

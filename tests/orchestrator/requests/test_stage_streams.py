@@ -17,8 +17,8 @@ from grpc_health.v1 import health_pb2
 from orchestrator.client import Result
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.requests.client_input import single
+from orchestrator.requests.request_stream import CREDIT
 from orchestrator.requests.sink import EventSink
-from orchestrator.requests.stage_mux import CREDIT
 from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
