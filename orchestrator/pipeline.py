@@ -75,6 +75,10 @@ class Stage(Frozen):
     # The requests of one conversation (GenerateRequest.affinity_key) go to the
     # replica that had its last one while that one is ready: its prefix cache.
     affinity: bool = False
+    # A stage on no edge, reached only by requests addressed to it alone
+    # (GenerateRequest.stage): a recogniser that turns each clip into text once, at
+    # the edge of the conversation, rather than in every request's path.
+    alone: bool = False
 
     @field_validator("address")
     @classmethod
@@ -190,9 +194,15 @@ class PipelineConfig(Frozen):
 
     @property
     def entry(self) -> str:
-        """The one stage no edge leads to: every request starts there."""
+        """The one stage (not alone) no edge leads to: every request starts there."""
         targets = {e.to for e in self.edges}
-        return next(s.name for s in self.stages if s.name not in targets)
+        return next(s.name for s in self.stages if s.name not in targets and not s.alone)
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Every stage as ListStages lists them: the entry first, then as requests
+        reach them, then the stages alone."""
+        return (*self.order, *(s.name for s in self.stages if s.alone))
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -250,10 +260,19 @@ def _names_and_edges(config: PipelineConfig) -> list[tuple[Loc, str, Any]]:
             )
             problems.append((("edges", k, "to"), message, edge.to))
         incoming_at.setdefault(edge.to, k)
+    alone = {s.name for s in config.stages if s.alone}
+    for k, edge in enumerate(config.edges):
+        for key, name in (("from", edge.from_), ("to", edge.to)):
+            if name in alone:
+                message = "a stage alone is on no edge (requests reach it by its name)"
+                problems.append((("edges", k, key), message, name))
     seen: set[str] = set()
     for i, name in enumerate(config.output_stages or ()):
         if name not in first_at:
             problems.append((("outputs", i), known, name))
+        elif name in alone:
+            message = "a stage alone is on no request's path (its own requests reach the client)"
+            problems.append((("outputs", i), message, name))
         elif name in seen:
             problems.append((("outputs", i), "expected each stage once", name))
         seen.add(name)
@@ -280,11 +299,13 @@ def _shape(config: PipelineConfig) -> list[tuple[Loc, str, Any]]:
             at = flow.index(closer)
             loop = " -> ".join([*flow[at:], *flow[:at], closer])
             problems.append((("edges", k, "to"), f"expected no cycles, found {loop}", closer))
-    roots = [(i, s.name) for i, s in enumerate(config.stages) if s.name not in parent]
+    roots = [
+        (i, s.name) for i, s in enumerate(config.stages) if s.name not in parent and not s.alone
+    ]
     for i, name in roots[1:]:
         message = (
             f"stage is not reachable from the entry stage {roots[0][1]!r}; expected an edge "
-            "leading to it (a pipeline has exactly one entry)"
+            "leading to it (a pipeline has exactly one entry), or alone: true"
         )
         problems.append((("stages", i, "name"), message, name))
     if not roots and not problems:

@@ -117,6 +117,9 @@ class OrchestratorServer:
             for s in pipeline.stages
         }
         settings = WatchdogSettings  # one per stage: budgets differ
+        # In the order ListStages lists them: the entry first, then as requests reach
+        # them (a chart writes its stages alphabetically), then the stages alone.
+        stages = sorted(pipeline.stages, key=lambda s: pipeline.listed.index(s.name))
         self.monitors = {
             s.name: StageMonitor(
                 StageTarget(
@@ -130,7 +133,7 @@ class OrchestratorServer:
                 ),
                 dialing=dialing,
             )
-            for s in pipeline.stages
+            for s in stages
         }
         for name, replica_set in self.replicas.items():
             self.monitors[name].replicas = replica_set.statuses

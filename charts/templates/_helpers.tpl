@@ -239,6 +239,7 @@ capabilities:
   "address" (include "omni.stageAddress" (dict "root" $root "name" $name))
   "init_timeout_s" ($stage.initTimeoutS | default 600)
   "download_stall_timeout_s" ($stage.downloadStallTimeoutS | default 60)
+  "alone" ($stage.alone | default false)
 ) -}}
 {{- end -}}
 {{- $pipeline := dict "name" .Values.pipeline.name "stages" $stages -}}

@@ -70,6 +70,7 @@ def test_defaults_deploy_the_default_pipeline() -> None:
             stage.launch.read_text()
         )
         assert rendered.stage(stage.name).init_timeout_s == stage.init_timeout_s
+        assert rendered.stage(stage.name).alone == stage.alone
 
 
 def test_podman_values_render_only_what_podman_kube_play_runs() -> None:

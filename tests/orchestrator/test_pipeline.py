@@ -132,6 +132,18 @@ def test_transform_names_are_names_and_the_stages_say_which_exist(tmp_path: Path
     assert load_pipeline(path).edges[0].transform == "hidden_to_embeds"
 
 
+def test_a_stage_alone_is_on_no_edge_and_listed_last() -> None:
+    # The renderer leaves the tree for a side of its own (the default pipeline's
+    # recogniser): reached by its name alone, never a request's entry or output.
+    data = three()
+    data["edges"].pop(1)
+    data["stages"][2]["alone"] = True
+    data["stages"].insert(0, data["stages"].pop(2))  # listed first in the file
+    config = parse_pipeline(data, "pipe.yaml")
+    assert config.entry == "t" and config.order == ("t", "a", "v")
+    assert config.outputs == ("v",) and config.listed == ("t", "a", "v", "r")
+
+
 def edit(change: Any) -> dict[str, Any]:
     data = three()
     change(data)
@@ -186,7 +198,22 @@ def edit(change: Any) -> dict[str, Any]:
         (
             edit(lambda d: d["edges"].pop(1)),
             "stages.2.name: stage is not reachable from the entry stage 't'; expected an edge "
-            "leading to it (a pipeline has exactly one entry) (got 'r')",
+            "leading to it (a pipeline has exactly one entry), or alone: true (got 'r')",
+        ),
+        (
+            edit(lambda d: d["stages"][2].update(alone=True)),
+            "edges.1.to: a stage alone is on no edge (requests reach it by its name) (got 'r')",
+        ),
+        (
+            edit(
+                lambda d: (
+                    d["edges"].pop(1),
+                    d["stages"][2].update(alone=True),
+                    d.update(outputs=["v", "r"]),
+                )
+            ),
+            "outputs.1: a stage alone is on no request's path (its own requests reach the "
+            "client) (got 'r')",
         ),
         (
             edit(lambda d: d["edges"][2].update(low_watermark=8)),
