@@ -44,6 +44,7 @@ class Replica:
         self.queued = 0  # in flight, nothing heard from it yet
         self.served = 0
         self.finished_at = 0.0  # when a request last ended there (time.monotonic)
+        self.picked = 0  # when it was last chosen (its ReplicaChooser's count)
 
     def took(self) -> None:
         """A request was given to it."""

@@ -1,7 +1,8 @@
 """Which replica of a stage a new request goes to: the routing policy and affinity.
 
 Among the replicas that take requests (READY and still listed): the one with
-the least outstanding work (requests in flight; ties to the one that finished a
+the least outstanding work (requests in flight; ties between idle ones to the one
+given a request least recently, between busy ones to the one that finished a
 request last), or each in turn (``round_robin``, for comparison). With affinity,
 a conversation's requests go to the replica its last one went to, while that
 one takes requests; the ``MAX_AFFINITY_KEYS`` most recent conversations are
@@ -29,6 +30,7 @@ class ReplicaChooser:
         self._routing = routing
         self._by_conversation = affinity
         self._turn = itertools.count()
+        self._picks = itertools.count(1)  # when each replica was last given a request
         # Conversation -> the address its requests go to, the least recently used first.
         self._affinity: OrderedDict[str, str] = OrderedDict()
 
@@ -58,6 +60,12 @@ class ReplicaChooser:
         if self._routing == "round_robin":
             ready.sort(key=lambda r: r.address)
             return ready[next(self._turn) % len(ready)]
-        # Ties go to the replica that finished a request last: one held by a long
-        # answer has not, and a request sent there would queue behind it.
-        return min(ready, key=lambda r: (r.in_flight, -r.finished_at))
+        # Ties between idle replicas go to the one given a request least recently, so
+        # requests one at a time still visit every replica. Ties between busy ones go
+        # to the one that finished a request last: one held by a long answer has not,
+        # and a request sent there would queue behind it.
+        chosen = min(
+            ready, key=lambda r: (r.in_flight, -r.finished_at if r.in_flight else r.picked)
+        )
+        chosen.picked = next(self._picks)
+        return chosen

@@ -155,15 +155,22 @@ async def test_least_outstanding_routing_spreads_long_requests(
 async def test_a_conversation_stays_on_its_replica_on_a_stage_with_affinity(
     omni_cache_dir: Path, affinity: bool
 ) -> None:
-    """A conversation's first turn lands on a replica, a long request then keeps
-    that replica busy: by room the next turn goes to the other one; with affinity
-    it stays."""
+    """A conversation's first turn lands on a replica that a long request then
+    keeps busy, while the other is idle: by room the next turn goes to the other
+    one; with affinity it stays. (A long request first holds one replica, so the
+    turn lands on the other; a second long request follows the room there; the
+    first is then aborted.)"""
     async with replicas(omni_cache_dir, 2) as servers:
         config = solo(ipv4(servers), affinity=affinity)
         async with orchestrator(config) as (server, client):
             await all_ready(client, 2)
+            elsewhere = client.generate("hold", request_id="elsewhere")
+            await eventually(lambda: server.router.in_flight == 1, 5)
             first = await client.generate("Hi", request_id="turn-0", affinity_key="chat").collect()
             held = client.generate("hold", request_id="long")
+            await eventually(lambda: server.router.in_flight == 2, 5)
+            await client.abort("elsewhere")
+            await elsewhere.collect()
             await eventually(lambda: server.router.in_flight == 1, 5)
             second = await client.generate("Hi", request_id="turn-1", affinity_key="chat").collect()
             assert first.ok and second.ok, (first.done, second.done)
