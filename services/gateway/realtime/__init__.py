@@ -4,7 +4,9 @@ names (docs/api.md lists every event, served and refused).
     endpoint.py        the WebSocket: limits, close codes, the reader loop
     outbox.py          server events queued in order, bounded while unread
     client_events.py   the client events, validated; refusals name the field
-    session.py         one session: settings, conversation, audio buffer, VAD
+    session.py         one session: settings, events in order, the response in flight
+    input_audio.py     the input audio buffer, server VAD's turns over it, commits
+    item_edits.py      a client's item create / retrieve / truncate, checked
     session_config.py  the ``session`` object, merged and validated per update
     conversation.py    items, and the budget of what a response sends
     items.py           a client's item, part by part, checked

@@ -1,11 +1,11 @@
 """One realtime session: its settings, its conversation, its input audio buffer
-(and server VAD over it) and the one response it may have in flight. It takes
-client events in order and queues server events; a refused event changes
-nothing and is answered with an ``error`` naming its field."""
+(and server VAD over it: input_audio.py) and the one response it may have in
+flight. It takes client events in order and queues server events; a refused
+event changes nothing and is answered with an ``error`` naming its field
+(item_edits.py checks the client's edits of the conversation)."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -15,27 +15,22 @@ from services.gateway.catalog import Pipeline
 from services.gateway.config import RealtimeLimits
 from services.gateway.errors import ApiError
 from services.gateway.realtime import client_events as ce
-from services.gateway.realtime import wire
+from services.gateway.realtime import item_edits, wire
 from services.gateway.realtime.conversation import Budget, Conversation, Item, Part, new_id
-from services.gateway.realtime.items import part_of
+from services.gateway.realtime.input_audio import InputAudioBuffer
 from services.gateway.realtime.plan import plan_response, refill
 from services.gateway.realtime.response import Emit, Events, Plan, Response
 from services.gateway.realtime.session_config import (
-    RATE,
     Audio,
     AudioInput,
     ServerVadSettings,
     SessionConfig,
 )
 from services.gateway.realtime.transcripts import AfterTranscripts, Transcripts
-from services.gateway.realtime.vad import ServerVad, Turn
-from services.gateway.schema import validate
+from services.gateway.realtime.vad import Turn
 from services.gateway.voices import Voices
 
 logger = logging.getLogger(__name__)
-
-BYTES_PER_MS = RATE * 2 // 1000
-MIN_COMMIT_MS = 100  # as OpenAI's: a shorter buffer is refused
 
 
 @dataclass(frozen=True)
@@ -73,15 +68,11 @@ class Session:
             audio=Audio(input=AudioInput(turn_detection=detection)),
         )
         self.conversation = Conversation()
-        self._buffer = bytearray()
-        self._before_buffer = 0  # bytes of the session's audio before the buffer's first
-        self._vad = ServerVad(detection) if detection is not None else None
+        self._audio = InputAudioBuffer(detection)
         recogniser = pipeline.recogniser
         self._transcripts = (
             Transcripts(context.client, recogniser, token, emit) if recogniser else None
         )
-        self._turn_item = ""  # the item id of the turn server VAD is hearing
-        self._turn_start_ms = 0  # where it started, in the session's audio
         self.response: Response | None = None
 
     @property
@@ -110,14 +101,15 @@ class Session:
             case ce.AudioAppend():
                 await self._append(event)
             case ce.AudioCommit():
-                self._commit(len(self._buffer))
+                self._commit()
             case ce.AudioClear():
-                self._drop_buffer(len(self._buffer))
+                self._audio.clear()
                 self._emit({"type": "input_audio_buffer.cleared"})
             case ce.ItemCreate():
-                self._create_item(event)
+                limit = self._context.limits.max_audio_buffer_bytes
+                self._added(*item_edits.create(self.conversation, event, self._pipeline, limit))
             case ce.ItemRetrieve():
-                item = self._item(event.item_id)
+                item = item_edits.find(self.conversation, event.item_id)
                 self._emit({"type": "conversation.item.retrieved", "item": item.view()})
             case ce.ItemDelete():
                 self._delete(event.item_id)
@@ -154,9 +146,7 @@ class Session:
         changed = config != self.config
         detection = config.audio.input.turn_detection
         if detection != self.config.audio.input.turn_detection:
-            # Its times count the session's audio from the start, as OpenAI's do.
-            heard = (self._before_buffer + len(self._buffer)) // BYTES_PER_MS
-            self._vad = ServerVad(detection, heard) if detection is not None else None
+            self._audio.detect(detection)
         self.config = config
         if changed or not refused:
             self._emit({"type": "session.updated", "session": self.view()})
@@ -175,48 +165,35 @@ class Session:
     async def _append(self, event: ce.AudioAppend) -> None:
         limit = self._context.limits.max_audio_buffer_bytes
         pcm = ce.pcm(event.audio, "audio", limit)
-        if len(self._buffer) + len(pcm) > limit:
-            raise ce.bad(
-                "audio",
-                f"the input audio buffer holds at most {limit} bytes "
-                f"({len(self._buffer)} now): commit or clear it",
-                "audio_buffer_full",
-            )
-        self._buffer += pcm
-        if self._vad is not None:
-            # Scored off the event loop: a long append is many frames.
-            for turn in await asyncio.to_thread(self._vad.feed, pcm):
-                self._on_turn(turn)
+        for turn in await self._audio.append(pcm, limit):
+            self._on_turn(turn)
 
     def _on_turn(self, turn: Turn) -> None:
-        assert self._vad is not None
-        settings = self._vad.settings
+        assert self._audio.vad is not None
+        settings = self._audio.vad.settings
         if turn.kind == "started":
-            self._turn_item = new_id("item")
-            self._turn_start_ms = turn.ms
+            item_id = self._audio.start_turn(turn.ms)
             self._emit(
                 {
                     "type": "input_audio_buffer.speech_started",
                     "audio_start_ms": turn.ms,
-                    "item_id": self._turn_item,
+                    "item_id": item_id,
                 }
             )
             if settings.interrupt_response and self.response is not None:
                 self.response.cancel("turn_detected")
             return
+        item_id = self._audio.turn_item
         self._emit(
             {
                 "type": "input_audio_buffer.speech_stopped",
                 "audio_end_ms": turn.ms,
-                "item_id": self._turn_item,
+                "item_id": item_id,
             }
         )
-        # Everything before the turn's padding is silence: left out of the item
-        # (from where the turn started: ``turn.ms`` is where it stopped).
-        start = (self._turn_start_ms - settings.prefix_padding_ms) * BYTES_PER_MS
-        skip = max(0, start - self._before_buffer)
+        skip = self._audio.turn_skip(settings.prefix_padding_ms)
         try:
-            self._commit(len(self._buffer), skip=skip, item_id=self._turn_item)
+            self._commit(skip=skip, item_id=item_id)
         except ApiError as exc:
             self._emit(wire.error(exc))
             return
@@ -226,25 +203,8 @@ class Session:
             except ApiError as exc:
                 self._emit(wire.error(exc))
 
-    def _commit(self, end: int, *, skip: int = 0, item_id: str = "") -> None:
-        pcm = bytes(self._buffer[skip:end])
-        entry = self._pipeline.entry
-        if not self._pipeline.hears:
-            self._drop_buffer(end)
-            kinds = ", ".join(entry.accepts) or "text"
-            raise ce.bad(
-                "input_audio_buffer",
-                f"the pipeline's entry stage {entry.name!r} accepts "
-                f"{kinds}, not audio (the buffer was cleared)",
-                "audio_not_supported",
-            )
-        if len(pcm) < MIN_COMMIT_MS * BYTES_PER_MS:
-            raise ce.bad(
-                "input_audio_buffer",
-                f"expected at least {MIN_COMMIT_MS} ms of audio, got {len(pcm) // BYTES_PER_MS} ms",
-                "input_audio_buffer_commit_empty",
-            )
-        self._drop_buffer(end)
+    def _commit(self, *, skip: int = 0, item_id: str = "") -> None:
+        pcm = self._audio.commit(self._pipeline, skip=skip)
         item = Item("user", [Part("input_audio", pcm=pcm)])
         item.id = item_id or item.id
         previous = self.conversation.add(item)
@@ -257,33 +217,7 @@ class Session:
         )
         self._added(item, previous)
 
-    def _drop_buffer(self, end: int) -> None:
-        del self._buffer[:end]
-        self._before_buffer += end
-
     # -- conversation items
-
-    def _create_item(self, event: ce.ItemCreate) -> None:
-        message = validate(ce.MessageItem, event.item, prefix="item")
-        if message.id is not None and any(i.id == message.id for i in self.conversation.items):
-            raise ce.bad("item.id", f"{message.id!r} is already in the conversation")
-        limit = self._context.limits.max_audio_buffer_bytes
-        parts = [
-            part_of(message.role, part, f"item.content[{j}]", self._pipeline, limit)
-            for j, part in enumerate(message.content)
-        ]
-        item = Item(message.role, parts)
-        item.id = message.id or item.id
-        after = event.previous_item_id
-        if after == "root":
-            self.conversation.items.insert(0, item)
-            previous = None
-        else:
-            try:
-                previous = self.conversation.add(item, after)
-            except KeyError:
-                raise ce.bad("previous_item_id", f"no item {after!r} in the conversation") from None
-        self._added(item, previous)
 
     def _added(self, item: Item, previous: str | None) -> None:
         if self._transcripts is not None:
@@ -309,34 +243,15 @@ class Session:
             self._emit({"type": "conversation.item.deleted", "item_id": item.id})
         return kept
 
-    def _item(self, item_id: str) -> Item:
-        for item in self.conversation.items:
-            if item.id == item_id:
-                return item
-        raise ce.bad("item_id", f"no item {item_id!r} in the conversation", "item_not_found")
-
     def _delete(self, item_id: str) -> None:
-        item = self._item(item_id)
+        item = item_edits.find(self.conversation, item_id)
         if self.busy and self.response is not None and self.response.item is item:
             raise ce.bad("item_id", "the response in progress is writing it: cancel it first")
         self.conversation.remove(item_id)
         self._emit({"type": "conversation.item.deleted", "item_id": item_id})
 
     def _truncate(self, event: ce.ItemTruncate) -> None:
-        """The client played only ``audio_end_ms`` of an answer: its transcript is
-        cut to the words said by then, so the next turn's context holds what
-        the user heard (conversation.py says how)."""
-        item = self._item(event.item_id)
-        if item.role != "assistant":
-            raise ce.bad("item_id", "only an assistant item's audio can be truncated")
-        if event.content_index >= len(item.parts):
-            raise ce.bad("content_index", f"the item has {len(item.parts)} part(s)")
-        part = item.parts[event.content_index]
-        if part.type != "output_audio":
-            raise ce.bad("content_index", f"part {event.content_index} has no audio")
-        # Past the audio sent (a player's clock runs on a little) cuts nothing.
-        part.truncate(event.audio_end_ms)
-        item.tokens = None  # estimated again from what is left
+        item = item_edits.truncate(self.conversation, event)
         self._emit(
             {
                 "type": "conversation.item.truncated",
