@@ -48,6 +48,7 @@ def one(dtype: str, out: Path) -> None:
 
     folder = converted_folder(gguf_path(), environment.CACHE_DIR.get().expanduser())
     tokenizer = AutoTokenizer.from_pretrained(folder)
+
     def chat(question: str) -> list[int]:
         encoded: Any = tokenizer.apply_chat_template(
             [{"role": "user", "content": question}], add_generation_prompt=True, return_dict=True

@@ -105,7 +105,7 @@ class _Message(Protocol):
 
 
 def listed(kinds: Collection[str]) -> str:
-    """"text", "text and image", "text, image and audio"."""
+    """ "text", "text and image", "text, image and audio"."""
     names = [k for k in _KIND_ORDER if k in kinds] + sorted(set(kinds) - set(_KIND_ORDER))
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 

@@ -73,7 +73,5 @@ def handed_off(stage: str, msg: tensor_pb2.Tensor, began_ns: int) -> None:
         "omni.transport": transport,
         "omni.tensor.bytes": nbytes,
     }
-    span = tracing.tracer().start_span(
-        "stage.handoff", start_time=began_ns, attributes=attributes
-    )
+    span = tracing.tracer().start_span("stage.handoff", start_time=began_ns, attributes=attributes)
     span.end()
