@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from orchestrator.pipeline import load_pipeline
+
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "orchestrator" / "examples"
 
@@ -76,11 +78,14 @@ def test_installed_wheel_ships_the_examples_and_omni_up_starts_from_them(tmp_pat
     found = json.loads(done.stdout)
     assert Path(found["package"]).is_relative_to(site)
     assert found["pipeline"] == str(site / "orchestrator/examples/pipelines/default.yaml")
+    # Every stage file the checkout's default pipeline launches, from the wheel.
+    checkout = load_pipeline(REPO / "orchestrator/examples/pipelines/default.yaml")
     assert found["launch"] == [
-        str(site / "orchestrator/examples/pipelines/stages/thinker.yaml"),
-        str(site / "orchestrator/examples/pipelines/stages/renderer.yaml"),
-        str(site / "orchestrator/examples/pipelines/stages/speaker.yaml"),
+        str(site / "orchestrator/examples/pipelines/stages" / stage.launch.name)
+        for stage in checkout.stages
+        if stage.launch is not None
     ]
+    assert len(found["launch"]) == len(checkout.stages)
 
 
 def test_the_checkout_examples_links_are_the_packaged_folders() -> None:
