@@ -186,11 +186,14 @@ class Scheduler(Generic[R]):
 
     def _retire(self) -> None:
         self.waiting = deque(r for r in self.waiting if not _gone(r))
+        # ``cancelled`` flips on the event loop at any time: decide who leaves once,
+        # so the runner and the scheduler drop the same rows.
         gone = [r for r in (*self.prefilling, *self.running) if _gone(r)]
         if gone:
             self.runner.free(gone)
-            self.prefilling = [r for r in self.prefilling if not _gone(r)]
-            self.running = [r for r in self.running if not _gone(r)]
+            leaving = set(map(id, gone))
+            self.prefilling = [r for r in self.prefilling if id(r) not in leaving]
+            self.running = [r for r in self.running if id(r) not in leaving]
 
     def _admit(self) -> None:
         admitted: list[R] = []

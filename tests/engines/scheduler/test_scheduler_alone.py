@@ -214,6 +214,34 @@ def test_a_cancelled_request_is_freed_and_the_others_go_on(make) -> None:
     assert len(leaves.numbers) < 10_000
 
 
+def test_a_cancel_landing_while_others_are_freed_frees_it_too(make) -> None:
+    """The event loop sets ``cancelled`` at any moment, also while the scheduler is
+    freeing others: the runner and the scheduler must still drop the same rows (a
+    row dropped by one only left the text runner stepping rows it no longer had)."""
+    first, second = Counting("first", 2, 10_000), Counting("second", 2, 10_000)
+    stays = Counting("stays", prompt=2, tokens=300)
+
+    class Racing(CountingRunner):
+        def free(self, gone: Sequence[Counting]) -> None:
+            super().free(gone)
+            if first in gone:
+                second.cancelled = True  # lands between the two halves of retiring
+
+    runner = Racing()
+    scheduler, steps = make(runner, batch=4)
+    for r in (first, second, stays):
+        scheduler.submit(r)
+    until(lambda: len(second.numbers) >= 3)
+    first.cancelled = True
+    scheduler.wake()
+    finish(stays)
+    assert stays.numbers == list(range(300)) and stays.error is None
+    until(lambda: "second" in runner.freed)
+    assert runner.rows == set()
+    late = [s for s in steps if "second" in s.decode][-1]
+    assert steps.index(late) < len(steps) - 1  # it stopped decoding before the end
+
+
 def test_a_failed_step_fails_its_batch_and_the_scheduler_serves_on(make) -> None:
     runner = CountingRunner()
     scheduler, _steps = make(runner, batch=4)
