@@ -64,6 +64,10 @@ class InputAudioBuffer:
         start = (self._turn_start_ms - prefix_padding_ms) * BYTES_PER_MS
         return max(0, start - self._before)
 
+    def heard(self, skip: int = 0) -> bytes:
+        """The buffer's audio so far (less its first ``skip`` bytes), left in it."""
+        return bytes(self._pcm[skip:])
+
     def commit(self, pipeline: Pipeline, *, skip: int = 0) -> bytes:
         """The buffer's audio (less its first ``skip`` bytes) as one turn, taken out."""
         pcm = bytes(self._pcm[skip:])

@@ -39,10 +39,13 @@ def plan_response(session: Session, params: ce.ResponseParams) -> Plan:
     instructions = params.instructions if params.instructions is not None else config.instructions
 
     sent = session.trimmed()
-    if not sent:
+    if not (sent or instructions):
+        # With instructions and no item yet the model speaks first, as OpenAI's does
+        # (a voice agent's greeting); with neither there is nothing to answer.
         raise ce.bad(
             "type",
-            "the conversation is empty: create an item or commit audio first",
+            "the conversation is empty and there are no instructions: create an item, "
+            "commit audio or set instructions first",
             "conversation_empty",
         )
 

@@ -184,6 +184,15 @@ class Session:
                 self.response.cancel("turn_detected")
             return
         item_id = self._audio.turn_item
+        skip = self._audio.turn_skip(settings.prefix_padding_ms)
+        if turn.kind in ("paused", "resumed"):
+            # A pause may be the turn's end: hear the turn so far while the silence
+            # window runs, so its transcript is (nearly) in when the turn commits.
+            if self._transcripts is not None and self._pipeline.hears:
+                self._transcripts.forget(item_id)
+                if turn.kind == "paused":
+                    self._transcripts.guess(item_id, self._audio.heard(skip))
+            return
         self._emit(
             {
                 "type": "input_audio_buffer.speech_stopped",
@@ -191,7 +200,6 @@ class Session:
                 "item_id": item_id,
             }
         )
-        skip = self._audio.turn_skip(settings.prefix_padding_ms)
         try:
             self._commit(skip=skip, item_id=item_id)
         except ApiError as exc:

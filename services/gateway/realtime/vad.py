@@ -4,7 +4,11 @@ torch, nothing downloaded). It scores 32 ms frames at 16 kHz, so each 32 ms of
 the session's 24 kHz input is resampled (linearly: what it scores is speech,
 under 8 kHz) before it is scored. A turn starts at the first frame at or over
 ``threshold`` and ends after ``silence_duration_ms`` of frames under it; times
-are milliseconds of audio since the session began, as OpenAI's events count."""
+are milliseconds of audio since the session began, as OpenAI's events count.
+
+Between the two, ``PAUSE_MS`` of quiet says ``paused`` (speech again after it:
+``resumed``): not OpenAI events, but the session's cue to start hearing the turn
+so far before the silence window closes it (transcripts.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +24,14 @@ VAD_RATE = 16000
 FRAME = 512 * RATE // VAD_RATE  # 768 input samples: one 512-sample frame at 16 kHz
 FRAME_MS = 1000 * FRAME // RATE  # 32
 _AT = np.linspace(0, FRAME - 1, 512)  # where the 16 kHz samples fall in a frame
+# Quiet after which the turn is likely over: a pause between words is shorter
+# (~100-150 ms), the silence window longer (500 ms by default).
+PAUSE_MS = 6 * FRAME_MS
 
 
 @dataclass(frozen=True)
 class Turn:
-    kind: Literal["started", "stopped"]
+    kind: Literal["started", "paused", "resumed", "stopped"]
     ms: int  # audio_start_ms / audio_end_ms
 
 
@@ -39,6 +46,7 @@ class ServerVad:
         self._ms = start_ms  # audio scored so far, since the session began
         self.speaking = False
         self._silent_ms = 0
+        self._paused = False
 
     def feed(self, pcm: bytes) -> list[Turn]:
         """Score ``pcm`` (16-bit, 24 kHz) frame by frame; the turns it starts or ends."""
@@ -63,13 +71,19 @@ class ServerVad:
             if not self.speaking:
                 self.speaking = True
                 return [Turn("started", start)]
+            if self._paused:
+                self._paused = False
+                return [Turn("resumed", start)]
             return []
         if self.speaking:
             self._silent_ms += FRAME_MS
             if self._silent_ms >= self.settings.silence_duration_ms:
-                self.speaking = False
+                self.speaking = self._paused = False
                 self._silent_ms = 0
                 return [Turn("stopped", self._ms)]
+            if self._silent_ms == PAUSE_MS:
+                self._paused = True
+                return [Turn("paused", self._ms)]
         return []
 
     @property

@@ -117,17 +117,24 @@ async def omni_up(pipeline: str, folder: Path, cache_dir: Path, *flags: str) -> 
     """`omni up PIPELINE --http 0` as a user runs it; yields the gateway's base URL
     and stops it all with Ctrl-C (SIGINT) after."""
     omni = str(Path(sys.executable).parent / "omni")
-    up = await asyncio.create_subprocess_exec(
-        omni, "up", str(REPO / pipeline), "--port", "0", "--http", "0",
-        "--run-dir", str(folder), *flags,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-        env={**os.environ, "OMNI_CACHE_DIR": str(cache_dir)},
-    )  # fmt: skip
+    errors = folder / "omni-up.stderr"
+    with errors.open("wb") as err:
+        up = await asyncio.create_subprocess_exec(
+            omni, "up", str(REPO / pipeline), "--port", "0", "--http", "0",
+            "--run-dir", str(folder), *flags,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, "OMNI_CACHE_DIR": str(cache_dir)},
+        )  # fmt: skip
     assert up.stdout is not None
     try:
-        await read_until(up.stdout, "ready in", 300)
-        line = await read_until(up.stdout, "gateway at", 60)
+        seen: list[str] = []
+        try:
+            await read_until(up.stdout, "ready in", 300, seen)
+            line = await read_until(up.stdout, "gateway at", 60, seen)
+        except AssertionError as exc:  # what omni up said, to see why
+            said = "".join(seen)[-3000:] + errors.read_text()[-3000:]
+            raise AssertionError(f"{exc}; it said:\n{said}") from None
         yield line.split()[2]
     finally:
         if up.returncode is None:

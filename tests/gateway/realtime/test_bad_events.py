@@ -29,6 +29,7 @@ def _part(part: dict[str, Any], role: str = "user") -> dict[str, Any]:
 
 
 BAD: list[tuple[Any, str]] = [
+    ({"type": "response.create"}, "type"),  # no item and no instructions: nothing to answer
     ({"type": "response.speak"}, "type"),
     ({"type": "output_audio_buffer.clear"}, "type"),
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio"),

@@ -15,7 +15,7 @@ from services.gateway.realtime.session_config import (
     SessionConfig,
 )
 from services.gateway.realtime.session_config import ServerVadSettings as TurnDetection
-from services.gateway.realtime.vad import ServerVad
+from services.gateway.realtime.vad import PAUSE_MS, ServerVad
 from services.mesh import wav
 
 RATE = 24000
@@ -156,12 +156,35 @@ def test_server_vad_hears_one_turn_however_the_audio_is_chunked(
     vad = ServerVad(TurnDetection(type="server_vad", silence_duration_ms=500))
     step = RATE * 2 * chunk_ms // 1000 or len(spoken)
     turns = [t for i in range(0, len(spoken), step) for t in vad.feed(spoken[i : i + step])]
-    assert [t.kind for t in turns] == ["started", "stopped"]
+    assert [t.kind for t in turns] == ["started", "paused", "stopped"]
     speech_end_ms = (len(spoken) - 3 * RATE) * 1000 // (RATE * 2)
     assert 400 <= turns[0].ms <= 900
     assert speech_end_ms <= turns[1].ms <= speech_end_ms + 900
     reference = ServerVad(TurnDetection(type="server_vad", silence_duration_ms=500))
     assert turns == reference.feed(spoken)  # the same frames, the same turns
+
+
+def _trimmed(clip: np.ndarray) -> np.ndarray:
+    """The clip without its quiet head and tail (hibari pads both)."""
+    loud = np.flatnonzero(np.abs(clip) > 0.02)
+    return clip[loud[0] : loud[-1] + 1]
+
+
+def test_a_pause_inside_a_turn_is_said_and_taken_back_when_speech_resumes() -> None:
+    """The session's cue to hear a turn early: ``paused`` after PAUSE_MS of quiet,
+    ``resumed`` when speech comes back inside the silence window (one turn), and
+    no pause at all when the window is shorter than PAUSE_MS."""
+    voice = Hibari()
+    quiet = np.zeros(RATE * 350 // 1000, np.float32)  # longer than PAUSE_MS, under 500
+    halves = [_trimmed(voice("What is the capital", seed=0)), _trimmed(voice("of France?"))]
+    stream = wav.pcm16(np.concatenate([halves[0], quiet, halves[1], np.zeros(RATE)]))
+    vad = ServerVad(TurnDetection(type="server_vad", silence_duration_ms=500))
+    turns = vad.feed(stream)
+    assert [t.kind for t in turns] == ["started", "paused", "resumed", "paused", "stopped"]
+    assert turns[1].ms >= len(wav.pcm16(halves[0])) * 1000 // (RATE * 2) + PAUSE_MS - 32
+    assert turns[4].ms - turns[3].ms == -(-500 // 32) * 32 - PAUSE_MS  # the quiet, counted on
+    short = ServerVad(TurnDetection(type="server_vad", silence_duration_ms=PAUSE_MS - 32))
+    assert "paused" not in [t.kind for t in short.feed(stream)]
 
 
 def test_server_vad_hears_nothing_in_silence_and_counts_from_its_start() -> None:

@@ -75,12 +75,15 @@ async def test_a_text_turn_at_the_frameworks_defaults(
         assert result["audio_bytes"] > 0, result
 
 
-async def test_a_spoken_turn_through_the_agents_sdk(default: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("script", ["agents_turn.py", "pipecat_turn.py"])
+async def test_a_spoken_turn_at_the_frameworks_defaults(
+    default: str, script: str, tmp_path: Path
+) -> None:
     question = "What is the capital of France?"
     pcm = wav.pcm16(Hibari()(question, seed=0))
     clip = tmp_path / "q.wav"
     clip.write_bytes(wav.header(24000, 1, len(pcm)) + pcm)
-    result = await run_turn("agents_turn.py", default, INSTRUCTIONS, "", str(clip))
+    result = await run_turn(script, default, INSTRUCTIONS, "", str(clip))
     assert result["errors"] == [], result
     assert wer(question, result["heard"]) <= MAX_WER, result
     assert result["audio_bytes"] > 0 and result["text"], result

@@ -14,6 +14,7 @@ import base64
 import io
 from typing import Any
 
+import numpy as np
 from hibari import Hibari
 from openai import OpenAI
 
@@ -111,6 +112,37 @@ async def test_a_realtime_spoken_turn_is_heard_transcribed_and_answered(default:
     # The answer is the one the transcript gets typed (the thinker saw text).
     typed = await asyncio.to_thread(answer, default, done[0]["transcript"])
     assert turn.transcript == typed
+
+
+def _trimmed(pcm: bytes) -> bytes:
+    """Speech without its quiet head and tail (hibari pads both)."""
+    loud = np.flatnonzero(np.abs(np.frombuffer(pcm, "<i2")) > 600)
+    return pcm[2 * loud[0] : 2 * loud[-1] + 2]
+
+
+async def test_a_pause_mid_question_is_one_turn_heard_whole(default: str) -> None:
+    """350 ms of quiet mid-question: long enough for the session to start hearing
+    the turn early (vad.PAUSE_MS), too short to end it (the 500 ms window). The
+    speech after the pause must drop that early guess: the turn is heard whole."""
+    halves = _trimmed(speech("What is the capital")), _trimmed(speech("of France?"))
+    quiet = bytes(RATE * 2 * 350 // 1000)
+    stream = bytes(RATE) + halves[0] + quiet + halves[1] + bytes(RATE * 3)
+    async with sdk(default).realtime.connect(model="gpt-realtime") as connection:
+        await until(connection, "session.created")
+        transcription = {"transcription": {"model": "gpt-4o-mini-transcribe"}}
+        await connection.session.update(
+            session={"type": "realtime", "max_output_tokens": 4, "audio": {"input": transcription}}
+        )
+        await until(connection, "session.updated")
+        step = RATE * 2 // 10
+        for i in range(0, len(stream), step):
+            chunk = base64.b64encode(stream[i : i + step]).decode()
+            await connection.input_audio_buffer.append(audio=chunk)
+        heard = await until(connection, "conversation.item.input_audio_transcription.completed")
+    kinds = [e["type"] for e in heard]
+    assert kinds.count("input_audio_buffer.speech_started") == 1, kinds
+    assert kinds.count("input_audio_buffer.committed") == 1, kinds
+    assert wer(QUESTION, heard[-1]["transcript"]) <= MAX_WER, heard[-1]
 
 
 async def test_silence_committed_by_hand_fails_its_transcription_by_name(default: str) -> None:

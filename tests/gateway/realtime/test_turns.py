@@ -100,3 +100,26 @@ async def test_three_turns_the_third_response_sees_the_first_two(speaking: Mesh)
     assert counted[2] == whole.usage.prompt_tokens  # the thinker's prompt: all five messages
     assert counted[2] > alone.usage.prompt_tokens + counted[0]
     assert counted[0] < counted[1] < counted[2]
+
+
+async def test_with_instructions_and_no_item_the_model_speaks_first(speaking: Mesh) -> None:
+    """A voice agent's greeting (Pipecat asks for one): ``response.create`` on an empty
+    conversation answers the instructions alone, as a chat completion of the system
+    message alone does."""
+    instructions = "Greet the user in one short sentence."
+    async with sdk(speaking.base_url).realtime.connect(model=MODEL) as connection:
+        await until(connection, "session.created")
+        update = {"type": "realtime", "output_modalities": ["text"], "max_output_tokens": 12}
+        await connection.session.update(session={**update, "instructions": instructions})
+        await until(connection, "session.updated")
+        turn = await respond(connection)
+    client = OpenAI(base_url=speaking.base_url, api_key="x", max_retries=0, timeout=120)
+    expected = await asyncio.to_thread(
+        client.chat.completions.create,
+        model=MODEL,
+        messages=[{"role": "system", "content": instructions}],
+        max_tokens=12,
+    )
+    assert turn.done is not None and turn.text, turn.events[-1]
+    assert turn.text == expected.choices[0].message.content
+    assert turn.done["usage"]["input_tokens"] == expected.usage.prompt_tokens

@@ -26,9 +26,15 @@ REPO = Path(__file__).resolve().parents[3]
 OMNI = str(Path(sys.executable).parent / "omni")
 
 
-async def read_until(stream: asyncio.StreamReader, prefix: str, timeout_s: float) -> str:
+async def read_until(
+    stream: asyncio.StreamReader, prefix: str, timeout_s: float, seen: list[str] | None = None
+) -> str:
+    """The first line starting with ``prefix``; the lines read go to ``seen``."""
+
     async def scan() -> str:
         while line := (await stream.readline()).decode():
+            if seen is not None:
+                seen.append(line)
             if line.startswith(prefix):
                 return line.strip()
         raise AssertionError(f"omni up ended before printing {prefix!r}")
