@@ -13,11 +13,20 @@ import helm_python
 import jsonschema
 import kubernetes_validate
 import pytest
+import yaml
 
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.scaling.trigger import read_trigger
 from tests.deploy.chart import CHART_DIR, merge, render
-from tests.deploy.manifests import GROUP, KUBE_VERSIONS, TLS, VARIANTS, by_kind, config_file
+from tests.deploy.manifests import (
+    GROUP,
+    KUBE_VERSIONS,
+    REPO,
+    TLS,
+    VARIANTS,
+    by_kind,
+    config_file,
+)
 
 KEDA = {
     "keda": {
@@ -239,3 +248,15 @@ def test_bad_keda_values_are_refused_naming_the_value(values: dict[str, Any], na
     with pytest.raises(helm_python.HelmError) as refused:
         render(values)
     assert named in str(refused.value)
+
+
+def test_the_documented_example_renders_what_the_docs_say() -> None:
+    doc = (REPO / "docs" / "deployment.md").read_text()
+    section = doc.split("\n### A stage that grows with its queue (KEDA)\n", 1)[1]
+    example = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    (scaled,) = by_kind(render(example), "ScaledObject").values()
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["metadata"]["stage"] == "thinker"
+    assert trigger["metadata"]["targetPerReplica"] == "4"
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (1, 8)
+    assert scaled["spec"]["pollingInterval"] == 15

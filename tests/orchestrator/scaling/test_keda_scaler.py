@@ -8,6 +8,8 @@ so requests first wait for it, as for a stage scaled to zero."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,9 +26,10 @@ from orchestrator.server import OrchestratorServer
 from services.mesh.pb.externalscaler import externalscaler_pb2 as pb
 from services.mesh.pb.externalscaler import externalscaler_pb2_grpc
 from services.mesh.security import SecuritySettings
-from tests.helpers.polling import eventually
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from tests.helpers.grpcurl import grpcurl
+from tests.helpers.polling import eventually
 from tests.orchestrator.requests.test_replicas import free_port, scripted
 
 METRIC = "omni-solo-requests"
@@ -191,3 +194,18 @@ async def test_it_answers_without_a_token_when_clients_need_one(tmp_path: Path) 
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await client.list_stages()
             assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_reflection_lists_it_and_the_documented_grpcurl_calls_answer() -> None:
+    """docs/api.md's grpcurl lines, as an operator runs them (in a thread: the
+    orchestrator answers on this test's event loop)."""
+    async with scaler_over(free_port()) as (_server, _scaler, address):
+        listed = await asyncio.to_thread(grpcurl, address, "list")
+        assert "externalscaler.ExternalScaler" in listed.split()
+        body = json.dumps({"scalerMetadata": {"stage": "solo"}})
+        method = "externalscaler.ExternalScaler/IsActive"
+        assert json.loads(await asyncio.to_thread(grpcurl, address, "-d", body, method)) == {}
+        body = json.dumps({"scaledObjectRef": {"scalerMetadata": {"stage": "solo"}}})
+        method = "externalscaler.ExternalScaler/GetMetrics"
+        reply = json.loads(await asyncio.to_thread(grpcurl, address, "-d", body, method))
+        assert reply == {"metricValues": [{"metricName": METRIC}]}  # 0: proto3 omits it
