@@ -292,6 +292,7 @@ class OrchestratorServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """No new calls; every request in flight ends with its Done (UNAVAILABLE),
         which its client gets within ``grace_s``; then everything closes."""
+        self.scaler.close()  # KEDA's streams end now, not at the grace's end
         stopping = None if self._rpc is None else asyncio.create_task(self._rpc.stop(grace_s))
         await self.router.stop(grace_s)
         for task in list(self._tasks):

@@ -15,6 +15,7 @@ sends none): it tells a caller only how many requests each stage has now.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -40,6 +41,7 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
         self.demand = demand
         self._poll_s = poll_s
         self.streams = 0  # StreamIsActive calls open now
+        self._closing = asyncio.Event()
 
     async def _trigger(
         self, ref: pb.ScaledObjectRef, context: grpc.aio.ServicerContext, *, needs_target: bool
@@ -63,19 +65,25 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.IsActiveResponse]:
         """The answer now, then each change, until the caller goes (its cancel ends
-        the sleep) or the orchestrator stops."""
+        the wait) or the orchestrator stops (``close``: the stream ends OK, and KEDA
+        dials again, reaching another orchestrator behind the Service)."""
         trigger = await self._trigger(request, context, needs_target=False)
         self.streams += 1
         try:
             sent: bool | None = None
-            while True:
+            while not self._closing.is_set():
                 active = self._active(trigger)
                 if active != sent:
                     yield pb.IsActiveResponse(result=active)
                     sent = active
-                await asyncio.sleep(self._poll_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._closing.wait(), self._poll_s)
         finally:
             self.streams -= 1
+
+    def close(self) -> None:
+        """End every StreamIsActive now (the orchestrator is stopping)."""
+        self._closing.set()
 
     async def GetMetricSpec(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
