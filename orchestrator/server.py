@@ -5,6 +5,8 @@ the monitors are the one truth about each stage: the router routes only to
 stages they say are READY (a request waits a while for one that restarts:
 ``requests/gate.py``), and a stage whose process is gone fails the requests it
 held. The service's methods are thin adapters over these (``orchestrator.servicer``).
+Beside it, on the same port, KEDA's external-scaler service tells each stage's
+demand (``orchestrator.scaling``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests.gate import StageGate
 from orchestrator.requests.router import Router
 from orchestrator.requests.topology import unoffered
+from orchestrator.scaling.demand import StageDemand
+from orchestrator.scaling.keda import SCALER, ExternalScaler
 from orchestrator.servicer import OrchestratorServicer
 from orchestrator.stages.monitor import StageMonitor, StageTarget
 from orchestrator.stages.replicas import ReplicaSet, ReplicaSettings
@@ -31,6 +35,7 @@ from services.mesh.data.malloc import FreedMemory
 from services.mesh.data.node import mesh_id
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import InitFailed
+from services.mesh.pb.externalscaler import externalscaler_pb2_grpc
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.server import LIVENESS_SERVICE, MeshServer
 from services.mesh.rpc.stage_client import StageClient
@@ -156,6 +161,8 @@ class OrchestratorServer:
             chunk_bytes=chunk_bytes,
             max_pause_s=self.security.max_pause_s,
         )
+        # What each stage is asked for (waiting + in flight), for KEDA's scaler.
+        self.scaler = ExternalScaler(StageDemand(self.gate, self.replicas))
         self._rpc: MeshServer | None = None  # once started
         self.health_port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -245,9 +252,11 @@ class OrchestratorServer:
             # instead of gRPC buffering tens of MB of it (a wave of eight 60 MB
             # messages read one at a time peaked 570 MB up with it, 340 without).
             options=[("grpc.http2.bdp_probe", 0)],
+            also=[SCALER],
         )
         servicer = OrchestratorServicer(self)
         rpc.add(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer)
+        rpc.add(externalscaler_pb2_grpc.add_ExternalScalerServicer_to_server, self.scaler)
         credentials = server_credentials(self.security, require_client_cert=False)
         self.port = rpc.bind(host, port, credentials)
         await self._update_health()
@@ -283,6 +292,7 @@ class OrchestratorServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         """No new calls; every request in flight ends with its Done (UNAVAILABLE),
         which its client gets within ``grace_s``; then everything closes."""
+        self.scaler.close()  # KEDA's streams end now, not at the grace's end
         stopping = None if self._rpc is None else asyncio.create_task(self._rpc.stop(grace_s))
         await self.router.stop(grace_s)
         for task in list(self._tasks):

@@ -57,3 +57,70 @@ def test_the_shipped_health_proto_is_the_one_our_servers_speak(tmp_path: Path) -
         fields(message)
     assert list(shipped.message_type) == list(served.message_type)
     assert list(shipped.service) == list(served.service)
+
+
+# KEDA's externalscaler.proto (github.com/kedacore/keda, pkg/scalers/externalscaler),
+# field by field: KEDA's Go client sends and reads exactly these numbers and types.
+KEDA_MESSAGES = {
+    "ScaledObjectRef": [
+        ("name", 1, "string"),
+        ("namespace", 2, "string"),
+        ("scalerMetadata", 3, "map<string, string>"),
+    ],
+    "IsActiveResponse": [("result", 1, "bool")],
+    "GetMetricSpecResponse": [("metricSpecs", 1, "repeated MetricSpec")],
+    "MetricSpec": [
+        ("metricName", 1, "string"),
+        ("targetSize", 2, "int64"),
+        ("targetSizeFloat", 3, "double"),
+    ],
+    "GetMetricsRequest": [("scaledObjectRef", 1, "ScaledObjectRef"), ("metricName", 2, "string")],
+    "GetMetricsResponse": [("metricValues", 1, "repeated MetricValue")],
+    "MetricValue": [
+        ("metricName", 1, "string"),
+        ("metricValue", 2, "int64"),
+        ("metricValueFloat", 3, "double"),
+    ],
+}
+KEDA_METHODS = {  # name: (request, response, server streaming)
+    "IsActive": ("ScaledObjectRef", "IsActiveResponse", False),
+    "StreamIsActive": ("ScaledObjectRef", "IsActiveResponse", True),
+    "GetMetricSpec": ("ScaledObjectRef", "GetMetricSpecResponse", False),
+    "GetMetrics": ("GetMetricsRequest", "GetMetricsResponse", False),
+}
+
+
+def test_the_external_scaler_proto_is_kedas_field_for_field() -> None:
+    from google.protobuf.descriptor import FieldDescriptor
+
+    from services.mesh.pb.externalscaler import externalscaler_pb2
+
+    scalars = {
+        FieldDescriptor.TYPE_STRING: "string",
+        FieldDescriptor.TYPE_BOOL: "bool",
+        FieldDescriptor.TYPE_INT64: "int64",
+        FieldDescriptor.TYPE_DOUBLE: "double",
+    }
+
+    def kind(field: FieldDescriptor) -> str:
+        message = field.message_type
+        if message is not None and message.GetOptions().map_entry:
+            key, value = (kind(message.fields_by_name[n]) for n in ("key", "value"))
+            return f"map<{key}, {value}>"
+        name = message.name if message is not None else scalars[field.type]
+        return f"repeated {name}" if field.is_repeated else name
+
+    file = externalscaler_pb2.DESCRIPTOR
+    assert file.package == "externalscaler"
+    shipped = {
+        name: [(f.name, f.number, kind(f)) for f in message.fields]
+        for name, message in file.message_types_by_name.items()
+    }
+    assert shipped == KEDA_MESSAGES
+    (service,) = file.services_by_name.values()
+    assert service.full_name == "externalscaler.ExternalScaler"
+    methods = {
+        m.name: (m.input_type.name, m.output_type.name, m.server_streaming) for m in service.methods
+    }
+    assert methods == KEDA_METHODS
+    assert not any(m.client_streaming for m in service.methods)

@@ -8,13 +8,15 @@ the request's own deadline, so a client's request sent while a stage restarts is
 served once it is back instead of failing. One that is FAILED is refused at once
 (a verdict that stands until a new process appears). A request that gives up is
 refused UNAVAILABLE naming the stage and its state; it is never routed to an
-address whose process is gone.
+address whose process is gone. ``waiting(stage)`` counts the requests held for a
+stage now (what a stage's autoscaler reads: orchestrator/scaling).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from typing import Protocol
 
@@ -50,6 +52,7 @@ class StageGate:
         self.wait_s = wait_s
         self._clock = clock
         self._changed = asyncio.Event()
+        self._waiting: Counter[tuple[str, ...]] = Counter()  # the stages each waiter needs
 
     def reason(self, stage: str) -> str | None:
         """Why ``stage`` cannot take a request now (its state and message); None
@@ -60,6 +63,12 @@ class StageGate:
         detail = status.message or stage_pb2.InitPhase.Name(status.phase)
         return f"{StateName(status.state)} ({detail})"
 
+    def waiting(self, stage: str) -> int:
+        """Requests held here now that need ``stage``, while it cannot take them."""
+        if self.reason(stage) is None:
+            return 0
+        return sum(n for stages, n in self._waiting.items() if stage in stages)
+
     def changed(self) -> None:
         """A stage's status (or description) changed: waiting requests look again."""
         self._changed.set()
@@ -69,6 +78,16 @@ class StageGate:
         """Return once every one of ``stages`` can take a request; raise NotStarted
         (UNAVAILABLE) naming the first that cannot when one is FAILED, when ``wait_s``
         has passed, or at ``deadline`` (the request's, ``time.monotonic()``)."""
+        key = tuple(stages)
+        self._waiting[key] += 1
+        try:
+            await self._until_ready(stages, deadline)
+        finally:
+            self._waiting[key] -= 1
+            if not self._waiting[key]:
+                del self._waiting[key]
+
+    async def _until_ready(self, stages: Sequence[str], deadline: float | None) -> None:
         began = self._clock()
         give_up = began + self.wait_s
         if deadline is not None:

@@ -67,6 +67,7 @@ class ReplicaSet:
         self._gone: list[Callable[[Replica], None]] = []
         self._change: list[Callable[[], None]] = []
         self._lookup_failed = False
+        self.waiting = 0  # requests in ``pick`` now, waiting for a READY replica
 
     # --- who hears of what ------------------------------------------------------------
 
@@ -107,6 +108,16 @@ class ReplicaSet:
         """The replica a new request goes to (``affinity``: its conversation's key,
         with ``settings.affinity``: the replica its last request went to, while that
         one takes requests); waits (``pick_wait_s``) for a READY one; raises NoReplica."""
+        replica = self._chooser.pick_now(self.replicas, affinity)
+        if replica is not None:
+            return replica
+        self.waiting += 1
+        try:
+            return await self._wait_pick(affinity)
+        finally:
+            self.waiting -= 1
+
+    async def _wait_pick(self, affinity: str) -> Replica:
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.settings.pick_wait_s
         while True:

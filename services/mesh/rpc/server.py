@@ -85,7 +85,8 @@ def bind(
 class MeshServer:
     """A gRPC server with the mesh's options, interceptors, health and reflection.
 
-    ``service``: the full name of the one service it serves (its descriptor);
+    ``service``: the main service it serves (its descriptor); ``also``: the
+    descriptors of any other it serves beside it (listed by reflection too);
     ``auth``: the interceptor that checks each caller; ``limits``: what callers
     may hold; ``budget``: what the service's unary requests are charged to while
     read and held (None: nothing); ``options``: gRPC server arguments of this
@@ -100,6 +101,7 @@ class MeshServer:
         limits: ConnectionLimits | None = None,
         budget: InputBudget | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        also: Sequence[Any] = (),
     ) -> None:
         self.service_name: str = service.full_name
         self.limits = limits = limits or ConnectionLimits()
@@ -120,12 +122,13 @@ class MeshServer:
                 *limits.options(self.descriptors),
                 *options,
             ],
-            interceptors=[DecodingInterceptor(request_names(service)), auth, self.reads],
+            interceptors=[DecodingInterceptor(request_names(service, *also)), auth, self.reads],
             maximum_concurrent_rpcs=limits.max_calls,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = (self.service_name, *(s.full_name for s in also))
         reflection.enable_server_reflection(
-            (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+            (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self._probe: grpc.aio.Server | None = None
         self.port = 0

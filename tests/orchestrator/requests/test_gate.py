@@ -59,3 +59,26 @@ async def test_a_failed_stage_refuses_at_once_and_a_long_wait_ends() -> None:
     with pytest.raises(NotStarted):
         await StageGate(stages, {"s"}, 30).until_ready(["s"], time.monotonic() + 0.2)
     assert time.monotonic() - began < 1.0
+
+
+async def test_a_held_request_counts_for_the_stage_it_waits_for_until_it_leaves() -> None:
+    """What a stage's autoscaler reads (orchestrator/scaling): requests held for it."""
+    renderer = Stage(orchestrator_pb2.STAGE_DOWN, "no replica")
+    described = {"thinker"}
+    stages = {"thinker": Stage(orchestrator_pb2.STAGE_READY), "renderer": renderer}
+    gate = StageGate(stages, described, 30)
+    await gate.until_ready(["thinker"], None)  # passes at once, held by nothing
+    both = asyncio.create_task(gate.until_ready(["thinker", "renderer"], None))
+    alone = asyncio.create_task(gate.until_ready(["renderer"], None))
+    short = asyncio.create_task(gate.until_ready(["renderer"], time.monotonic() + 0.1))
+    await asyncio.sleep(0.05)
+    # Held for the renderer, not for the thinker, which could take them now.
+    assert (gate.waiting("renderer"), gate.waiting("thinker")) == (3, 0)
+    with pytest.raises(NotStarted):
+        await short  # refused at its deadline: no longer held
+    assert gate.waiting("renderer") == 2
+    renderer.status = Status(state=orchestrator_pb2.STAGE_READY)
+    described.add("renderer")
+    gate.changed()
+    await asyncio.wait_for(asyncio.gather(both, alone), 1)
+    assert gate.waiting("renderer") == 0
