@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
         type=port_number,
         help="also serve grpc.health.v1 alone, plaintext, on this port (probes under TLS)",
     )
+    serve.add_argument(
+        "--peers",
+        default="",
+        metavar="TARGET",
+        help="the other orchestrators over the same stages (ipv4:a:p,b:p or dns:NAME:PORT, "
+        "looked up again at each use): Abort, PauseGeneration and ResumeGeneration reach "
+        "them too (default: none)",
+    )
     _security_flags(serve)
     up = commands.add_parser("up", help="start every stage and the orchestrator on this machine")
     up.add_argument(
@@ -182,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 "max_pause_s",
             )
         }
-        return serve_orchestrator(args.pipeline, args.host, args.port, flags, args.health_port)
+        return serve_orchestrator(
+            args.pipeline, args.host, args.port, flags, args.health_port, peers=args.peers
+        )
     media = []
     if args.command in ("up", "generate"):
         from orchestrator.content import MediaFileError, files
