@@ -129,7 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
     gen.add_argument("prompt", nargs="?", help="the text (optional with --audio or --image)")
     address = environment.ADDRESS.get()
-    gen.add_argument("--address", default=DEFAULT_ADDRESS if address is None else address)
+    gen.add_argument(
+        "--address",
+        default=DEFAULT_ADDRESS if address is None else address,
+        help="the orchestrator's, or several (IP:PORT,IP:PORT or dns:NAME:PORT)",
+    )
     gen.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
     _media_flags(gen)

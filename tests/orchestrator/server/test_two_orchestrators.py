@@ -14,11 +14,12 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import yaml
 
 from orchestrator.client import AsyncClient, Result
-from orchestrator.stages.processes import OrchestratorProcess
+from orchestrator.stages.processes import GatewayProcess, OrchestratorProcess
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from tests.helpers.polling import eventually
 from tests.helpers.stage import tiny_config
@@ -152,50 +153,64 @@ async def test_pause_sent_to_b_holds_a_and_resume_sent_to_b_releases_it(pair: Pa
 
 
 async def test_killing_a_fails_only_as_requests_and_a_client_of_both_moves_to_b(
-    pair: Pair,
+    pair: Pair, tmp_path: Path
 ) -> None:
-    async with AsyncClient(pair.both) as either:
-        # Both serve the two-target client: calls are dealt in turn.
-        for _ in range(4):
-            answer = await asyncio.wait_for(either.generate("Hi", params=SHORT).collect(), 30)
-            assert answer.ok, answer.done
-        served = [await _served(pair.to_a), await _served(pair.to_b)]
-        assert all(n >= 1 for n in served), served
-        on_a, a_result = await started(pair.to_a, "on-a")
-        # A alone paused (a call marked as passed on is acted on where it lands): the
-        # client of both has requests A took but has not started, and so not answered.
-        alone = (("omni-forwarded-by", "the-test"),)
-        await pair.to_a.stub.PauseGeneration(
-            orchestrator_pb2.PauseGenerationRequest(), metadata=alone
-        )
-        not_started = [
-            asyncio.create_task(either.generate("Hi", params=SHORT).collect()) for _ in range(4)
-        ]
-        on_b = asyncio.create_task(
-            pair.to_b.generate(
-                "Tell a story.", request_id="on-b", params={"max_tokens": 400}
-            ).collect()
-        )
-        await eventually(lambda: busy(pair.to_b), 30)
-        await pair.a.kill()
-        # What A carried fails, UNAVAILABLE (no Done: A is gone)...
-        with pytest.raises(grpc.aio.AioRpcError) as lost:
-            await asyncio.wait_for(rest(on_a, a_result), 30)
-        assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
-        # ... what B carries finishes, and what A had not answered is tried again on B.
-        kept = await asyncio.wait_for(on_b, 60)
-        assert kept.ok, kept.done
-        for answer in await asyncio.wait_for(asyncio.gather(*not_started), 60):
-            assert answer.ok, answer.done
-        # New requests of the client of both all go to B (none fails on the dead A).
-        for _ in range(6):
-            answer = await asyncio.wait_for(either.generate("Hi", params=SHORT).collect(), 30)
-            assert answer.ok, answer.done
-        # And an Abort or a Pause on B, its peer A gone, still answers at once.
-        reply = await asyncio.wait_for(pair.to_b.abort("nobody"), 10)
-        assert list(reply.not_found) == ["nobody"]
-        await asyncio.wait_for(pair.to_b.pause(), 10)
-        await asyncio.wait_for(pair.to_b.resume(), 10)
+    log = (tmp_path / "gateway.log").open("ab")
+    gateway = GatewayProcess(pair.both, log=log)
+    async with AsyncExitStack() as stack:
+        stack.callback(log.close)
+        stack.push_async_callback(gateway.stop, 5.0)
+        await gateway.start()
+        either = await stack.enter_async_context(AsyncClient(pair.both))
+        http = await stack.enter_async_context(httpx.AsyncClient(timeout=60))
+        await _killing_a(pair, either, http, f"http://{gateway.address}/v1/chat/completions")
+
+
+async def _killing_a(pair: Pair, either: AsyncClient, http: httpx.AsyncClient, chat: str) -> None:
+    chat_body = {"model": "peers", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    # Both serve the two-target client: calls are dealt in turn.
+    for _ in range(4):
+        answer = await asyncio.wait_for(either.generate("Hi", params=SHORT).collect(), 30)
+        assert answer.ok, answer.done
+    for _ in range(2):
+        reply = await http.post(chat, json=chat_body)
+        assert reply.status_code == 200, reply.text
+    served = [await _served(pair.to_a), await _served(pair.to_b)]
+    assert all(n >= 1 for n in served), served
+    on_a, a_result = await started(pair.to_a, "on-a")
+    # A alone paused (a call marked as passed on is acted on where it lands): the
+    # client of both has requests A took but has not started, and so not answered.
+    alone = (("omni-forwarded-by", "the-test"),)
+    await pair.to_a.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest(), metadata=alone)
+    not_started = [
+        asyncio.create_task(either.generate("Hi", params=SHORT).collect()) for _ in range(4)
+    ]
+    on_b = asyncio.create_task(
+        pair.to_b.generate("Tell a story.", request_id="on-b", params={"max_tokens": 400}).collect()
+    )
+    await eventually(lambda: busy(pair.to_b), 30)
+    await pair.a.kill()
+    # What A carried fails, UNAVAILABLE (no Done: A is gone)...
+    with pytest.raises(grpc.aio.AioRpcError) as lost:
+        await asyncio.wait_for(rest(on_a, a_result), 30)
+    assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+    # ... what B carries finishes, and what A had not answered is tried again on B.
+    kept = await asyncio.wait_for(on_b, 60)
+    assert kept.ok, kept.done
+    for answer in await asyncio.wait_for(asyncio.gather(*not_started), 60):
+        assert answer.ok, answer.done
+    # New requests of the client of both all go to B (none fails on the dead A),
+    # and so do the gateway's (given both too).
+    for _ in range(6):
+        answer = await asyncio.wait_for(either.generate("Hi", params=SHORT).collect(), 30)
+        assert answer.ok, answer.done
+        reply = await http.post(chat, json=chat_body)
+        assert reply.status_code == 200, reply.text
+    # And an Abort or a Pause on B, its peer A gone, still answers at once.
+    nobody = await asyncio.wait_for(pair.to_b.abort("nobody"), 10)
+    assert list(nobody.not_found) == ["nobody"]
+    await asyncio.wait_for(pair.to_b.pause(), 10)
+    await asyncio.wait_for(pair.to_b.resume(), 10)
 
 
 async def _served(client: AsyncClient) -> int:
