@@ -80,6 +80,11 @@ class Peers:
     def __bool__(self) -> bool:
         return self.target is not None
 
+    @property
+    def dialled(self) -> list[str]:
+        """The peers' addresses with a channel open now."""
+        return list(self._channels)
+
     def is_self(self, metadata: Collection[tuple[str, Any]] | None) -> bool:
         return forwarded_by(metadata) == self.instance
 
