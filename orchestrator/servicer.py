@@ -31,7 +31,7 @@ from orchestrator.requests.client_input import (
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.submits import from_client
 from orchestrator.stages.monitor import StageMonitor
-from services.mesh.errors import OmniError, abort_rpc, end_with
+from services.mesh.errors import OmniError, Unavailable, abort_rpc, end_with, status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.security import Principal
@@ -77,6 +77,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 affinity=request.affinity_key,
             )
         except OmniError as exc:
+            if self._going_away(exc.code):
+                await abort_rpc(context, exc)
             logger.info("request %s refused: %s", rid, exc.message)
             refused = refusal(rid, exc)
             yield refused
@@ -85,17 +87,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Its Submit carries the inputs now, and goes once sent: the request must
         # not hold a copy of them (tens of MB, perhaps) for as long as it runs.
         del request
-        finished = False
+        finished = sent = False
         try:
             while (event := await sink.get()) is not None:
-                yield event
                 if event.WhichOneof("kind") == "done":
                     finished = True
+                    if not sent and self._going_away(status_code(event.done.code)):
+                        await abort_rpc(context, Unavailable(event.done.message))
+                    yield event
                     end_with(context, event.done)
                     return
+                yield event
+                sent = True
         finally:
             if not finished:
                 self._router.cancel_silently(rid, caller)
+
+    def _going_away(self, code: grpc.StatusCode) -> bool:
+        """A request this orchestrator ends UNAVAILABLE because it is stopping, before
+        anything of it went out: the RPC ends UNAVAILABLE alone, the server going
+        away (no Done), so a client tries it on another orchestrator (targets.py)."""
+        return self._router.stopping and code == grpc.StatusCode.UNAVAILABLE
 
     async def GenerateStream(
         self,

@@ -27,6 +27,8 @@ from tests.orchestrator.conftest import Stages
 
 LONG = {"max_tokens": 5000}  # runs until stopped, on this tiny model (seconds at least)
 SHORT = {"max_tokens": 3}
+# A call marked as passed on is acted on where it lands alone: pausing A only.
+ALONE = (("omni-forwarded-by", "the-test"),)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +154,33 @@ async def test_pause_sent_to_b_holds_a_and_resume_sent_to_b_releases_it(pair: Pa
     assert answer.ok, answer.done
 
 
+async def test_a_stopping_orchestrator_hands_what_it_had_not_started_to_the_other(
+    pair: Pair,
+) -> None:
+    """SIGTERM (a rolling update, a drain): A fails what it carried, and a request it
+    had taken but not started ends with UNAVAILABLE alone, the server going away,
+    so the client tries it on B; no Done of A's reaches that client."""
+    async with AsyncClient(pair.both) as either:
+        for _ in range(2):  # connected to both (round_robin deals only to those connected)
+            assert (await asyncio.wait_for(either.generate("Hi", params=SHORT).collect(), 30)).ok
+        carried, carried_result = await started(pair.to_a, "carried")
+        await pair.to_a.stub.PauseGeneration(
+            orchestrator_pb2.PauseGenerationRequest(), metadata=ALONE
+        )
+        held = [
+            asyncio.create_task(either.generate("Hi", params=SHORT).collect()) for _ in range(4)
+        ]
+        # Dealt in turn: B answers its share, A holds the rest (paused).
+        await eventually(lambda: sum(t.done() for t in held) >= 2, 30)
+        assert not all(t.done() for t in held)
+        stopping = asyncio.create_task(pair.a.stop(5.0))
+        done = (await asyncio.wait_for(rest(carried, carried_result), 30)).done
+        assert done is not None and done.code_name == "UNAVAILABLE", done
+        for answer in await asyncio.wait_for(asyncio.gather(*held), 60):
+            assert answer.ok, answer.done
+        assert await stopping == 0
+
+
 async def test_killing_a_fails_only_as_requests_and_a_client_of_both_moves_to_b(
     pair: Pair, tmp_path: Path
 ) -> None:
@@ -180,8 +209,7 @@ async def _killing_a(pair: Pair, either: AsyncClient, http: httpx.AsyncClient, c
     on_a, a_result = await started(pair.to_a, "on-a")
     # A alone paused (a call marked as passed on is acted on where it lands): the
     # client of both has requests A took but has not started, and so not answered.
-    alone = (("omni-forwarded-by", "the-test"),)
-    await pair.to_a.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest(), metadata=alone)
+    await pair.to_a.stub.PauseGeneration(orchestrator_pb2.PauseGenerationRequest(), metadata=ALONE)
     not_started = [
         asyncio.create_task(either.generate("Hi", params=SHORT).collect()) for _ in range(4)
     ]
