@@ -75,6 +75,14 @@ def _parser() -> argparse.ArgumentParser:
         type=port_number,
         help="also serve grpc.health.v1 alone, plaintext, on this port (probes under TLS)",
     )
+    serve.add_argument(
+        "--peers",
+        default="",
+        metavar="TARGET",
+        help="the other orchestrators over the same stages (ipv4:a:p,b:p or dns:NAME:PORT, "
+        "looked up again at each use): Abort, PauseGeneration and ResumeGeneration reach "
+        "them too (default: none)",
+    )
     _security_flags(serve)
     up = commands.add_parser("up", help="start every stage and the orchestrator on this machine")
     up.add_argument(
@@ -121,7 +129,11 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="send a prompt to a running mesh")
     gen.add_argument("prompt", nargs="?", help="the text (optional with --audio or --image)")
     address = environment.ADDRESS.get()
-    gen.add_argument("--address", default=DEFAULT_ADDRESS if address is None else address)
+    gen.add_argument(
+        "--address",
+        default=DEFAULT_ADDRESS if address is None else address,
+        help="the orchestrator's, or several (IP:PORT,IP:PORT or dns:NAME:PORT)",
+    )
     gen.add_argument("--out", type=Path, default=Path("omni-out"), help="where outputs go")
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
     _media_flags(gen)
@@ -182,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 "max_pause_s",
             )
         }
-        return serve_orchestrator(args.pipeline, args.host, args.port, flags, args.health_port)
+        return serve_orchestrator(
+            args.pipeline, args.host, args.port, flags, args.health_port, peers=args.peers
+        )
     media = []
     if args.command in ("up", "generate"):
         from orchestrator.content import MediaFileError, files

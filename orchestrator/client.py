@@ -7,6 +7,10 @@ with Client("127.0.0.1:50050") as client:
     for event in client.generate("Hello"):
         ...
 
+Several orchestrators: ``AsyncClient("10.0.0.5:50050,10.0.0.6:50050")`` or
+``AsyncClient("dns:omni-orchestrator-peers:50050")`` deals calls between them and
+tries a call that had no answer again on another (orchestrator/targets.py).
+
 A failed request ends its Generate RPC with the failure's status, after its
 Done; both clients hand the Done over and end the stream quietly, as for an OK
 request, so the Done is where a caller reads the outcome. Only a status without
@@ -29,11 +33,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.audio import AudioFiles
 from orchestrator.content import fill, needs_stream
+from orchestrator.targets import CLIENT_OPTIONS, target
 from services.mesh.data import media_wire
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
-from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
 from services.mesh.security import PLAINTEXT, Dialing, token_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
@@ -195,9 +199,11 @@ class AsyncClient:
     call carries the token. ``generate(..., timeout_s=T)`` sets a deadline that
     the orchestrator passes on to the stages."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT) -> None:
-        self.address = address
-        self.channel = dialing.channel(address, CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str | Sequence[str] = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT
+    ) -> None:
+        self.address = target(address)
+        self.channel = dialing.channel(self.address, CLIENT_OPTIONS)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = dialing.metadata
 
@@ -288,9 +294,11 @@ class AsyncClient:
 class Client:
     """The blocking twin of AsyncClient."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT) -> None:
-        self.address = address
-        self.channel = dialing.sync_channel(address, CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str | Sequence[str] = DEFAULT_ADDRESS, dialing: Dialing = PLAINTEXT
+    ) -> None:
+        self.address = target(address)
+        self.channel = dialing.sync_channel(self.address, CLIENT_OPTIONS)
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         self.metadata = dialing.metadata
 

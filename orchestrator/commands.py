@@ -80,9 +80,12 @@ def serve_orchestrator(
     port: int,
     flags: dict[str, object] | None = None,
     health_port: int | None = None,
+    *,
+    peers: str = "",
 ) -> int:
     """omni orchestrator serve: prints `listening HOST:PORT`, stops on SIGTERM/SIGINT.
-    Security: the pipeline file's section, then OMNI_* env, then ``flags``."""
+    Security: the pipeline file's section, then OMNI_* env, then ``flags``.
+    ``peers``: the other orchestrators over the same stages (``orchestrator.peers``)."""
     from orchestrator.pipeline import load_pipeline
     from orchestrator.server import OrchestratorServer
 
@@ -97,7 +100,7 @@ def serve_orchestrator(
 
     async def serve() -> int:
         try:
-            server = OrchestratorServer(pipeline, security=security)
+            server = OrchestratorServer(pipeline, security=security, peers=peers)
         except (ConfigError, ValueError) as exc:  # token files, certificates, OMNI_MESH_ID
             print(f"omni orchestrator: {exc}", file=sys.stderr)
             return 2

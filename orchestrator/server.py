@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from orchestrator.peers import Peers
 from orchestrator.pipeline import PipelineConfig
 from orchestrator.requests.gate import StageGate
 from orchestrator.requests.router import Router
@@ -73,6 +74,7 @@ class OrchestratorServer:
         mesh: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         security: SecuritySettings | None = None,
+        peers: str = "",
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -106,6 +108,9 @@ class OrchestratorServer:
                 "a stage without its own auth serves anyone who reaches its port "
                 "(set security.mesh_token_file here and in every stage, or use omni up)"
             )
+        # The other orchestrators over these stages (a gRPC target; "" none): an Abort,
+        # a Pause or a Resume landing here reaches what they hold too.
+        self.peers = Peers(peers, dialing)
         addresses = {s.name: s.address or "" for s in pipeline.stages}
         self.clients = {
             name: StageClient(address, dialing, route_by_health=True)
@@ -306,4 +311,5 @@ class OrchestratorServer:
             await stopping
         for client in self.clients.values():
             await client.close()
+        await self.peers.close()
         self.freed.cancel()

@@ -3,7 +3,9 @@ router (requests) and the stage monitors (stages), both owned by
 ``OrchestratorServer`` (orchestrator/server.py). A request refused before it
 reaches the router gets its one Done here (``client_input.refusal``). Generate
 ends its RPC with the request's status after the Done (``errors.end_with``);
-GenerateStream carries several requests, so it ends OK.
+GenerateStream carries several requests, so it ends OK. Abort, PauseGeneration
+and ResumeGeneration also reach the other orchestrators over the same stages
+(``orchestrator.peers``), so a call does the same whichever one it lands on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from orchestrator.peers import forwarded_by, passed_on
 from orchestrator.requests.client_input import (
     check_abort_ids,
     check_alone,
@@ -28,7 +31,7 @@ from orchestrator.requests.client_input import (
 from orchestrator.requests.sink import EventSink
 from orchestrator.requests.submits import from_client
 from orchestrator.stages.monitor import StageMonitor
-from services.mesh.errors import OmniError, abort_rpc, end_with
+from services.mesh.errors import OmniError, Unavailable, abort_rpc, end_with, status_code
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.request_ids import check_request_id
 from services.mesh.security import Principal
@@ -44,6 +47,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self._server = server
         self._router = server.router
         self._auth = server.authenticator
+        self._peers = server.peers
 
     def _caller(self, context: grpc.aio.ServicerContext) -> Principal:
         principal = self._auth.principal(context)
@@ -73,6 +77,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 affinity=request.affinity_key,
             )
         except OmniError as exc:
+            if self._going_away(exc.code):
+                await abort_rpc(context, exc)
             logger.info("request %s refused: %s", rid, exc.message)
             refused = refusal(rid, exc)
             yield refused
@@ -81,17 +87,27 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Its Submit carries the inputs now, and goes once sent: the request must
         # not hold a copy of them (tens of MB, perhaps) for as long as it runs.
         del request
-        finished = False
+        finished = sent = False
         try:
             while (event := await sink.get()) is not None:
-                yield event
                 if event.WhichOneof("kind") == "done":
                     finished = True
+                    if not sent and self._going_away(status_code(event.done.code)):
+                        await abort_rpc(context, Unavailable(event.done.message))
+                    yield event
                     end_with(context, event.done)
                     return
+                yield event
+                sent = True
         finally:
             if not finished:
                 self._router.cancel_silently(rid, caller)
+
+    def _going_away(self, code: grpc.StatusCode) -> bool:
+        """A request this orchestrator ends UNAVAILABLE because it is stopping, before
+        anything of it went out: the RPC ends UNAVAILABLE alone, the server going
+        away (no Done), so a client tries it on another orchestrator (targets.py)."""
+        return self._router.stopping and code == grpc.StatusCode.UNAVAILABLE
 
     async def GenerateStream(
         self,
@@ -119,8 +135,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_abort_ids(request.request_ids)
         except OmniError as exc:
             await abort_rpc(context, exc)
+        ids = list(request.request_ids)
+        metadata = context.invocation_metadata()
+        if self._peers.is_self(metadata):  # passed on by this very process: done here already
+            return stage_pb2.AbortResponse(not_found=ids)
         # Another client's request is reported not found, as if it did not exist.
-        aborted, not_found = self._router.abort(list(request.request_ids), self._caller(context))
+        aborted, not_found = self._router.abort(ids, self._caller(context))
+        if not_found and forwarded_by(metadata) is None:  # held by another orchestrator?
+            found = set(await self._peers.abort(not_found, passed_on(metadata)))
+            aborted += [rid for rid in not_found if rid in found]
+            not_found = [rid for rid in not_found if rid not in found]
         return stage_pb2.AbortResponse(aborted=aborted, not_found=not_found)
 
     async def ListStages(
@@ -166,11 +190,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     async def PauseGeneration(
         self, request: orchestrator_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.PauseGenerationResponse:
-        self._router.pause()
+        metadata = context.invocation_metadata()
+        if not self._peers.is_self(metadata):
+            self._router.pause()
+            if forwarded_by(metadata) is None:  # every orchestrator holds its own new requests
+                await self._peers.pause(passed_on(metadata))
         return orchestrator_pb2.PauseGenerationResponse(paused=True)
 
     async def ResumeGeneration(
         self, request: orchestrator_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
     ) -> orchestrator_pb2.ResumeGenerationResponse:
-        self._router.resume()
+        metadata = context.invocation_metadata()
+        if not self._peers.is_self(metadata):
+            self._router.resume()
+            if forwarded_by(metadata) is None:
+                await self._peers.resume(passed_on(metadata))
         return orchestrator_pb2.ResumeGenerationResponse(paused=False)

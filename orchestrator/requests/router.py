@@ -120,6 +120,11 @@ class Router:
         return len(self._running)
 
     @property
+    def stopping(self) -> bool:
+        """``stop()`` has begun: no new request, and those in flight are ending."""
+        return self._stopping
+
+    @property
     def paused(self) -> bool:
         return not self._resumed.is_set()
 

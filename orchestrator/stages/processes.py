@@ -116,6 +116,13 @@ class ServiceProcess(abc.ABC):
         assert self._proc is not None, "start() first"
         return await self._proc.wait()
 
+    async def kill(self) -> int:
+        """SIGKILL: gone at once, nothing drained (a crash, an OOM kill)."""
+        assert self._proc is not None, "start() first"
+        if self._proc.returncode is None:
+            self._proc.kill()
+        return await self._proc.wait()
+
     async def stop(self, grace_s: float = 10.0) -> int:
         """SIGTERM, wait up to grace (+ margin), then SIGKILL. Returns the exit code."""
         proc = self._proc
@@ -146,11 +153,16 @@ class StageProcess(ServiceProcess):
 
 
 class OrchestratorProcess(ServiceProcess):
-    """``omni orchestrator serve --pipeline FILE``: the orchestrator on its own."""
+    """``omni orchestrator serve --pipeline FILE``: the orchestrator on its own
+    (``args``: more of its flags, e.g. ``--peers``)."""
+
+    def __init__(self, config: Path, *, args: Sequence[str] = (), **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.args = tuple(args)
 
     def command(self) -> list[str]:
         cli = [sys.executable, "-m", "orchestrator.cli", "orchestrator", "serve"]
-        return [*cli, "--pipeline", str(self.config)]
+        return [*cli, "--pipeline", str(self.config), *self.args]
 
 
 class GatewayProcess(ServiceProcess):

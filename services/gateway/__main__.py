@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--orchestrator",
         default=address or DEFAULT_ORCHESTRATOR,
-        help=f"its gRPC address (default: $OMNI_ADDRESS, else {DEFAULT_ORCHESTRATOR})",
+        help="its gRPC address, or several orchestrators' (IP:PORT,IP:PORT or dns:NAME:PORT: "
+        f"calls dealt in turn, moved off one that is gone) (default: $OMNI_ADDRESS, else "
+        f"{DEFAULT_ORCHESTRATOR})",
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=port_number, default=8000, help="0 picks a free port")

@@ -35,7 +35,7 @@ class RealtimeLimits(BaseModel):
 class GatewayConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    orchestrator: str = Field(min_length=1)  # host:port, or any gRPC target
+    orchestrator: str = Field(min_length=1)  # host:port, several IP:PORT, or any gRPC target
     cacert: Path | None = None  # speak TLS to the orchestrator, verified by this CA
     tls: bool = False  # speak TLS, verified by the system roots
     max_body_bytes: int = Field(DEFAULT_MAX_BODY_BYTES, gt=0)

@@ -22,6 +22,7 @@ CHART_DIR = Path(__file__).resolve().parents[2] / "charts"
 # Helm's own install order for the kinds this chart renders.
 KIND_ORDER = (
     "NetworkPolicy",
+    "PodDisruptionBudget",
     "Secret",
     "ConfigMap",
     "PersistentVolumeClaim",

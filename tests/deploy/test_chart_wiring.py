@@ -91,7 +91,7 @@ def test_replicas_render_as_deployment_replicas_behind_headless_services() -> No
     deployments = by_kind(docs, "Deployment")
     assert deployments["omni-thinker"]["spec"]["replicas"] == 3
     assert deployments["omni-renderer"]["spec"]["replicas"] == 2
-    assert deployments["omni-orchestrator"]["spec"]["replicas"] == 1
+    assert deployments["omni-orchestrator"]["spec"]["replicas"] == 2
     for name in ("omni-thinker", "omni-renderer"):
         service = by_kind(docs, "Service")[name]["spec"]
         assert service["clusterIP"] == "None"

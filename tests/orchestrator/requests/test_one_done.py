@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -120,11 +121,15 @@ async def test_cancels_racing_their_requests_end_end_each_once(stages) -> None:
 
 async def test_the_orchestrator_stopping_ends_each_request_once(stages) -> None:
     async with orchestrator(pipeline(stages, ["thinker"], [])) as (server, client):
-        unary = asyncio.create_task(
-            client.generate(
-                "Write at length.", request_id="unary", params={"max_tokens": 3000}
-            ).collect()
+        # Under way (its first event out): a request that had sent nothing would end
+        # UNAVAILABLE alone, the server going away, for its client to try elsewhere
+        # (tests/orchestrator/server/test_two_orchestrators.py).
+        events = aiter(
+            client.generate("Write at length.", request_id="unary", params={"max_tokens": 3000})
         )
+        first = await asyncio.wait_for(anext(events), 60)
+        assert first.WhichOneof("kind") == "segment"
+        unary = asyncio.create_task(_last(events))
         stream = Stream(client)
         await stream.send(
             submit("s1", "Write at length.", 3000), submit("s2", "Write at length.", 3000)
@@ -135,6 +140,16 @@ async def test_the_orchestrator_stopping_ends_each_request_once(stages) -> None:
         result = await asyncio.wait_for(unary, 30)
         # The stream ends with the server (its status is not a request's).
         await asyncio.wait_for(asyncio.gather(stream._reader, return_exceptions=True), 30)
-    assert result.done.code_name == "UNAVAILABLE" and "stopping" in result.done.message
+    assert result.code_name == "UNAVAILABLE" and "stopping" in result.message
     assert Counter(d.request_id for d in stream.dones()) == {"s1": 1, "s2": 1}
     assert all(d.code_name == "UNAVAILABLE" and "stopping" in d.message for d in stream.dones())
+
+
+async def _last(
+    events: AsyncIterator[orchestrator_pb2.GenerateEvent],
+) -> orchestrator_pb2.Done:
+    """The Done that ends ``events``."""
+    async for event in events:
+        if event.WhichOneof("kind") == "done":
+            return event.done
+    raise AssertionError("the request ended without a Done")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -217,6 +218,56 @@ async def test_tokens_ownership_and_admin_pause(mesh: Mesh) -> None:
             assert len(result.stages["talker"].token_ids) > 0
     finally:
         await server.stop(1.0)
+
+
+async def test_peers_pass_on_the_callers_token_over_tls(mesh: Mesh) -> None:
+    """Two orchestrators told of each other (issue 39): an Abort or a Pause sent to B
+    reaches A over TLS, as the caller: bob cannot abort alice's request through B."""
+    ports = [_free_port(), _free_port()]
+    peers = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    servers = [
+        OrchestratorServer(_pipeline(mesh, "talker"), security=mesh.settings(), peers=peers)
+        for _ in ports
+    ]
+    try:
+        for server, port in zip(servers, ports, strict=True):
+            await server.start("127.0.0.1", port)
+        a, b = (f"localhost:{port}" for port in ports)
+        async with (
+            mesh.client(a, "alice") as alice_a,
+            mesh.client(b, "alice") as alice_b,
+            mesh.client(b, "bob") as bob_b,
+            mesh.client(b, "root") as root_b,
+        ):
+            await alice_a.wait_ready(timeout_s=60)
+            stream = aiter(
+                alice_a.generate("A long story", request_id="alice-9", params={"max_tokens": 2000})
+            )
+            assert (await anext(stream)).WhichOneof("kind") == "segment"
+            reply = await bob_b.abort("alice-9")
+            assert list(reply.not_found) == ["alice-9"] and not reply.aborted
+            assert "alice-9" in servers[0].router
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await alice_b.pause()
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert not servers[0].router.paused
+            reply = await alice_b.abort("alice-9")
+            assert list(reply.aborted) == ["alice-9"]
+            rest = [e async for e in stream]
+            assert rest[-1].done.code_name == "CANCELLED"
+            await root_b.pause()
+            assert all(server.router.paused for server in servers)
+            await root_b.resume()
+            assert not any(server.router.paused for server in servers)
+    finally:
+        for server in servers:
+            await server.stop(1.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 async def test_grpcurl_with_cacert_and_bearer_token(mesh: Mesh) -> None:
