@@ -286,7 +286,8 @@ class OrchestratorServer:
                 if self.misconfigured:
                     raise InitFailed("; ".join(self.misconfigured.values()))
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._serving.wait(), 0.1)
+                    async with asyncio.timeout(0.1):
+                        await self._serving.wait()
 
         await asyncio.wait_for(ready(), timeout_s)
 

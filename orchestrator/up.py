@@ -156,7 +156,8 @@ async def _run_up(
             if stop.is_set():
                 return 0
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await stop.wait()
         for name, description in server.descriptions.items():
             if description.load_format == "dummy":
                 print(

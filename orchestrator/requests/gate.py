@@ -104,6 +104,7 @@ class StageGate:
                 raise NotStarted(stage, Unavailable(f"stage {stage} is not ready{after}: {why}"))
             changed = self._changed
             try:
-                await asyncio.wait_for(changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await changed.wait()
             except TimeoutError:
                 continue

@@ -159,7 +159,8 @@ class Router:
                     ),
                 )
             try:
-                await asyncio.wait_for(self._resumed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._resumed.wait()
             except TimeoutError:
                 continue
 

@@ -58,7 +58,8 @@ class StageStreams:
             closing = stream.closing.get(request_id) if stream.stage == stage else None
             if closing is not None:
                 try:
-                    await asyncio.wait_for(closing.wait(), CLOSING_WAIT_S)
+                    async with asyncio.timeout(CLOSING_WAIT_S):
+                        await closing.wait()
                 except TimeoutError:
                     logger.warning("stage %s: request %r reused before its end", stage, request_id)
         try:

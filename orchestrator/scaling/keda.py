@@ -77,7 +77,8 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
                     yield pb.IsActiveResponse(result=active)
                     sent = active
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._closing.wait(), self._poll_s)
+                    async with asyncio.timeout(self._poll_s):
+                        await self._closing.wait()
         finally:
             self.streams -= 1
 

@@ -202,8 +202,12 @@ class StageMonitor:
                 to_countdown = self._last_published + COUNTDOWN_S - loop.time()
                 delay = to_countdown if delay is None else min(delay, to_countdown)
             if delay is None or delay > 0:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a
+                # cancel that lands as the event is set, and stop() then waits on
+                # this loop forever.
                 try:
-                    await asyncio.wait_for(self._changed.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await self._changed.wait()
                     continue  # something changed: recompute
                 except TimeoutError:
                     pass

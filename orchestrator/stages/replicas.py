@@ -129,7 +129,8 @@ class ReplicaSet:
                 raise NoReplica(self._none_ready())
             self._changed.clear()
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
 

@@ -73,4 +73,5 @@ class Outbox:
     async def drain(self, timeout_s: float) -> None:
         """Wait (at most ``timeout_s``) until what is queued has been sent."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._empty.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await self._empty.wait()

@@ -164,7 +164,8 @@ class ReadsInterceptor(grpc.aio.ServerInterceptor):
                     raise
             self._freed.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), min(left, BUDGET_POLL_S))
+                async with asyncio.timeout(min(left, BUDGET_POLL_S)):
+                    await self._freed.wait()
 
     async def read_one(
         self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext

@@ -272,3 +272,20 @@ async def test_a_stage_through_its_life_late_start_kill_and_restart_on_its_port(
 
     assert states(came_back) == [DOWN, STARTING, READY]
     assert came_back[-1][1].counted_s < came_up[-1][1].counted_s  # a fresh budget
+
+
+async def test_stop_ends_the_monitor_when_a_change_lands_with_it() -> None:
+    """A change (a replica came or went) in the same moment as stop(): the ticker
+    must end, not take the change and swallow the cancel (asyncio.wait_for on 3.11
+    does; the orchestrator's stop then hung)."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"  # nothing listens: STARTING
+    for _ in range(20):
+        monitor = StageMonitor(
+            StageTarget("quiet", address, WatchdogSettings(60, stall_timeout_s=60))
+        )
+        await monitor.start()
+        await asyncio.sleep(0.05)  # the ticker waits for a change now
+        monitor.replicas_changed()
+        await asyncio.wait_for(monitor.stop(), 5)
