@@ -22,6 +22,7 @@ import torch
 from services.engines.base import (
     EngineEvent,
     FinishOutput,
+    FinishReason,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
@@ -73,8 +74,12 @@ class ThinkerRequest:
     def add(self, token: int, row: torch.Tensor | None) -> list[EngineEvent]:
         self.answer.append(token)
         events: list[EngineEvent] = [TokenOutput((token,), self.text.add(self.answer), row)]
-        reason = "stop" if token == self.eos else "length"
-        if token == self.eos or len(self.answer) >= self.max_tokens:
+        reason: FinishReason | None = None
+        if token == self.eos:
+            reason = "eos"
+        elif len(self.answer) >= self.max_tokens:
+            reason = "length"
+        if reason is not None:
             self.finished = True
             if tail := self.text.rest(self.answer):  # an incomplete character at the end
                 events.append(TokenOutput((), tail))

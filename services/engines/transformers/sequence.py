@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from services.engines.base import EngineEvent, FinishOutput, TokenOutput
+from services.engines.base import EngineEvent, FinishOutput, FinishReason, TokenOutput
 from services.engines.sampling import sample
 from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
@@ -79,14 +79,14 @@ class Sequence:
         self.last_token = token
         stops = self._stops
         text = stops.add(self._detok.add(token))
-        reason = ""
+        reason: FinishReason | None = None
         if stops.stopped:
             reason = "stop"
         elif token in self.eos_ids:
             reason = "eos"
         elif self.completion >= self.plan.max_tokens:
             reason = "length"
-        if reason and reason != "stop":
+        if reason is not None and reason != "stop":
             # The text ends here: release what was held back for a character or a
             # stop string that can no longer complete.
             text += stops.add(self._detok.flush())
@@ -94,11 +94,11 @@ class Sequence:
             text += stops.flush()
         token_output = TokenOutput(token_ids=(token,), text=text, hidden_states=hidden)
         events: list[EngineEvent] = [token_output]
-        if reason:
+        if reason is not None:
             events.append(self.finish(reason))
         return events
 
-    def finish(self, reason: str) -> FinishOutput:
+    def finish(self, reason: FinishReason) -> FinishOutput:
         self.finished = True
         return FinishOutput(
             reason,
