@@ -25,6 +25,7 @@ from services.engines.base import (
     ModelInfo,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading, media
 from services.engines.qwen_omni import processor as processors
@@ -122,7 +123,9 @@ class QwenOmniThinker:
             generator=generator,
             eos=self._config.im_end_token_id,
             handoff=self.args.handoff,
-            text=_Text(self._processor.tokenizer),
+            text=IncrementalDetokenizer(
+                self._processor.tokenizer, plan.inputs["input_ids"][0].tolist()
+            ),
             deliver=inbox.deliver,
             submitted=time.monotonic(),
         )
@@ -143,22 +146,3 @@ class QwenOmniThinker:
             self._scheduler.close()
             self._scheduler = None
         self._model = None
-
-
-class _Text:
-    """The text new tokens add, held back while a character's bytes are incomplete."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._sent = 0
-
-    def add(self, ids: list[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._sent = text[self._sent :], len(text)
-        return new
-
-    def rest(self, ids: list[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
-        return text[self._sent :]

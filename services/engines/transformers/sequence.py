@@ -15,10 +15,11 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineEvent, FinishOutput, FinishReason, TokenOutput
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.sampling import sample
 from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
-from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+from services.engines.transformers.text import StopStrings
 
 logger = logging.getLogger(__name__)
 
