@@ -245,9 +245,11 @@ class Engine(Protocol[PlanT]):
     def warmup(self) -> None: ...
 
     def check(self, request: EngineRequest) -> PlanT:
-        """Validation at intake, once per request (a stage calls it in a thread: it
-        may tokenize); raise ``InvalidArgument`` naming the field. The plan it
-        returns is what ``generate`` gets."""
+        """Validation at intake, once per request or input window (a stage calls it in
+        a thread: it may tokenize); raise ``InvalidArgument`` naming the field. The
+        plan it returns is what ``generate`` gets. It only checks: an engine that
+        must hear of an arrival, or use a window before its ``generate``, says so
+        with a capability (capabilities.py: ``HearsArrivals``, ``TakesWindowsEarly``)."""
         ...
 
     def generate(self, plan: PlanT) -> AsyncGenerator[EngineEvent, None]: ...

@@ -3,10 +3,11 @@ as a stage engine, batched under the shared scheduler (talker_runner.py).
 
 Its input is the thinker's hand-off (config.py), whole (a window -1 edge) or window
 by window as the thinker writes (``runtime.streaming_input``): each window's rows
-are fed to the request the moment the window is checked, so its talker steps while
-the thinker goes on; a window's ``generate`` hands out the codes made until the
-talker has used every row it was given (or has finished), and ``input_ended`` (the
-thinker's answer is whole: where the text ends) the rest. The codes of each step
+are fed to the request the moment the stage takes the checked window (``take``),
+so its talker steps while the thinker goes on; a window's ``generate`` hands out
+the codes made until the talker has used every row it was given (or has
+finished), and ``input_ended`` (the thinker's answer is whole: where the text
+ends) the rest. The codes of each step
 ([1, num_code_groups] int64: the step's token and its residual codes) are one
 segment each, so the edge to code2wav can be windowed.
 """
@@ -58,6 +59,9 @@ class _Talk:
 @dataclass(frozen=True)
 class TalkerPlan(EnginePlan):
     talk: _Talk
+    # A later window's answer ids and rows, fed to the request by ``take``; None for
+    # the first window (its rows are in the request's hand-off already).
+    rows: tuple[list[int], torch.Tensor] | None = None
     final: bool = False  # the input has ended: run to the talker's end
 
 
@@ -114,14 +118,20 @@ class QwenOmniTalker:
         refuse_unknown_tensors(request, names.HANDOFF)
         talk = self._talks.get(request.request_id)
         size = self._config.talker_config.thinker_hidden_size
-        if talk is not None:  # a later window: its rows, fed now
-            ids, rows = answer_rows(request, size)
-            talk.request.handoff.add(ids, rows)
-            self.scheduler.wake()
-            return TalkerPlan(request, talk)
+        if talk is not None:  # a later window: its rows, fed when it is taken
+            return TalkerPlan(request, talk, rows=answer_rows(request, size))
         talk = _Talk(self._request(request, first_handoff(request, size)), asyncio.Queue())
-        self._talks[request.request_id] = talk
         return TalkerPlan(request, talk)
+
+    def take(self, plan: TalkerPlan) -> None:
+        """A checked window, used now (capabilities.TakesWindowsEarly): the first one
+        makes the request known for its later windows; a later one's rows join its
+        hand-off at once, so the talker steps on while the thinker writes."""
+        if plan.rows is None:
+            self._talks[plan.request.request_id] = plan.talk
+            return
+        plan.talk.request.handoff.add(*plan.rows)
+        self.scheduler.wake()
 
     def _request(self, request: EngineRequest, handoff: Handoff) -> TalkerRequest:
         params = resolve(request.params, self._defaults)

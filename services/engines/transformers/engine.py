@@ -162,13 +162,16 @@ class TransformersEngine:
 
     # -- requests --------------------------------------------------------------
 
+    def arriving(self) -> None:
+        """A request is on its way (capabilities.HearsArrivals): the scheduler hears of
+        it before its prompt is tokenized, so that requests checked together all
+        count when it gathers the first arrival."""
+        self._running().expect()
+
     def check(self, request: EngineRequest) -> TransformersPlan:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
-        # The scheduler hears of the request before its prompt is tokenized, so that
-        # requests checked together all count when it gathers the first arrival.
-        self._running().expect()
         return TransformersPlan(request, self._plan(request))
 
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:

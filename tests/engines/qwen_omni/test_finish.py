@@ -15,6 +15,7 @@ from services.engines.base import EngineRequest, FinishOutput, SamplingParams, T
 from services.engines.qwen_omni import QwenOmniTalker, QwenOmniThinker
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
+from tests.helpers import engine_runs
 from tests.helpers.engine_runs import collect, generate, tokens_of
 
 
@@ -57,7 +58,7 @@ async def _talk(
         rid, token_ids=tuple(thought.answer_ids), tensors=dict(thought.handoff),
         params=SamplingParams(**params),
     )  # fmt: skip
-    plan = talker.check(window)
+    plan = engine_runs.plan(talker, window)
     end = talker.input_ended(rid)
     assert end is not None
     events = await collect(talker.generate(plan)) + await collect(talker.generate(end))
