@@ -97,7 +97,9 @@ class QwenOmniTalker:
                 f"(offered: {sorted(speakers)})",
                 field="engine_args.speaker",
             )
-        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
+        # Whole prompts (prefill_tokens None): a prompt with media runs its encoders
+        # once, over all of it.
+        limits = Limits(max_batch_size=self.settings.max_batch_size)
         self._scheduler = Scheduler(
             TalkerRunner(self._model, self._config), limits, name="talker-steps"
         )

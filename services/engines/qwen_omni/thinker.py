@@ -68,7 +68,9 @@ class QwenOmniThinker:
         part = loading.load_engine_part(model_path, self.settings, self.name, "thinker")
         self._model, self._config = part.model, part.config
         self._processor = processors.load(part.folder)
-        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
+        # Whole prompts (prefill_tokens None): a prompt with media runs its encoders
+        # once, over all of it.
+        limits = Limits(max_batch_size=self.settings.max_batch_size)
         self._scheduler = Scheduler(
             ThinkerRunner(self._model, self._config), limits, name="thinker-steps"
         )
