@@ -35,7 +35,7 @@ from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
 from services.engines.transformers.runners import KvBudget, TextRunner, runner_for, runner_name
-from services.engines.transformers.sequence import Sequence
+from services.engines.transformers.text_request import TextRequest
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
@@ -65,9 +65,9 @@ class TransformersEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._scheduler: Scheduler[Sequence] | None = None
+        self._scheduler: Scheduler[TextRequest] | None = None
         self._budget: KvBudget | None = None
-        self._active: dict[str, Sequence] = {}
+        self._active: dict[str, TextRequest] = {}
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -128,7 +128,7 @@ class TransformersEngine:
             elif any(isinstance(event, FinishOutput) for event in delivery):
                 done.set()
 
-        self._running().submit(self._sequence(request, self._plan(request), deliver))
+        self._running().submit(self._text_request(request, self._plan(request), deliver))
         if not done.wait(_WARMUP_TIMEOUT_S) or failures:
             raise InitFailed("the transformers warm-up step failed (see the stage log)") from (
                 failures[0] if failures else None
@@ -148,7 +148,7 @@ class TransformersEngine:
         return self._loaded()[1]
 
     @property
-    def scheduler(self) -> Scheduler[Sequence]:
+    def scheduler(self) -> Scheduler[TextRequest]:
         return self._running()
 
     @property
@@ -178,14 +178,14 @@ class TransformersEngine:
         request, resolved = plan.request, plan.resolved
         rid = request.request_id
         inbox = Inbox()
-        sequence = self._sequence(request, resolved, inbox.deliver)
+        text_request = self._text_request(request, resolved, inbox.deliver)
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
-        self._active[rid] = sequence
+        self._active[rid] = text_request
         scheduler = self._running()
         logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
-            scheduler.submit(sequence)
+            scheduler.submit(text_request)
             async for event in inbox.events():
                 if isinstance(event, FinishOutput):
                     logger.debug(
@@ -198,10 +198,10 @@ class TransformersEngine:
         finally:
             # Normal end, aclose() and task cancellation alike: the scheduler drops the
             # request (and its rows) at its next step boundary.
-            if not sequence.finished:
-                sequence.cancelled = True
+            if not text_request.finished:
+                text_request.cancelled = True
                 scheduler.wake()
-            if self._active.get(rid) is sequence:
+            if self._active.get(rid) is text_request:
                 del self._active[rid]
 
     # -- helpers ---------------------------------------------------------------
@@ -211,10 +211,10 @@ class TransformersEngine:
         assert self._limits is not None
         return intake.plan(request, tokenizer, self._limits, self._defaults)
 
-    def _sequence(
+    def _text_request(
         self, request: EngineRequest, plan: intake.Plan, deliver: Callable[[Delivery], None]
-    ) -> Sequence:
-        return Sequence(
+    ) -> TextRequest:
+        return TextRequest(
             request_id=request.request_id,
             plan=plan,
             tokenizer=self._loaded()[1],
@@ -237,7 +237,7 @@ class TransformersEngine:
         self._scheduler = Scheduler(runner, limits, name="transformers-steps")
         return runner
 
-    def _running(self) -> Scheduler[Sequence]:
+    def _running(self) -> Scheduler[TextRequest]:
         if self._scheduler is None:
             raise RuntimeError("TransformersEngine: call load() first")
         return self._scheduler

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 
 from services import kernels
 from services.engines.kv_cache import KvCache
+from services.engines.transformers.runners.kv_budget import KvBudget
 from services.engines.transformers.runners.lean import (
     Layer,
     LeanForward,
@@ -28,7 +29,7 @@ from services.engines.transformers.runners.lean import (
     lean_refuses,
     sdpa,
 )
-from services.engines.transformers.runners.rows import Forwarded, KvBudget, TextRunner
+from services.engines.transformers.runners.text_runner import Forwarded, TextRunner
 from services.engines.transformers.weights.blocks import MANY_ROWS, BlockLinear
 from services.kernels.stack import BlockWeight, DecodeStack, StackLayer, StackShape
 

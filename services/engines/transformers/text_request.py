@@ -1,6 +1,6 @@
 """One text request under the scheduler: its prompt, progress, sampler and text.
 
-The scheduler and the runner own every ``Sequence`` while it runs (the runner reads
+The scheduler and the runner own every ``TextRequest`` while it runs (the runner reads
 its prompt and hands it each new token); the request's ``generate`` only reads what
 ``deliver`` hands it and may set ``cancelled``.
 """
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Sequence:
+class TextRequest:
     request_id: str
     plan: Plan
     tokenizer: PreTrainedTokenizerBase
@@ -110,29 +110,27 @@ class Sequence:
 
 
 def emit_tokens(
-    rows: list[Sequence],
+    rows: list[TextRequest],
     which: list[int],
     logits: torch.Tensor,
     states: torch.Tensor | None,
-    outbox: dict[Sequence, list[EngineEvent]],
+    outbox: dict[TextRequest, list[EngineEvent]],
 ) -> None:
     """Pick the next token of each row in ``which`` (its logits and, if it asked,
     its hidden state row) and queue the events that follow in ``outbox``."""
     greedy = logits[which].argmax(dim=-1).tolist()
     for n, i in enumerate(which):
-        sequence = rows[i]
-        sampling = sequence.plan.sampling
+        request = rows[i]
+        sampling = request.plan.sampling
         try:
-            token = (
-                greedy[n] if sampling.greedy else sample(logits[i], sampling, sequence.generator)
-            )
+            token = greedy[n] if sampling.greedy else sample(logits[i], sampling, request.generator)
         except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
-            logger.exception("request %s: sampling failed", sequence.request_id)
-            sequence.finished = True
-            sequence.deliver(exc)
+            logger.exception("request %s: sampling failed", request.request_id)
+            request.finished = True
+            request.deliver(exc)
             continue
         row = None
-        if states is not None and sequence.plan.return_hidden_states:
+        if states is not None and request.plan.return_hidden_states:
             # A copy, so the event does not pin the whole batch's activations.
             row = states[i : i + 1].to("cpu", torch.float32, copy=True)
-        outbox.setdefault(sequence, []).extend(sequence.add_token(token, row))
+        outbox.setdefault(request, []).extend(request.add_token(token, row))
