@@ -41,7 +41,7 @@ from services.engines.qwen_omni.talker_intake import answer_rows, first_handoff
 from services.engines.qwen_omni.talker_runner import Starved, TalkerRequest, TalkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
-from services.engines.scheduler import Delivery, Limits, Scheduler
+from services.engines.scheduler import Delivery, EngineShell, Limits, Scheduler
 from services.engines.scheduler.loop_post import loop_post
 from services.mesh.errors import InitFailed
 
@@ -84,7 +84,7 @@ class QwenOmniTalker:
         self._defaults = DefaultLayers(settings.defaults, built_in=built_in)
         self._model: Any = None
         self._config: Any = None
-        self._scheduler: Scheduler[TalkerRequest] | None = None
+        self._shell: EngineShell[TalkerRequest] = EngineShell(self.name, settings.device)
         self._talks: dict[str, _Talk] = {}
 
     def load(self, model_path: Path | None) -> ModelInfo:
@@ -100,9 +100,7 @@ class QwenOmniTalker:
         # Whole prompts (prefill_tokens None): a prompt with media runs its encoders
         # once, over all of it.
         limits = Limits(max_batch_size=self.settings.max_batch_size)
-        self._scheduler = Scheduler(
-            TalkerRunner(self._model, self._config), limits, name="talker-steps"
-        )
+        self._shell.start(TalkerRunner(self._model, self._config), limits, "talker-steps")
         return part.info
 
     def warmup(self) -> None:
@@ -110,9 +108,7 @@ class QwenOmniTalker:
 
     @property
     def scheduler(self) -> Scheduler[TalkerRequest]:
-        if self._scheduler is None:
-            raise RuntimeError("QwenOmniTalker: call load() first")
-        return self._scheduler
+        return self._shell.scheduler
 
     # -- a request's windows ------------------------------------------------------
 
@@ -154,11 +150,7 @@ class QwenOmniTalker:
         suppress = torch.zeros(vocab, dtype=torch.bool, device=self.settings.device)
         suppress[vocab - 1024 :] = True
         suppress[talker.codec_eos_token_id] = False
-        generator = torch.Generator(device=self.settings.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+        generator = self._shell.generator(params.seed)
         first = Sampling(params.temperature or 0.0, params.top_p or 1.0, params.top_k or 0)
         return TalkerRequest(
             request_id=request.request_id,
@@ -211,8 +203,6 @@ class QwenOmniTalker:
                     return
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._scheduler = None
+        self._shell.close()
         self._model = None
         self._talks.clear()

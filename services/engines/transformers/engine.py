@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.engines.base import (
@@ -30,7 +29,7 @@ from services.engines.base import (
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
-from services.engines.scheduler import Delivery, Inbox, Limits, Scheduler
+from services.engines.scheduler import Delivery, EngineShell, Inbox, Limits, Scheduler
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
@@ -65,7 +64,7 @@ class TransformersEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._scheduler: Scheduler[TextRequest] | None = None
+        self._shell: EngineShell[TextRequest] = EngineShell("TransformersEngine", settings.device)
         self._budget: KvBudget | None = None
         self._active: dict[str, TextRequest] = {}
 
@@ -135,9 +134,7 @@ class TransformersEngine:
             )
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._scheduler = None
+        self._shell.close()
 
     @property
     def model(self) -> PreTrainedModel:
@@ -182,25 +179,19 @@ class TransformersEngine:
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
         self._active[rid] = text_request
-        scheduler = self._running()
         logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
-            scheduler.submit(text_request)
-            async for event in inbox.events():
-                if isinstance(event, FinishOutput):
-                    logger.debug(
-                        "request %s: finished (%s) after %d tokens",
-                        rid,
-                        event.reason,
-                        event.completion_tokens,
-                    )
-                yield event
+            with self._shell.running(text_request):
+                async for event in inbox.events():
+                    if isinstance(event, FinishOutput):
+                        logger.debug(
+                            "request %s: finished (%s) after %d tokens",
+                            rid,
+                            event.reason,
+                            event.completion_tokens,
+                        )
+                    yield event
         finally:
-            # Normal end, aclose() and task cancellation alike: the scheduler drops the
-            # request (and its rows) at its next step boundary.
-            if not text_request.finished:
-                text_request.cancelled = True
-                scheduler.wake()
             if self._active.get(rid) is text_request:
                 del self._active[rid]
 
@@ -218,7 +209,7 @@ class TransformersEngine:
             request_id=request.request_id,
             plan=plan,
             tokenizer=self._loaded()[1],
-            generator=self._generator(plan.seed),
+            generator=self._shell.generator(plan.seed),
             deliver=deliver,
             submitted=time.monotonic(),
             eos_ids=self._eos_ids,
@@ -227,33 +218,22 @@ class TransformersEngine:
     def _start(self) -> TextRunner:
         """The runner for the loaded model and the scheduler over it."""
         model = self._loaded()[0]
-        self.close()
         runner = runner_for(model, self._budget, self._args.runner)
         limits = Limits(
             max_batch_size=self._settings.max_batch_size,
             prefill_tokens=self._args.prefill_tokens,
             gather_s=self._args.gather_ms / 1e3,
         )
-        self._scheduler = Scheduler(runner, limits, name="transformers-steps")
+        self._shell.start(runner, limits, "transformers-steps")
         return runner
 
     def _running(self) -> Scheduler[TextRequest]:
-        if self._scheduler is None:
-            raise RuntimeError("TransformersEngine: call load() first")
-        return self._scheduler
+        return self._shell.scheduler
 
     def _loaded(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self._model is None or self._tokenizer is None:
             raise RuntimeError("TransformersEngine: call load() first")
         return self._model, self._tokenizer
-
-    def _generator(self, seed: int | None) -> torch.Generator:
-        generator = torch.Generator(device=self._settings.device)
-        if seed is None:
-            generator.seed()  # fresh entropy per request
-        else:
-            generator.manual_seed(seed)
-        return generator
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
