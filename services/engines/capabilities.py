@@ -8,9 +8,9 @@ kinds it offers. ``planned`` is what a stage does with a request before it runs.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from services.engines.base import Engine, EnginePlan, EngineRequest, OutputBlocks
+from services.engines.base import Engine, EnginePlan, EngineRequest, OutputBlocks, PlanT
 
 
 @runtime_checkable
@@ -64,7 +64,7 @@ class TakesWindowsEarly(Protocol):
     def take(self, plan: EnginePlan) -> None: ...
 
 
-def planned(engine: Engine[Any], request: EngineRequest) -> EnginePlan:
+def planned(engine: Engine[PlanT], request: EngineRequest) -> PlanT:
     """What a stage does with a request (or a later window of one) before it runs
     it: an engine that hears of arrivals is told, ``check`` plans it (and only
     checks), an engine that takes windows early gets the plan. A stage calls it in

@@ -13,7 +13,7 @@ from services.engines.capabilities import planned
 
 def plan(engine: Engine[PlanT], request: EngineRequest) -> PlanT:
     """``request`` planned as a stage plans it (capabilities.planned)."""
-    return planned(engine, request)  # type: ignore[return-value]
+    return planned(engine, request)
 
 
 def generate(engine: Engine[PlanT], request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
