@@ -97,8 +97,8 @@ class QwenOmniTalker:
                 f"(offered: {sorted(speakers)})",
                 field="engine_args.speaker",
             )
-        # Whole prompts (prefill_tokens None): a prompt with media runs its encoders
-        # once, over all of it.
+        # Whole prompts (prefill_tokens None): a talker's prompt is built at once from
+        # the thinker's hand-off (handoff.py) and read in one forward.
         limits = Limits(max_batch_size=self.settings.max_batch_size)
         self._shell.start(TalkerRunner(self._model, self._config), limits, "talker-steps")
         return part.info
