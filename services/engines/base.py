@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel
 
 from services.engines.defaults import NONE, RequestDefaults
+from services.mesh.finish import FinishReason, finish_reason
 
 LoadFormat = Literal["auto", "dummy"]
 
@@ -167,12 +168,19 @@ class ProgressOutput:
 
 @dataclass(frozen=True)
 class FinishOutput:
-    reason: str  # "length", "stop", "eos" or "done"
+    """The last event of a request that ended well. ``reason`` is one of the mesh's
+    (services/mesh/finish.py): anything else is refused here, where the engine says
+    it, rather than reaching a client."""
+
+    reason: FinishReason
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Time the request waited inside the engine for a place in a batch (its
     # admission), before its first step ran. A timing, not part of the outcome.
     queue_ms: float = field(default=0.0, compare=False)
+
+    def __post_init__(self) -> None:
+        finish_reason(self.reason)
 
 
 EngineEvent = TokenOutput | TensorOutput | ProgressOutput | FinishOutput
@@ -237,9 +245,11 @@ class Engine(Protocol[PlanT]):
     def warmup(self) -> None: ...
 
     def check(self, request: EngineRequest) -> PlanT:
-        """Validation at intake, once per request (a stage calls it in a thread: it
-        may tokenize); raise ``InvalidArgument`` naming the field. The plan it
-        returns is what ``generate`` gets."""
+        """Validation at intake, once per request or input window (a stage calls it in
+        a thread: it may tokenize); raise ``InvalidArgument`` naming the field. The
+        plan it returns is what ``generate`` gets. It only checks: an engine that
+        must hear of an arrival, or use a window before its ``generate``, says so
+        with a capability (capabilities.py: ``HearsArrivals``, ``TakesWindowsEarly``)."""
         ...
 
     def generate(self, plan: PlanT) -> AsyncGenerator[EngineEvent, None]: ...

@@ -1,15 +1,16 @@
 """What an engine may do beyond the contract in base.py, each a protocol the stage
 checks for (``isinstance``) and uses where an engine has it: writing outputs into
-shared blocks, planning or sizing its KV cache, keeping per-request state, holding
-input back, preparing its model once, fetching files besides it; and the voices and
-content kinds it offers."""
+shared blocks, planning or sizing its KV cache, hearing of arrivals, taking a
+window as soon as it is checked, keeping per-request state, holding input back,
+preparing its model once, fetching files besides it; and the voices and content
+kinds it offers. ``planned`` is what a stage does with a request before it runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from services.engines.base import EnginePlan, OutputBlocks
+from services.engines.base import Engine, EnginePlan, EngineRequest, OutputBlocks, PlanT
 
 
 @runtime_checkable
@@ -41,6 +42,39 @@ class SizesKvCache(Protocol):
     def kv_cache(self) -> tuple[int, int]:
         """``(pages, page_size)``: the cache the engine allocated, after ``load``."""
         ...
+
+
+@runtime_checkable
+class HearsArrivals(Protocol):
+    """An engine whose idle scheduler waits a moment for requests arriving together,
+    so that they share their prefill: the stage tells it a request is on its way
+    (``arriving``) before its ``check``, so that requests checked together all count
+    while it gathers the first."""
+
+    def arriving(self) -> None: ...
+
+
+@runtime_checkable
+class TakesWindowsEarly(Protocol):
+    """An engine that uses a streaming request's input window as soon as it is
+    checked, before that window's ``generate`` runs (the talker steps on the
+    thinker's rows while the thinker writes on). The stage hands it each plan its
+    ``check`` returned (``take``), in the order the windows came."""
+
+    def take(self, plan: EnginePlan) -> None: ...
+
+
+def planned(engine: Engine[PlanT], request: EngineRequest) -> PlanT:
+    """What a stage does with a request (or a later window of one) before it runs
+    it: an engine that hears of arrivals is told, ``check`` plans it (and only
+    checks), an engine that takes windows early gets the plan. A stage calls it in
+    a thread: ``check`` may tokenize."""
+    if isinstance(engine, HearsArrivals):
+        engine.arriving()
+    plan = engine.check(request)
+    if isinstance(engine, TakesWindowsEarly):
+        engine.take(plan)
+    return plan
 
 
 @runtime_checkable

@@ -28,7 +28,16 @@ from services.gateway.schema import ChatRequest
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
 _ROLES = {"developer": "system"}  # OpenAI's newer name for the system prompt
-_FINISH = {"length": "length"}  # every other way a text stage ends is a stop
+# The mesh's finish reasons (services/mesh/finish.py) in OpenAI's words: its model
+# ending the answer, a stop string and a whole output are all a "stop"; vLLM's own
+# OpenAI server passes an abort on as "abort", and so do we (docs/api.md).
+FINISH: dict[str, str] = {  # keys: every FinishReason (tests/gateway/test_finish.py)
+    "eos": "stop",
+    "stop": "stop",
+    "length": "length",
+    "done": "stop",
+    "abort": "abort",
+}
 DONE = b"data: [DONE]\n\n"
 
 
@@ -101,7 +110,9 @@ class Answer:
     @property
     def finish_reason(self) -> str:
         completed = self.completed
-        return _FINISH.get(completed.finish_reason if completed else "", "stop")
+        # A stage of another version may say a reason this gateway does not know yet.
+        reason = completed.finish_reason if completed is not None else ""
+        return FINISH.get(reason, "stop")
 
     @property
     def usage(self) -> dict[str, int]:

@@ -9,7 +9,8 @@ header; the best variant the CPU runs is picked once at load. They are torch ops
 (``torch.ops.omni_kernels``: ``block_linear``, ``quantize_q8``, ``block_dequantize``, ``rms_norm``,
 ``silu_mul``, ``rotary_``, ``attend_one``, ``decode_stack`` over a ``DecodeStack``)
 that take tensors and check them. ``library.py`` loads them and says which variant
-runs, or why none does.
+runs, or why none does; ``ops_face.py`` is their typed face (``ops()`` returns it),
+and ``stack.py`` builds a ``DecodeStack`` from named layers, checked by role.
 """
 
 from __future__ import annotations

@@ -21,11 +21,12 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from services.kernels.build_hash import REBUILD, stale
+from services.kernels.ops_face import KernelOps
 from services.mesh import environment
 
 logger = logging.getLogger(__name__)
@@ -68,12 +69,13 @@ def unavailable() -> str | None:
     return _load()[1]
 
 
-def ops() -> Any:
-    """``torch.ops.omni_kernels``; raises ``KernelsUnavailable`` where it cannot run."""
+def ops() -> KernelOps:
+    """``torch.ops.omni_kernels``, typed (ops_face.py); raises ``KernelsUnavailable``
+    where it cannot run."""
     loaded, why = _load()
     if loaded is None:
         raise KernelsUnavailable(why)
-    return loaded
+    return cast(KernelOps, loaded)
 
 
 def variant() -> str:
@@ -100,7 +102,7 @@ def lacks(name: str) -> str:
     return str(ops().needs(name))
 
 
-def use(name: str, loaded: Any = None) -> None:
+def use(name: str, loaded: KernelOps | None = None) -> None:
     """Run ``name`` from now on; ``KernelsUnavailable`` names what the CPU lacks."""
     kernels = ops() if loaded is None else loaded
     if name not in kernels.variants():

@@ -1,5 +1,6 @@
-"""An engine run the way a stage runs it, for engine tests: ``check`` plans the
-request once, and ``generate`` runs that plan; ``collect`` drains a run, bounded."""
+"""An engine run the way a stage runs it, for engine tests: ``plan`` plans the
+request once (as the stage does: capabilities.planned), and ``generate`` runs that
+plan; ``collect`` drains a run, bounded."""
 
 from __future__ import annotations
 
@@ -7,10 +8,16 @@ import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from services.engines.base import Engine, EngineEvent, EngineRequest, PlanT, TokenOutput
+from services.engines.capabilities import planned
+
+
+def plan(engine: Engine[PlanT], request: EngineRequest) -> PlanT:
+    """``request`` planned as a stage plans it (capabilities.planned)."""
+    return planned(engine, request)
 
 
 def generate(engine: Engine[PlanT], request: EngineRequest) -> AsyncGenerator[EngineEvent, None]:
-    return engine.generate(engine.check(request))
+    return engine.generate(plan(engine, request))
 
 
 async def collect(stream: AsyncIterator[EngineEvent], timeout_s: float = 120) -> list[EngineEvent]:

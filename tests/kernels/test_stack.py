@@ -7,30 +7,21 @@ against transformers' forward is the engine's."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
 
 from services import kernels
+from services.kernels.stack import BlockWeight, DecodeStack, StackLayer, StackShape
 
 LAYERS, HEADS, KV_HEADS, DIM, SIZE, INTER = 3, 4, 2, 16, 64, 96
 EPS, HEAD_EPS, SCALE = 1e-5, 1e-6, DIM**-0.5
+SHAPE = StackShape(heads=HEADS, kv_heads=KV_HEADS, dim=DIM, size=SIZE, inter=INTER)
 
 
-@dataclass
-class Weight:
-    qs: torch.Tensor
-    d: torch.Tensor
-    m: torch.Tensor | None
-    bias: torch.Tensor | None
-
-    @property
-    def tensors(self) -> list[torch.Tensor | None]:
-        return [self.qs, self.d, self.m, self.bias]
-
-
-def _weight(g: torch.Generator, n: int, k: int, kind: str, bias: bool) -> Weight:
+def _weight(g: torch.Generator, n: int, k: int, kind: str, bias: bool) -> BlockWeight:
     blocks = k // 32
     d = (torch.rand(n, blocks, generator=g) * 0.02 + 0.001).half()
     if kind == "q4_1":
@@ -39,39 +30,17 @@ def _weight(g: torch.Generator, n: int, k: int, kind: str, bias: bool) -> Weight
     else:
         qs = torch.randint(-128, 128, (n, blocks, 32), generator=g, dtype=torch.int8)
         m = None
-    return Weight(qs, d, m, torch.randn(n, generator=g) * 0.1 if bias else None)
-
-
-@dataclass
-class Layer:
-    norm_in: torch.Tensor
-    norm_post: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    qkv: Weight
-    o: Weight
-    gate_up: Weight
-    down: Weight
+    return BlockWeight(qs=qs, d=d, m=m, bias=torch.randn(n, generator=g) * 0.1 if bias else None)
 
 
 @dataclass
 class Model:
-    layers: list[Layer]
+    layers: list[StackLayer]
     norm: torch.Tensor
-    stack: object = field(init=False)
+    stack: DecodeStack = field(init=False)
 
     def __post_init__(self) -> None:
-        tensors: list[torch.Tensor | None] = []
-        scalars: list[float] = []
-        for layer in self.layers:
-            tensors += [layer.norm_in, layer.norm_post, layer.q_norm, layer.k_norm]
-            for weight in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                tensors += weight.tensors
-            scalars += [EPS, EPS, HEAD_EPS, SCALE]
-        dims = [len(self.layers), HEADS, KV_HEADS, DIM, SIZE, INTER]
-        self.stack = torch.classes.omni_kernels.DecodeStack(
-            [*tensors, self.norm], [*scalars, EPS], dims
-        )
+        self.stack = DecodeStack.build(self.layers, self.norm, EPS, SHAPE)
 
 
 def _model(seed: int, kind: str, head_norms: bool) -> Model:
@@ -81,15 +50,19 @@ def _model(seed: int, kind: str, head_norms: bool) -> Model:
         return 1 + 0.2 * torch.randn(size, generator=g)
 
     layers = [
-        Layer(
-            norm(SIZE),
-            norm(SIZE),
-            norm(DIM) if head_norms else None,
-            norm(DIM) if head_norms else None,
-            _weight(g, (HEADS + 2 * KV_HEADS) * DIM, SIZE, kind, bias=True),
-            _weight(g, SIZE, HEADS * DIM, kind, bias=False),
-            _weight(g, 2 * INTER, SIZE, kind, bias=False),
-            _weight(g, SIZE, INTER, kind, bias=False),
+        StackLayer(
+            norm_in=norm(SIZE),
+            norm_post=norm(SIZE),
+            q_norm=norm(DIM) if head_norms else None,
+            k_norm=norm(DIM) if head_norms else None,
+            qkv=_weight(g, (HEADS + 2 * KV_HEADS) * DIM, SIZE, kind, bias=True),
+            o=_weight(g, SIZE, HEADS * DIM, kind, bias=False),
+            gate_up=_weight(g, 2 * INTER, SIZE, kind, bias=False),
+            down=_weight(g, SIZE, INTER, kind, bias=False),
+            eps_in=EPS,
+            eps_post=EPS,
+            eps_head=HEAD_EPS,
+            scale=SCALE,
         )
         for _ in range(LAYERS)
     ]
@@ -102,7 +75,7 @@ def _by_ops(model: Model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """The step as separate ops, in the stack's order."""
     ops, rows = kernels.ops(), h.shape[0]
 
-    def _product(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    def _product(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
         return ops.block_linear(x, w.qs, w.d, w.m, w.bias, int8)
 
     delta = None
@@ -155,8 +128,7 @@ def test_the_stack_is_the_separate_ops_bit_for_bit(
     column, room = 20, 24
     h, cos, sin, keys, values, mask = _inputs(rows, column, room, padded, seed=rows + 1)
     mine_h, mine_keys, mine_values = h.clone(), keys.clone(), values.clone()
-    states = kernels.ops().decode_stack(model.stack, mine_h, cos, sin, mine_keys, mine_values,
-                                        mask, column, int8)  # fmt: skip
+    states = model.stack.step(mine_h, cos, sin, mine_keys, mine_values, mask, column, int8)
     expected = _by_ops(model, h, cos, sin, keys, values, mask, column, int8)
     assert torch.equal(states, expected), variant
     assert torch.equal(mine_h, h)  # the residual stream, added into in place
@@ -169,7 +141,7 @@ def test_a_step_writes_its_column_and_leaves_the_others(variant: str) -> None:
     model = _model(0, "q4_1", head_norms=False)
     h, cos, sin, keys, values, mask = _inputs(2, 5, 9, padded=False, seed=0)
     before = keys.clone()
-    kernels.ops().decode_stack(model.stack, h, cos, sin, keys, values, mask, 5)
+    model.stack.step(h, cos, sin, keys, values, mask, 5)
     changed = (keys != before).any(dim=(0, 1, 2, 4))
     assert changed.tolist() == [c == 5 for c in range(9)]
 
@@ -177,32 +149,70 @@ def test_a_step_writes_its_column_and_leaves_the_others(variant: str) -> None:
 def test_bad_arguments_are_refused_naming_them() -> None:
     model = _model(0, "q4_1", head_norms=False)
     ops = kernels.ops()
+    stack = model.stack.handle  # around the typed face: C++ checks a step's tensors itself
     h, cos, sin, keys, values, mask = _inputs(2, 5, 9, padded=True, seed=0)
     with pytest.raises(RuntimeError, match=r"h must be \[rows >= 1, 64\]"):
-        ops.decode_stack(model.stack, h[:, :32].contiguous(), cos, sin, keys, values, mask, 5)
+        ops.decode_stack(stack, h[:, :32].contiguous(), cos, sin, keys, values, mask, 5)
     with pytest.raises(RuntimeError, match=r"cos must be \[2, 16\]"):
-        ops.decode_stack(model.stack, h, cos[:1], sin, keys, values, mask, 5)
+        ops.decode_stack(stack, h, cos[:1], sin, keys, values, mask, 5)
     with pytest.raises(RuntimeError, match=r"mask must be \[2, 6\]"):
-        ops.decode_stack(model.stack, h, cos, sin, keys, values, mask[:, :5].contiguous(), 5)
+        ops.decode_stack(stack, h, cos, sin, keys, values, mask[:, :5].contiguous(), 5)
     with pytest.raises(RuntimeError, match="column 9 is outside a cache of 9 columns"):
-        ops.decode_stack(model.stack, h, cos, sin, keys, values, None, 9)
+        ops.decode_stack(stack, h, cos, sin, keys, values, None, 9)
     with pytest.raises(RuntimeError, match=r"keys must be \[3, 2, 2, room, 16\]"):
-        ops.decode_stack(model.stack, h, cos, sin, keys[:2], values[:2], None, 5)
+        ops.decode_stack(stack, h, cos, sin, keys[:2], values[:2], None, 5)
     with pytest.raises(RuntimeError, match="keys and values must have one shape"):
-        ops.decode_stack(model.stack, h, cos, sin, keys, values[..., :8, :], None, 5)
+        ops.decode_stack(stack, h, cos, sin, keys, values[..., :8, :], None, 5)
 
 
 def test_bad_weights_are_refused_when_the_stack_is_built() -> None:
     good = _model(0, "q8_0", head_norms=False)
-    layer = good.layers[1]
-    layer.o = _weight(torch.Generator().manual_seed(1), SIZE, 2 * HEADS * DIM, "q8_0", bias=False)
+    wide = _weight(torch.Generator().manual_seed(1), SIZE, 2 * HEADS * DIM, "q8_0", bias=False)
+    layers = list(good.layers)
+    layers[1] = replace(good.layers[1], o=wide)
+    with pytest.raises(ValueError, match=r"layer 1 o is \[64, 128\], its role needs \[64, 64\]$"):
+        Model(layers, good.norm)
+    # C++ checks as much itself, for a caller that goes around the typed face.
+    tensors, scalars = [], []
+    for layer in layers:
+        more, numbers = layer.flat()
+        tensors += more
+        scalars += numbers
+    dims = [LAYERS, HEADS, KV_HEADS, DIM, SIZE, INTER]
     with pytest.raises(RuntimeError, match="layer 1 o is 64 x 128, not 64 x 64"):
-        Model(good.layers, good.norm)
-    layer.o = _weight(torch.Generator().manual_seed(1), SIZE, HEADS * DIM, "q8_0", bias=False)
-    layer.norm_in = torch.ones(SIZE + 1)
-    with pytest.raises(RuntimeError, match=r"layer 1 norm_in must be \[64\]"):
-        Model(good.layers, good.norm)
+        torch.classes.omni_kernels.DecodeStack([*tensors, good.norm], [*scalars, EPS], dims)
+    layers[1] = replace(good.layers[1], norm_in=torch.ones(SIZE + 1))
+    with pytest.raises(ValueError, match=r"layer 1 norm_in is \[65\], its role needs \[64\]$"):
+        Model(layers, good.norm)
+    with pytest.raises(ValueError, match=r"the final norm is \[65\], it needs \[64\]"):
+        Model(good.layers, torch.ones(SIZE + 1))
     with pytest.raises(RuntimeError, match="takes 61 tensors and 13 scalars"):
-        torch.classes.omni_kernels.DecodeStack(
-            [None], [1.0], [3, HEADS, KV_HEADS, DIM, SIZE, INTER]
+        torch.classes.omni_kernels.DecodeStack([None], [1.0], dims)
+
+
+def test_a_part_given_in_anothers_place_is_refused_naming_both() -> None:
+    """Parts are named, never placed by order: one given in another's place has the
+    wrong shape for its role (refused, naming the role its shape is), or, for the two
+    norms of one shape, cannot be given without its name."""
+    good = _model(0, "q4_1", head_norms=True)
+    layer = good.layers[0]
+    swaps = {
+        "qkv": (
+            {"qkv": layer.gate_up, "gate_up": layer.qkv},
+            r"\[192, 64\]",
+            "[128, 64]",
+            "gate_up",
+        ),
+        "o": ({"o": layer.down, "down": layer.o}, r"\[64, 96\]", "[64, 64]", "down"),
+        "q_norm": ({"q_norm": layer.norm_in}, r"\[64\]", "[16]", "norm_in or norm_post"),
+    }
+    for role, (parts, has, needs, alike) in swaps.items():
+        wrong = [replace(layer, **parts), *good.layers[1:]]  # type: ignore[arg-type]
+        message = (
+            f"layer 0 {role} is {has}, its role needs {re.escape(needs)} "
+            f"\\(the shape of {alike}: given in its place\\?\\)"
         )
+        with pytest.raises(ValueError, match=message):
+            Model(wrong, good.norm)
+    with pytest.raises(TypeError, match="positional"):
+        StackLayer(layer.norm_post, layer.norm_in)  # type: ignore[misc, call-arg]

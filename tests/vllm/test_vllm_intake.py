@@ -101,6 +101,8 @@ def test_prompt_embeds_need_the_engine_arg() -> None:
         ("stop", 7, "stop"),
         ("length", None, "length"),
         ("abort", None, "abort"),
+        ("error", None, "abort"),  # a newer vLLM's: short of its end, unasked
+        (None, None, "abort"),
     ],
 )  # fmt: skip
 def test_finish_reasons_translate(reason: str, stop_reason: Any, ours: str) -> None:

@@ -3,10 +3,11 @@ as a stage engine, batched under the shared scheduler (talker_runner.py).
 
 Its input is the thinker's hand-off (config.py), whole (a window -1 edge) or window
 by window as the thinker writes (``runtime.streaming_input``): each window's rows
-are fed to the request the moment the window is checked, so its talker steps while
-the thinker goes on; a window's ``generate`` hands out the codes made until the
-talker has used every row it was given (or has finished), and ``input_ended`` (the
-thinker's answer is whole: where the text ends) the rest. The codes of each step
+are fed to the request the moment the stage takes the checked window (``take``),
+so its talker steps while the thinker goes on; a window's ``generate`` hands out
+the codes made until the talker has used every row it was given (or has
+finished), and ``input_ended`` (the thinker's answer is whole: where the text
+ends) the rest. The codes of each step
 ([1, num_code_groups] int64: the step's token and its residual codes) are one
 segment each, so the edge to code2wav can be windowed.
 """
@@ -40,7 +41,7 @@ from services.engines.qwen_omni.talker_intake import answer_rows, first_handoff
 from services.engines.qwen_omni.talker_runner import Starved, TalkerRequest, TalkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
-from services.engines.scheduler import Delivery, Limits, Scheduler
+from services.engines.scheduler import Delivery, EngineShell, Limits, Scheduler
 from services.engines.scheduler.loop_post import loop_post
 from services.mesh.errors import InitFailed
 
@@ -58,6 +59,9 @@ class _Talk:
 @dataclass(frozen=True)
 class TalkerPlan(EnginePlan):
     talk: _Talk
+    # A later window's answer ids and rows, fed to the request by ``take``; None for
+    # the first window (its rows are in the request's hand-off already).
+    rows: tuple[list[int], torch.Tensor] | None = None
     final: bool = False  # the input has ended: run to the talker's end
 
 
@@ -80,7 +84,7 @@ class QwenOmniTalker:
         self._defaults = DefaultLayers(settings.defaults, built_in=built_in)
         self._model: Any = None
         self._config: Any = None
-        self._scheduler: Scheduler[TalkerRequest] | None = None
+        self._shell: EngineShell[TalkerRequest] = EngineShell(self.name, settings.device)
         self._talks: dict[str, _Talk] = {}
 
     def load(self, model_path: Path | None) -> ModelInfo:
@@ -93,10 +97,10 @@ class QwenOmniTalker:
                 f"(offered: {sorted(speakers)})",
                 field="engine_args.speaker",
             )
-        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
-        self._scheduler = Scheduler(
-            TalkerRunner(self._model, self._config), limits, name="talker-steps"
-        )
+        # Whole prompts (prefill_tokens None): a talker's prompt is built at once from
+        # the thinker's hand-off (handoff.py) and read in one forward.
+        limits = Limits(max_batch_size=self.settings.max_batch_size)
+        self._shell.start(TalkerRunner(self._model, self._config), limits, "talker-steps")
         return part.info
 
     def warmup(self) -> None:
@@ -104,9 +108,7 @@ class QwenOmniTalker:
 
     @property
     def scheduler(self) -> Scheduler[TalkerRequest]:
-        if self._scheduler is None:
-            raise RuntimeError("QwenOmniTalker: call load() first")
-        return self._scheduler
+        return self._shell.scheduler
 
     # -- a request's windows ------------------------------------------------------
 
@@ -114,14 +116,20 @@ class QwenOmniTalker:
         refuse_unknown_tensors(request, names.HANDOFF)
         talk = self._talks.get(request.request_id)
         size = self._config.talker_config.thinker_hidden_size
-        if talk is not None:  # a later window: its rows, fed now
-            ids, rows = answer_rows(request, size)
-            talk.request.handoff.add(ids, rows)
-            self.scheduler.wake()
-            return TalkerPlan(request, talk)
+        if talk is not None:  # a later window: its rows, fed when it is taken
+            return TalkerPlan(request, talk, rows=answer_rows(request, size))
         talk = _Talk(self._request(request, first_handoff(request, size)), asyncio.Queue())
-        self._talks[request.request_id] = talk
         return TalkerPlan(request, talk)
+
+    def take(self, plan: TalkerPlan) -> None:
+        """A checked window, used now (capabilities.TakesWindowsEarly): the first one
+        makes the request known for its later windows; a later one's rows join its
+        hand-off at once, so the talker steps on while the thinker writes."""
+        if plan.rows is None:
+            self._talks[plan.request.request_id] = plan.talk
+            return
+        plan.talk.request.handoff.add(*plan.rows)
+        self.scheduler.wake()
 
     def _request(self, request: EngineRequest, handoff: Handoff) -> TalkerRequest:
         params = resolve(request.params, self._defaults)
@@ -142,11 +150,7 @@ class QwenOmniTalker:
         suppress = torch.zeros(vocab, dtype=torch.bool, device=self.settings.device)
         suppress[vocab - 1024 :] = True
         suppress[talker.codec_eos_token_id] = False
-        generator = torch.Generator(device=self.settings.device)
-        if params.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(params.seed)
+        generator = self._shell.generator(params.seed)
         first = Sampling(params.temperature or 0.0, params.top_p or 1.0, params.top_k or 0)
         return TalkerRequest(
             request_id=request.request_id,
@@ -199,8 +203,6 @@ class QwenOmniTalker:
                     return
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._scheduler = None
+        self._shell.close()
         self._model = None
         self._talks.clear()

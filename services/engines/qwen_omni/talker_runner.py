@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from services.engines.base import EngineEvent, FinishOutput, TensorOutput
+from services.engines.base import EngineEvent, FinishOutput, FinishReason, TensorOutput
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
@@ -294,5 +294,6 @@ class TalkerRunner:
         if token == self._eos or len(request.tokens) >= request.max_tokens:
             request.finished = True
             prompt_tokens = len(request.handoff.prompt_ids)
-            events.append(FinishOutput("done", prompt_tokens, len(request.tokens) - 1))
+            reason: FinishReason = "eos" if token == self._eos else "length"
+            events.append(FinishOutput(reason, prompt_tokens, len(request.tokens) - 1))
         return events

@@ -25,6 +25,7 @@ from services.engines.base import (
     ModelInfo,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni import loading, media
 from services.engines.qwen_omni import processor as processors
@@ -32,7 +33,7 @@ from services.engines.qwen_omni.config import ThinkerArgs
 from services.engines.qwen_omni.thinker_runner import ThinkerRequest, ThinkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
-from services.engines.scheduler import Inbox, Limits, Scheduler
+from services.engines.scheduler import EngineShell, Inbox, Limits, Scheduler
 
 BUILT_IN = RequestDefaults(max_tokens=128, temperature=0.0, top_p=1.0, top_k=0)
 
@@ -61,16 +62,16 @@ class QwenOmniThinker:
         self._model: Any = None
         self._config: Any = None
         self._processor: Any = None
-        self._scheduler: Scheduler[ThinkerRequest] | None = None
+        self._shell: EngineShell[ThinkerRequest] = EngineShell(self.name, settings.device)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         part = loading.load_engine_part(model_path, self.settings, self.name, "thinker")
         self._model, self._config = part.model, part.config
         self._processor = processors.load(part.folder)
-        limits = Limits(max_batch_size=self.settings.max_batch_size, prefill_tokens=1 << 30)
-        self._scheduler = Scheduler(
-            ThinkerRunner(self._model, self._config), limits, name="thinker-steps"
-        )
+        # Whole prompts (prefill_tokens None): a prompt with media runs its encoders
+        # once, over all of it.
+        limits = Limits(max_batch_size=self.settings.max_batch_size)
+        self._shell.start(ThinkerRunner(self._model, self._config), limits, "thinker-steps")
         return part.info
 
     def warmup(self) -> None:
@@ -78,9 +79,7 @@ class QwenOmniThinker:
 
     @property
     def scheduler(self) -> Scheduler[ThinkerRequest]:
-        if self._scheduler is None:
-            raise RuntimeError("QwenOmniThinker: call load() first")
-        return self._scheduler
+        return self._shell.scheduler
 
     def check(self, request: EngineRequest) -> ThinkerPlan:
         refuse_unknown_tensors(request, ())
@@ -109,56 +108,24 @@ class QwenOmniThinker:
 
     async def generate(self, plan: ThinkerPlan) -> AsyncGenerator[EngineEvent, None]:
         inbox = Inbox()
-        generator = torch.Generator(device=self.settings.device)
-        if plan.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(plan.seed)
         request = ThinkerRequest(
             request_id=plan.request.request_id,
             inputs={k: v.to(self.settings.device) for k, v in plan.inputs.items()},
             max_tokens=plan.max_tokens,
             sampling=plan.sampling,
-            generator=generator,
+            generator=self._shell.generator(plan.seed),
             eos=self._config.im_end_token_id,
             handoff=self.args.handoff,
-            text=_Text(self._processor.tokenizer),
+            text=IncrementalDetokenizer(
+                self._processor.tokenizer, plan.inputs["input_ids"][0].tolist()
+            ),
             deliver=inbox.deliver,
             submitted=time.monotonic(),
         )
-        scheduler = self.scheduler
-        try:
-            scheduler.submit(request)
+        with self._shell.running(request):
             async for event in inbox.events():
                 yield event
-        finally:
-            # Normal end, aclose() and task cancellation alike: the scheduler drops the
-            # request (and its row) at its next step.
-            if not request.finished:
-                request.cancelled = True
-                scheduler.wake()
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._scheduler = None
+        self._shell.close()
         self._model = None
-
-
-class _Text:
-    """The text new tokens add, held back while a character's bytes are incomplete."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-        self._sent = 0
-
-    def add(self, ids: list[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._sent = text[self._sent :], len(text)
-        return new
-
-    def rest(self, ids: list[int]) -> str:
-        text: str = self._tokenizer.decode(ids, skip_special_tokens=True)
-        return text[self._sent :]

@@ -22,10 +22,12 @@ import torch
 from services.engines.base import (
     EngineEvent,
     FinishOutput,
+    FinishReason,
     ProgressOutput,
     TensorOutput,
     TokenOutput,
 )
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
@@ -45,7 +47,7 @@ class ThinkerRequest:
     generator: torch.Generator
     eos: int
     handoff: bool
-    text: Any  # _Text: the text new tokens add
+    text: IncrementalDetokenizer  # the text new tokens add, from the last few alone
     deliver: Any
     submitted: float
     admitted: float = 0.0
@@ -72,11 +74,15 @@ class ThinkerRequest:
 
     def add(self, token: int, row: torch.Tensor | None) -> list[EngineEvent]:
         self.answer.append(token)
-        events: list[EngineEvent] = [TokenOutput((token,), self.text.add(self.answer), row)]
-        reason = "stop" if token == self.eos else "length"
-        if token == self.eos or len(self.answer) >= self.max_tokens:
+        events: list[EngineEvent] = [TokenOutput((token,), self.text.add(token), row)]
+        reason: FinishReason | None = None
+        if token == self.eos:
+            reason = "eos"
+        elif len(self.answer) >= self.max_tokens:
+            reason = "length"
+        if reason is not None:
             self.finished = True
-            if tail := self.text.rest(self.answer):  # an incomplete character at the end
+            if tail := self.text.flush():  # an incomplete character at the end
                 events.append(TokenOutput((), tail))
             events.append(FinishOutput(reason, self.prompt_tokens, len(self.answer)))
         return events

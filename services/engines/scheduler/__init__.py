@@ -3,7 +3,7 @@ prefill / mixed / decode planning, retiring, cancellation and delivery, knowing 
 model (scheduler.py); what it asks of a request and of a model runner (contract.py);
 when an idle scheduler stops gathering newcomers (arrivals.py); a request's
 deliveries to the event loop (inbox.py), posted from the model thread with one wake
-for many (loop_post.py)."""
+for many (loop_post.py); and what every engine under it shares (shell.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +17,11 @@ from services.engines.scheduler.contract import (
 )
 from services.engines.scheduler.inbox import Inbox
 from services.engines.scheduler.scheduler import Limits, Scheduler
+from services.engines.scheduler.shell import EngineShell
 
 __all__ = [
     "Delivery",
+    "EngineShell",
     "Inbox",
     "Limits",
     "ModelRunner",

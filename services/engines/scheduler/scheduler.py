@@ -43,7 +43,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Limits:
     max_batch_size: int
-    prefill_tokens: int  # prompt positions one prefill forward may take, all rows together
+    # Prompt positions one prefill forward may take, all rows together. None: no
+    # chunking, every prompt read whole in its first step (a runner that prefills a
+    # prompt at once; its size was bounded once, at intake, by max_prompt_tokens).
+    prefill_tokens: int | None = None
     # An idle scheduler waits up to this long after a first arrival for the requests
     # announced with it (``expect``) or arriving close behind it, so that they share
     # their prefill.
@@ -214,6 +217,8 @@ class Scheduler(Generic[R]):
         take along others almost as short (bounded padding), within the budget."""
         if not remaining:
             return 0
+        if self.limits.prefill_tokens is None:
+            return max(remaining)  # whole prompts
         shortest = min(remaining)
         slack = max(16, shortest // 4)
         width = max(r for r in remaining if r <= shortest + slack)

@@ -16,7 +16,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import ClassVar
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.engines.base import (
@@ -30,12 +29,12 @@ from services.engines.base import (
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
-from services.engines.scheduler import Delivery, Inbox, Limits, Scheduler
+from services.engines.scheduler import Delivery, EngineShell, Inbox, Limits, Scheduler
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
 from services.engines.transformers.runners import KvBudget, TextRunner, runner_for, runner_name
-from services.engines.transformers.sequence import Sequence
+from services.engines.transformers.text_request import TextRequest
 from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
@@ -65,9 +64,9 @@ class TransformersEngine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._limits: intake.Limits | None = None
         self._eos_ids: frozenset[int] = frozenset()
-        self._scheduler: Scheduler[Sequence] | None = None
+        self._shell: EngineShell[TextRequest] = EngineShell("TransformersEngine", settings.device)
         self._budget: KvBudget | None = None
-        self._active: dict[str, Sequence] = {}
+        self._active: dict[str, TextRequest] = {}
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -128,16 +127,14 @@ class TransformersEngine:
             elif any(isinstance(event, FinishOutput) for event in delivery):
                 done.set()
 
-        self._running().submit(self._sequence(request, self._plan(request), deliver))
+        self._running().submit(self._text_request(request, self._plan(request), deliver))
         if not done.wait(_WARMUP_TIMEOUT_S) or failures:
             raise InitFailed("the transformers warm-up step failed (see the stage log)") from (
                 failures[0] if failures else None
             )
 
     def close(self) -> None:
-        if self._scheduler is not None:
-            self._scheduler.close()
-            self._scheduler = None
+        self._shell.close()
 
     @property
     def model(self) -> PreTrainedModel:
@@ -148,7 +145,7 @@ class TransformersEngine:
         return self._loaded()[1]
 
     @property
-    def scheduler(self) -> Scheduler[Sequence]:
+    def scheduler(self) -> Scheduler[TextRequest]:
         return self._running()
 
     @property
@@ -162,43 +159,40 @@ class TransformersEngine:
 
     # -- requests --------------------------------------------------------------
 
+    def arriving(self) -> None:
+        """A request is on its way (capabilities.HearsArrivals): the scheduler hears of
+        it before its prompt is tokenized, so that requests checked together all
+        count when it gathers the first arrival."""
+        self._running().expect()
+
     def check(self, request: EngineRequest) -> TransformersPlan:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
-        # The scheduler hears of the request before its prompt is tokenized, so that
-        # requests checked together all count when it gathers the first arrival.
-        self._running().expect()
         return TransformersPlan(request, self._plan(request))
 
     async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
         request, resolved = plan.request, plan.resolved
         rid = request.request_id
         inbox = Inbox()
-        sequence = self._sequence(request, resolved, inbox.deliver)
+        text_request = self._text_request(request, resolved, inbox.deliver)
         if rid in self._active:
             logger.warning("request %s: id already running", rid)
-        self._active[rid] = sequence
-        scheduler = self._running()
+        self._active[rid] = text_request
         logger.debug("request %s: %d prompt tokens", rid, resolved.prompt_tokens)
         try:
-            scheduler.submit(sequence)
-            async for event in inbox.events():
-                if isinstance(event, FinishOutput):
-                    logger.debug(
-                        "request %s: finished (%s) after %d tokens",
-                        rid,
-                        event.reason,
-                        event.completion_tokens,
-                    )
-                yield event
+            with self._shell.running(text_request):
+                async for event in inbox.events():
+                    if isinstance(event, FinishOutput):
+                        logger.debug(
+                            "request %s: finished (%s) after %d tokens",
+                            rid,
+                            event.reason,
+                            event.completion_tokens,
+                        )
+                    yield event
         finally:
-            # Normal end, aclose() and task cancellation alike: the scheduler drops the
-            # request (and its rows) at its next step boundary.
-            if not sequence.finished:
-                sequence.cancelled = True
-                scheduler.wake()
-            if self._active.get(rid) is sequence:
+            if self._active.get(rid) is text_request:
                 del self._active[rid]
 
     # -- helpers ---------------------------------------------------------------
@@ -208,14 +202,14 @@ class TransformersEngine:
         assert self._limits is not None
         return intake.plan(request, tokenizer, self._limits, self._defaults)
 
-    def _sequence(
+    def _text_request(
         self, request: EngineRequest, plan: intake.Plan, deliver: Callable[[Delivery], None]
-    ) -> Sequence:
-        return Sequence(
+    ) -> TextRequest:
+        return TextRequest(
             request_id=request.request_id,
             plan=plan,
             tokenizer=self._loaded()[1],
-            generator=self._generator(plan.seed),
+            generator=self._shell.generator(plan.seed),
             deliver=deliver,
             submitted=time.monotonic(),
             eos_ids=self._eos_ids,
@@ -224,33 +218,22 @@ class TransformersEngine:
     def _start(self) -> TextRunner:
         """The runner for the loaded model and the scheduler over it."""
         model = self._loaded()[0]
-        self.close()
         runner = runner_for(model, self._budget, self._args.runner)
         limits = Limits(
             max_batch_size=self._settings.max_batch_size,
             prefill_tokens=self._args.prefill_tokens,
             gather_s=self._args.gather_ms / 1e3,
         )
-        self._scheduler = Scheduler(runner, limits, name="transformers-steps")
+        self._shell.start(runner, limits, "transformers-steps")
         return runner
 
-    def _running(self) -> Scheduler[Sequence]:
-        if self._scheduler is None:
-            raise RuntimeError("TransformersEngine: call load() first")
-        return self._scheduler
+    def _running(self) -> Scheduler[TextRequest]:
+        return self._shell.scheduler
 
     def _loaded(self) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         if self._model is None or self._tokenizer is None:
             raise RuntimeError("TransformersEngine: call load() first")
         return self._model, self._tokenizer
-
-    def _generator(self, seed: int | None) -> torch.Generator:
-        generator = torch.Generator(device=self._settings.device)
-        if seed is None:
-            generator.seed()  # fresh entropy per request
-        else:
-            generator.manual_seed(seed)
-        return generator
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

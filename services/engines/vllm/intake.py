@@ -16,6 +16,7 @@ from services.engines import text_intake
 from services.engines.base import EngineRequest
 from services.engines.defaults import DefaultLayers
 from services.engines.request_checks import refuse
+from services.mesh.finish import FinishReason
 
 EMBEDS = text_intake.EMBEDS
 
@@ -83,9 +84,14 @@ def plan(
     return Plan({EMBEDS: embeds}, prompt.tokens, sampling)
 
 
-def finish_reason(reason: str | None, stop_reason: int | str | None) -> str:
-    """vLLM's finish reason in our words: it says "stop" for both an end-of-sequence
-    token (no stop_reason) and a stop string or stop token (its stop_reason)."""
+def finish_reason(reason: str | None, stop_reason: int | str | None) -> FinishReason:
+    """vLLM's finish reason in the mesh's words (services/mesh/finish.py), mapped here
+    alone. vLLM says "stop" for an end-of-sequence token (no ``stop_reason``) and for
+    a stop string or stop token (its ``stop_reason``) alike; "length" as we do.
+    Anything else ("abort", an "error" of newer versions, a reason still to come)
+    ended the request short of its end without our asking: "abort"."""
     if reason == "stop":
         return "eos" if stop_reason is None else "stop"
-    return reason or "done"
+    if reason == "length":
+        return "length"
+    return "abort"

@@ -116,7 +116,7 @@ class WhisperEngine:
     async def generate(self, plan: WhisperPlan) -> AsyncGenerator[EngineEvent, None]:
         if not plan.clips:
             yield TokenOutput(token_ids=(), text=plan.text)
-            yield FinishOutput("stop")
+            yield FinishOutput("done")
             return
         tokens, heard = 0, 0
         for clip in plan.clips:
@@ -130,7 +130,7 @@ class WhisperEngine:
         logger.debug(
             "request %s: %d s of audio, %d tokens", plan.request.request_id, seconds, tokens
         )
-        yield FinishOutput("stop", prompt_tokens=seconds, completion_tokens=tokens)
+        yield FinishOutput("done", prompt_tokens=seconds, completion_tokens=tokens)
 
     def close(self) -> None:
         self._model = None

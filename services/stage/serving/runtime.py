@@ -25,7 +25,7 @@ from services.engines.base import (
     TensorOutput,
     TokenOutput,
 )
-from services.engines.capabilities import HoldsInputBack, KeepsRequestState
+from services.engines.capabilities import HoldsInputBack, KeepsRequestState, planned
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.malloc import FreedMemory
 from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
@@ -80,8 +80,7 @@ class StageRuntime:
         In a thread: an engine's check may tokenize or template a prompt, which
         takes CPU in proportion to it; the event loop (health, every other
         request's events) must keep turning meanwhile."""
-        plan: EnginePlan = await asyncio.to_thread(self.engine.check, request)
-        return plan
+        return await asyncio.to_thread(planned, self.engine, request)
 
     def check_open(self) -> None:
         """Refuse new work while the stage cannot serve it."""

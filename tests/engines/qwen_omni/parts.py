@@ -20,6 +20,7 @@ from services.engines.base import (
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS
+from tests.helpers import engine_runs
 from tests.helpers.engine_runs import collect, generate, tokens_of
 
 
@@ -92,7 +93,7 @@ async def talk(
         window = EngineRequest(
             request_id, token_ids=tuple(ids[a:b]), tensors=tensors, params=SamplingParams()
         )
-        plans.append(engine.check(window))
+        plans.append(engine_runs.plan(engine, window))
     end = engine.input_ended(request_id)
     events = []
     for plan in [*plans, *([end] if end is not None else [])]:

@@ -23,6 +23,7 @@ from tests.engines.qwen_omni.concurrency import (
     decided,
     omni_request,
 )
+from tests.helpers import engine_runs
 from tests.helpers.engine_runs import collect, generate
 from tests.helpers.polling import eventually
 
@@ -93,7 +94,9 @@ async def test_a_talker_ahead_of_its_thinker_waits_without_stepping(engines: Eng
     taken: list[StepTaken] = []
     stop = talker.scheduler.watch(taken.append)
     try:
-        early = await collect(talker.generate(talker.check(first)))  # prefill and one step
+        early = await collect(
+            talker.generate(engine_runs.plan(talker, first))
+        )  # prefill and one step
         stepped = len(taken)
         await asyncio.sleep(0.3)
         assert len(taken) == stepped, "the talker stepped without its next row"
@@ -101,7 +104,11 @@ async def test_a_talker_ahead_of_its_thinker_waits_without_stepping(engines: Eng
         rest = EngineRequest(
             "slow", token_ids=tuple(ids[3:]), tensors=more, params=SamplingParams()
         )
-        later = await collect(talker.generate(talker.check(rest)))
+        checked = talker.check(rest)  # checking only checks: no rows reach the talker
+        await asyncio.sleep(0.3)
+        assert len(taken) == stepped, "the talker stepped on a window only checked"
+        talker.take(checked)  # as the stage hands it over (capabilities.planned)
+        later = await collect(talker.generate(checked))
         final = talker.input_ended("slow")
         assert final is not None
         last = await collect(talker.generate(final))

@@ -25,7 +25,7 @@ from services.engines.base import EngineRequest, EngineSettings, SamplingParams,
 from services.engines.scheduler import Delivery, Limits, Scheduler, StepTaken
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.runners import runner_for
-from services.engines.transformers.sequence import Sequence
+from services.engines.transformers.text_request import TextRequest
 from tests.helpers.stage import TINY_LLAMA
 
 # Far longer than any test here takes: a scheduler that waited this long would fail it.
@@ -61,7 +61,7 @@ class Log:
         # One row of logits per request in the forward (the last position of each).
         self.entries.append(("forward", "rows", args[0].shape[:-1].numel()))
 
-    def sequence(self, engine: TransformersEngine, rid: str, max_tokens: int) -> Sequence:
+    def request(self, engine: TransformersEngine, rid: str, max_tokens: int) -> TextRequest:
         request = EngineRequest(
             rid, token_ids=(5, 6, 7, 8), params=SamplingParams(max_tokens=max_tokens)
         )
@@ -74,7 +74,7 @@ class Log:
             if any(not isinstance(e, TokenOutput) for e in delivery):  # its FinishOutput
                 self.done[rid].set()
 
-        return Sequence(
+        return TextRequest(
             request_id=rid,
             plan=engine.check(request).resolved,
             tokenizer=engine.tokenizer,
@@ -98,7 +98,7 @@ def log(tiny: TransformersEngine) -> Iterator[Log]:
     recorder.close()
 
 
-def loop_of(engine: TransformersEngine, gather_s: float = 0.0) -> Scheduler[Sequence]:
+def loop_of(engine: TransformersEngine, gather_s: float = 0.0) -> Scheduler[TextRequest]:
     limits = Limits(max_batch_size=4, prefill_tokens=64, gather_s=gather_s)
     return Scheduler(runner_for(engine.model, None), limits)
 
@@ -108,7 +108,7 @@ def test_the_first_token_is_delivered_before_the_next_forward(
 ) -> None:
     loop = loop_of(tiny)
     try:
-        loop.submit(log.sequence(tiny, "a", max_tokens=3))
+        loop.submit(log.request(tiny, "a", max_tokens=3))
         log.wait("a")
     finally:
         loop.close()
@@ -124,7 +124,7 @@ def test_the_first_token_is_delivered_before_the_next_forward(
 def test_a_lone_request_does_not_wait_to_gather(tiny: TransformersEngine, log: Log) -> None:
     loop = loop_of(tiny, gather_s=LONG_GATHER_S)
     try:
-        loop.submit(log.sequence(tiny, "alone", max_tokens=2))
+        loop.submit(log.request(tiny, "alone", max_tokens=2))
         log.wait("alone")  # 60 s at most, against a gather window of 120 s
     finally:
         loop.close()
@@ -137,9 +137,9 @@ def test_requests_on_their_way_are_gathered_into_one_prefill(
     try:
         loop.expect()  # two requests checked, as a stage checks each before it runs it
         loop.expect()
-        loop.submit(log.sequence(tiny, "first", max_tokens=2))
+        loop.submit(log.request(tiny, "first", max_tokens=2))
         time.sleep(0.2)  # the second is late, but announced: the scheduler waits for it
-        loop.submit(log.sequence(tiny, "second", max_tokens=2))
+        loop.submit(log.request(tiny, "second", max_tokens=2))
         log.wait("first")
         log.wait("second")
     finally:
@@ -154,7 +154,7 @@ def test_an_announced_request_that_never_comes_is_not_waited_for_long(
     try:
         loop.expect()
         loop.expect()  # refused after its check, say: it never arrives
-        loop.submit(log.sequence(tiny, "only", max_tokens=2))
+        loop.submit(log.request(tiny, "only", max_tokens=2))
         log.wait("only")
     finally:
         loop.close()
@@ -168,8 +168,8 @@ def test_a_watcher_sees_each_forward_and_what_it_ran(tiny: TransformersEngine, l
     try:
         loop.expect()
         loop.expect()
-        loop.submit(log.sequence(tiny, "one", max_tokens=3))
-        loop.submit(log.sequence(tiny, "two", max_tokens=2))
+        loop.submit(log.request(tiny, "one", max_tokens=3))
+        loop.submit(log.request(tiny, "two", max_tokens=2))
         log.wait("one")
         log.wait("two")
     finally:

@@ -113,7 +113,7 @@ def make() -> Iterator[Callable[..., tuple[Scheduler[Counting], list[StepTaken]]
     made: list[Scheduler[Counting]] = []
 
     def build(
-        runner: CountingRunner, batch: int = 8, prefill_tokens: int = 1 << 30
+        runner: CountingRunner, batch: int = 8, prefill_tokens: int | None = 1 << 30
     ) -> tuple[Scheduler[Counting], list[StepTaken]]:
         scheduler: Scheduler[Counting] = Scheduler(runner, Limits(batch, prefill_tokens))
         steps: list[StepTaken] = []
@@ -181,6 +181,18 @@ def test_prompts_advance_in_chunks_within_the_prefill_budget(make) -> None:
     assert all(s.chunk * len(s.prefill) <= max(64, 16 * len(s.prefill)) for s in prefills)
     chunks = {i: sum(s.chunk for s in prefills if i in s.prefill) for i in ("short", "long")}
     assert chunks["long"] >= 100 and len([s for s in prefills if "long" in s.prefill]) > 1
+
+
+def test_without_a_prefill_budget_every_prompt_is_read_whole_in_one_step(make) -> None:
+    """Limits(prefill_tokens=None): the omni runners prefill a prompt at once."""
+    scheduler, steps = make(CountingRunner(), batch=4, prefill_tokens=None)
+    requests = [Counting(f"r{n}", prompt=n, tokens=2) for n in (5, 100, 3000)]
+    for r in requests:
+        scheduler.submit(r)
+    finish(*requests)
+    for r in requests:
+        (step,) = [s for s in steps if r.request_id in s.prefill]
+        assert step.chunk >= r.prompt and r.numbers == [0, 1]
 
 
 def test_only_a_runner_that_mixes_gets_prefill_and_decode_in_one_forward(make) -> None:

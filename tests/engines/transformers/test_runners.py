@@ -24,7 +24,7 @@ from services.engines.kv_cache import KvCache, KvShape
 from services.engines.transformers.runners import runner_for, runner_name
 from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner, llama_cpu_refuses
 from services.engines.transformers.runners.reference import ReferenceRunner
-from services.engines.transformers.runners.rows import TextRunner
+from services.engines.transformers.runners.text_runner import TextRunner
 from tests.helpers.float_error import assert_float32_close, assert_same_choices
 from tests.helpers.tiny_decoders import CONFIGS, on_blocks, tiny
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.sampling import Sampling, sample
-from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+from services.engines.transformers.text import StopStrings
 
 
 def test_detokenizer_never_splits_a_character(smollm2_tokenizer: PreTrainedTokenizerBase) -> None:

@@ -6,7 +6,7 @@ place that chooses which runs a model (and so which forward it runs):
   forward (lean.py);
 - ``reference.py``: any causal LM, through transformers' own forward.
 
-Both keep their rows as rows.py does, under the shared scheduler
+Both keep their rows as text_runner.py does, under the shared scheduler
 (services/engines/scheduler).
 """
 
@@ -17,9 +17,10 @@ from typing import Literal
 
 from transformers import PreTrainedModel
 
+from services.engines.transformers.runners.kv_budget import KvBudget
 from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner, llama_cpu_refuses
 from services.engines.transformers.runners.reference import ReferenceRunner
-from services.engines.transformers.runners.rows import KvBudget, TextRunner
+from services.engines.transformers.runners.text_runner import TextRunner
 
 logger = logging.getLogger(__name__)
 

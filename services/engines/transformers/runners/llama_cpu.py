@@ -21,14 +21,17 @@ from transformers import PreTrainedModel
 
 from services import kernels
 from services.engines.kv_cache import KvCache
+from services.engines.transformers.runners.kv_budget import KvBudget
 from services.engines.transformers.runners.lean import (
+    Layer,
     LeanForward,
     attention_mask,
     lean_refuses,
     sdpa,
 )
-from services.engines.transformers.runners.rows import Forwarded, KvBudget, TextRunner
+from services.engines.transformers.runners.text_runner import Forwarded, TextRunner
 from services.engines.transformers.weights.blocks import MANY_ROWS, BlockLinear
+from services.kernels.stack import BlockWeight, DecodeStack, StackLayer, StackShape
 
 # The model families whose RMSNorm is Llama's: float32 weight * (x * rsqrt(mean(x^2) +
 # variance_epsilon)), what the kernels compute. Gemma's scales by (1 + weight).
@@ -81,9 +84,9 @@ def llama_cpu_refuses(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _weight(module: object) -> list[torch.Tensor | None]:
+def _weight(module: object) -> BlockWeight:
     assert isinstance(module, BlockLinear)
-    return [module.qs, module.d, module.m, module.bias]
+    return BlockWeight(qs=module.qs, d=module.d, m=module.m, bias=module.bias)
 
 
 def _norm(module: nn.Module | None) -> tuple[torch.Tensor | None, float]:
@@ -95,25 +98,29 @@ def _norm(module: nn.Module | None) -> tuple[torch.Tensor | None, float]:
     return weight, eps
 
 
-def decode_stack(lean: LeanForward, config: object) -> object:
+def _layer(layer: Layer) -> StackLayer:
+    """A lean layer as the stack's, part by part under the same names."""
+    (norm_in, eps_in), (norm_post, eps_post) = _norm(layer.norm_in), _norm(layer.norm_post)
+    (q_norm, eps_head), (k_norm, _) = _norm(layer.q_norm), _norm(layer.k_norm)
+    assert norm_in is not None and norm_post is not None, "a Llama layer has both norms"
+    return StackLayer(
+        norm_in=norm_in, eps_in=eps_in, norm_post=norm_post, eps_post=eps_post,
+        q_norm=q_norm, k_norm=k_norm, eps_head=eps_head,
+        qkv=_weight(layer.qkv), o=_weight(layer.o_proj),
+        gate_up=_weight(layer.gate_up), down=_weight(layer.down),
+        scale=float(layer.attn.scaling),  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def decode_stack(lean: LeanForward, config: object) -> DecodeStack:
     """The kernels' DecodeStack over these layers (each checked as it is built)."""
-    tensors: list[torch.Tensor | None] = []
-    scalars: list[float] = []
-    for layer in lean.layers:
-        (norm_in, eps_in), (norm_post, eps_post) = _norm(layer.norm_in), _norm(layer.norm_post)
-        (q_norm, eps_head), (k_norm, _) = _norm(layer.q_norm), _norm(layer.k_norm)
-        tensors += [norm_in, norm_post, q_norm, k_norm]
-        for module in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
-            tensors += _weight(module)
-        scalars += [eps_in, eps_post, eps_head, float(layer.attn.scaling)]  # type: ignore[arg-type]
     sizes, dim = lean.layers[0].qkv_sizes, lean.head_dim
     size, inter = (int(getattr(config, key, 0)) for key in ("hidden_size", "intermediate_size"))
+    shape = StackShape(heads=sizes[0] // dim, kv_heads=sizes[1] // dim, dim=dim, size=size,
+                       inter=inter)  # fmt: skip
     norm, eps = _norm(lean.norm)
-    kernels.ops()  # loads the library that registers the class
-    return torch.classes.omni_kernels.DecodeStack(
-        [*tensors, norm], [*scalars, eps],
-        [len(lean.layers), sizes[0] // dim, sizes[1] // dim, dim, size, inter],
-    )  # fmt: skip
+    assert norm is not None, "the model has a final norm"
+    return DecodeStack.build([_layer(layer) for layer in lean.layers], norm, eps, shape)
 
 
 class LlamaCpuRunner(TextRunner):
@@ -156,9 +163,7 @@ class LlamaCpuRunner(TextRunner):
         mask = None if bool(seen.all()) else seen.to(torch.uint8)
         kv.reserve(1)
         h = embeds.reshape(rows, -1).clone()  # the residual stream, added into in place
-        states = kernels.ops().decode_stack(
-            self._stack, h, cos, sin, kv.keys, kv.values, mask, column, self.int8
-        )
+        states = self._stack.step(h, cos, sin, kv.keys, kv.values, mask, column, self.int8)
         kv.extend(valid)
         self.stack_steps += 1
         return self.lean.lm_head(states).float(), states if hidden else None

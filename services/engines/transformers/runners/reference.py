@@ -15,7 +15,8 @@ from transformers.cache_utils import DynamicLayer
 
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache
-from services.engines.transformers.runners.rows import Forwarded, KvBudget, TextRunner
+from services.engines.transformers.runners.kv_budget import KvBudget
+from services.engines.transformers.runners.text_runner import Forwarded, TextRunner
 
 
 def reference_refuses(model: PreTrainedModel) -> str | None:

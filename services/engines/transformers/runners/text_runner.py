@@ -1,6 +1,7 @@
-"""What every text model runner shares: the rows of its batch and their KV caches, a
-step's inputs, and each row's next token; the runners of the model families
-(reference.py, llama_cpu.py) supply the forwards.
+"""``TextRunner``: what every text model runner shares: the rows of its batch and
+their KV caches, a step's inputs, and each row's next token; the runners of the
+model families (reference.py, llama_cpu.py) supply the forwards. What a batch may
+hold of the KV plan is kv_budget.py's.
 
 Requests reading their prompt and requests decoding keep separate caches (a
 prefill step appends W columns to each of its rows, a decode step one), joined when
@@ -11,16 +12,15 @@ prompt) run that prefix once and copy its rows.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence as Sequences
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 from transformers import PreTrainedModel
 
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.scheduler import Outbox, Step
-from services.engines.transformers.sequence import Sequence, emit_tokens
+from services.engines.transformers.runners.kv_budget import KvBudget
+from services.engines.transformers.text_request import TextRequest, emit_tokens
 
 # Shorter common prefixes are not worth a forward of their own.
 MIN_SHARED_PREFIX = 16
@@ -28,22 +28,6 @@ MIN_SHARED_PREFIX = 16
 # Logits of each row's newest position [rows, vocab] (float32), and the last
 # layer's hidden state there [rows, hidden] where asked for.
 Forwarded = tuple[torch.Tensor, torch.Tensor | None]
-
-
-@dataclass(frozen=True)
-class KvBudget:
-    """The stage's KV memory plan, ``pages`` of ``page_size`` token positions, as this
-    cache spends it: the cache is padded (every row as wide as its batch's widest), so
-    a batch costs its rows times its widest row's pages."""
-
-    pages: int
-    page_size: int
-
-    def fits(self, members: Sequences[Sequence]) -> bool:
-        if not members:
-            return True
-        widest = max(math.ceil(s.final_length / self.page_size) for s in members)
-        return len(members) * widest <= self.pages
 
 
 class TextRunner:
@@ -60,9 +44,9 @@ class TextRunner:
         config = model.config.get_text_config(decoder=True)
         self._hidden_size = int(config.hidden_size)
         self._shape = KvShape.of(config, model.dtype, model.device)
-        self._prefilling: list[Sequence] = []
+        self._prefilling: list[TextRequest] = []
         self._prefill_kv = KvCache(self._shape)
-        self._running: list[Sequence] = []
+        self._running: list[TextRequest] = []
         self._running_kv = KvCache(self._shape)
 
     # -- the forwards a model family supplies ----------------------------------
@@ -86,20 +70,20 @@ class TextRunner:
 
     # -- the scheduler's ModelRunner -------------------------------------------
 
-    def fits(self, members: Sequences[Sequence]) -> bool:
+    def fits(self, members: Sequence[TextRequest]) -> bool:
         return self.budget is None or self.budget.fits(members)
 
-    def admit(self, admitted: Sequences[Sequence]) -> None:
+    def admit(self, admitted: Sequence[TextRequest]) -> None:
         sharing, alone = self._shared_prefix(admitted)
         self._prefilling += [*sharing, *alone]
         self._prefill_kv.add_rows(len(alone))
 
-    def run(self, step: Step[Sequence]) -> Outbox[Sequence]:
+    def run(self, step: Step[TextRequest]) -> Outbox[TextRequest]:
         assert len(step.prefill) in (0, len(self._prefilling)) and len(step.decode) in (
             0,
             len(self._running),
         ), "a text runner steps all its prefilling or decoding rows"
-        outbox: Outbox[Sequence] = {}
+        outbox: Outbox[TextRequest] = {}
         if step.prefill:
             embeds, valid, done = self._prefill_inputs(step.chunk)
             hidden = any(self._prefilling[i].plan.return_hidden_states for i in done)
@@ -130,7 +114,7 @@ class TextRunner:
             emit_tokens(self._running, list(range(len(self._running))), logits, states, outbox)
         return outbox
 
-    def free(self, gone: Sequences[Sequence]) -> None:
+    def free(self, gone: Sequence[TextRequest]) -> None:
         leaving = set(gone)
         for rows, kv in ((self._prefilling, self._prefill_kv), (self._running, self._running_kv)):
             keep = [i for i, s in enumerate(rows) if s not in leaving]
@@ -153,9 +137,9 @@ class TextRunner:
             len(rows), width, self._hidden_size, dtype=self._dtype, device=self._device
         )
         valid = torch.zeros(len(rows), width, dtype=torch.long, device=self._device)
-        for i, sequence in enumerate(rows):
-            count = min(sequence.remaining_prompt, width)
-            embeds[i, width - count :] = sequence.prompt_chunk(count, self._embed)
+        for i, request in enumerate(rows):
+            count = min(request.remaining_prompt, width)
+            embeds[i, width - count :] = request.prompt_chunk(count, self._embed)
             valid[i, width - count :] = 1
         return embeds, valid, [i for i, s in enumerate(rows) if s.remaining_prompt == 0]
 
@@ -169,7 +153,7 @@ class TextRunner:
         done: list[int],
         logits: torch.Tensor,
         states: torch.Tensor | None,
-        outbox: Outbox[Sequence],
+        outbox: Outbox[TextRequest],
     ) -> None:
         """First tokens for the rows whose prompt completed; they move to the
         decoding rows (those their first token did not end)."""
@@ -185,8 +169,8 @@ class TextRunner:
         self._prefill_kv.select(keep)
 
     def _shared_prefix(
-        self, admitted: Sequences[Sequence]
-    ) -> tuple[list[Sequence], list[Sequence]]:
+        self, admitted: Sequence[TextRequest]
+    ) -> tuple[list[TextRequest], list[TextRequest]]:
         """Requests admitted together whose prompts start alike run that prefix once
         and copy its rows; returns them and the rest. Their own tokens (at least the
         last one) still go through prefill."""
@@ -206,7 +190,7 @@ class TextRunner:
         valid = torch.ones(1, length, dtype=torch.long, device=self._device)
         self.forward(shared, embeds, valid, hidden=False)
         shared.repeat(len(ids))
-        for sequence in ids[1:]:
-            sequence.prefilled = length
+        for request in ids[1:]:
+            request.prefilled = length
         self._prefill_kv.concat(shared)
         return ids, [s for s in admitted if s.plan.embeds is not None]

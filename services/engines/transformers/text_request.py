@@ -1,6 +1,6 @@
 """One text request under the scheduler: its prompt, progress, sampler and text.
 
-The scheduler and the runner own every ``Sequence`` while it runs (the runner reads
+The scheduler and the runner own every ``TextRequest`` while it runs (the runner reads
 its prompt and hands it each new token); the request's ``generate`` only reads what
 ``deliver`` hands it and may set ``cancelled``.
 """
@@ -14,17 +14,18 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from services.engines.base import EngineEvent, FinishOutput, TokenOutput
+from services.engines.base import EngineEvent, FinishOutput, FinishReason, TokenOutput
+from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.sampling import sample
 from services.engines.scheduler import Delivery
 from services.engines.transformers.intake import Plan
-from services.engines.transformers.text import IncrementalDetokenizer, StopStrings
+from services.engines.transformers.text import StopStrings
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
-class Sequence:
+class TextRequest:
     request_id: str
     plan: Plan
     tokenizer: PreTrainedTokenizerBase
@@ -79,14 +80,14 @@ class Sequence:
         self.last_token = token
         stops = self._stops
         text = stops.add(self._detok.add(token))
-        reason = ""
+        reason: FinishReason | None = None
         if stops.stopped:
             reason = "stop"
         elif token in self.eos_ids:
             reason = "eos"
         elif self.completion >= self.plan.max_tokens:
             reason = "length"
-        if reason and reason != "stop":
+        if reason is not None and reason != "stop":
             # The text ends here: release what was held back for a character or a
             # stop string that can no longer complete.
             text += stops.add(self._detok.flush())
@@ -94,11 +95,11 @@ class Sequence:
             text += stops.flush()
         token_output = TokenOutput(token_ids=(token,), text=text, hidden_states=hidden)
         events: list[EngineEvent] = [token_output]
-        if reason:
+        if reason is not None:
             events.append(self.finish(reason))
         return events
 
-    def finish(self, reason: str) -> FinishOutput:
+    def finish(self, reason: FinishReason) -> FinishOutput:
         self.finished = True
         return FinishOutput(
             reason,
@@ -109,29 +110,27 @@ class Sequence:
 
 
 def emit_tokens(
-    rows: list[Sequence],
+    rows: list[TextRequest],
     which: list[int],
     logits: torch.Tensor,
     states: torch.Tensor | None,
-    outbox: dict[Sequence, list[EngineEvent]],
+    outbox: dict[TextRequest, list[EngineEvent]],
 ) -> None:
     """Pick the next token of each row in ``which`` (its logits and, if it asked,
     its hidden state row) and queue the events that follow in ``outbox``."""
     greedy = logits[which].argmax(dim=-1).tolist()
     for n, i in enumerate(which):
-        sequence = rows[i]
-        sampling = sequence.plan.sampling
+        request = rows[i]
+        sampling = request.plan.sampling
         try:
-            token = (
-                greedy[n] if sampling.greedy else sample(logits[i], sampling, sequence.generator)
-            )
+            token = greedy[n] if sampling.greedy else sample(logits[i], sampling, request.generator)
         except RuntimeError as exc:  # its logits hold NaN or inf: this request's alone
-            logger.exception("request %s: sampling failed", sequence.request_id)
-            sequence.finished = True
-            sequence.deliver(exc)
+            logger.exception("request %s: sampling failed", request.request_id)
+            request.finished = True
+            request.deliver(exc)
             continue
         row = None
-        if states is not None and sequence.plan.return_hidden_states:
+        if states is not None and request.plan.return_hidden_states:
             # A copy, so the event does not pin the whole batch's activations.
             row = states[i : i + 1].to("cpu", torch.float32, copy=True)
-        outbox.setdefault(sequence, []).extend(sequence.add_token(token, row))
+        outbox.setdefault(request, []).extend(request.add_token(token, row))
