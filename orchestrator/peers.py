@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import grpc
 
 from orchestrator.stages.resolver import Lookup, Target, pinned_dialing, system_lookup
+from services.mesh.pb.externalscaler import externalscaler_pb2, externalscaler_pb2_grpc
 from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.rpc.stage_client import CHANNEL_OPTIONS
 from services.mesh.security import Dialing
@@ -93,7 +94,9 @@ class Peers:
         if not self or not request_ids:
             return []
         request = stage_pb2.AbortRequest(request_ids=request_ids)
-        replies = await self._each(lambda stub, md: stub.Abort(request, metadata=md), metadata)
+        replies = await self._each(
+            lambda channel, md: _orchestrator(channel).Abort(request, metadata=md), metadata
+        )
         aborted = {rid for reply in replies for rid in reply.aborted}
         return [rid for rid in request_ids if rid in aborted]
 
@@ -101,7 +104,8 @@ class Peers:
         """Pause every peer; how many did."""
         request = orchestrator_pb2.PauseGenerationRequest()
         calls = await self._each(
-            lambda stub, md: stub.PauseGeneration(request, metadata=md), metadata
+            lambda channel, md: _orchestrator(channel).PauseGeneration(request, metadata=md),
+            metadata,
         )
         return len(calls)
 
@@ -109,9 +113,22 @@ class Peers:
         """Resume every peer; how many did."""
         request = orchestrator_pb2.ResumeGenerationRequest()
         calls = await self._each(
-            lambda stub, md: stub.ResumeGeneration(request, metadata=md), metadata
+            lambda channel, md: _orchestrator(channel).ResumeGeneration(request, metadata=md),
+            metadata,
         )
         return len(calls)
+
+    async def demand(self, request: externalscaler_pb2.GetMetricsRequest) -> float:
+        """The metric ``request`` asks for, summed over every peer: each counts only
+        the requests it carries, so a stage's demand is the sum (KEDA asks one
+        orchestrator, whichever the Service picks)."""
+        replies = await self._each(
+            lambda channel, md: externalscaler_pb2_grpc.ExternalScalerStub(channel).GetMetrics(
+                request, metadata=md
+            ),
+            (),
+        )
+        return sum(v.metricValueFloat for reply in replies for v in reply.metricValues)
 
     async def close(self) -> None:
         channels, self._channels = list(self._channels.values()), {}
@@ -119,7 +136,7 @@ class Peers:
 
     async def _each(
         self,
-        call: Callable[[orchestrator_pb2_grpc.OrchestratorStub, Metadata], Awaitable[T]],
+        call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]],
         metadata: Metadata,
     ) -> list[T]:
         """``call`` on every peer at once; the replies of those that answered."""
@@ -138,12 +155,11 @@ class Peers:
     async def _one(
         self,
         address: str,
-        call: Callable[[orchestrator_pb2_grpc.OrchestratorStub, Metadata], Awaitable[T]],
+        call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]],
         metadata: Metadata,
     ) -> T | None:
-        stub = orchestrator_pb2_grpc.OrchestratorStub(self._channel(address))
         try:
-            return await asyncio.wait_for(call(stub, metadata), self._timeout_s)
+            return await asyncio.wait_for(call(self._channel(address), metadata), self._timeout_s)
         except TimeoutError:
             logger.warning(
                 "peer %s: no answer in %.1fs: taken to hold nothing", address, self._timeout_s
@@ -174,3 +190,7 @@ class Peers:
             task = asyncio.create_task(self._channels.pop(address).close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
+
+
+def _orchestrator(channel: grpc.aio.Channel) -> orchestrator_pb2_grpc.OrchestratorStub:
+    return orchestrator_pb2_grpc.OrchestratorStub(channel)

@@ -167,7 +167,7 @@ class OrchestratorServer:
             max_pause_s=self.security.max_pause_s,
         )
         # What each stage is asked for (waiting + in flight), for KEDA's scaler.
-        self.scaler = ExternalScaler(StageDemand(self.gate, self.replicas))
+        self.scaler = ExternalScaler(StageDemand(self.gate, self.replicas), peers=self.peers)
         self._rpc: MeshServer | None = None  # once started
         self.health_port: int | None = None
         self._tasks: set[asyncio.Task[None]] = set()

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from orchestrator.peers import Peers, forwarded_by
 from orchestrator.scaling.demand import StageDemand
 from orchestrator.scaling.trigger import Trigger, read_trigger
 from services.mesh.errors import InvalidArgument, OmniError, abort_rpc
@@ -37,8 +38,15 @@ POLL_S = 0.25
 
 
 class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
-    def __init__(self, demand: StageDemand, poll_s: float = POLL_S) -> None:
+    """``peers``: the other orchestrators; a stage's demand is theirs and this one's
+    (each counts the requests it carries). A call a peer passed on is answered
+    with this one's alone, and one this orchestrator passed on itself with 0."""
+
+    def __init__(
+        self, demand: StageDemand, poll_s: float = POLL_S, peers: Peers | None = None
+    ) -> None:
         self.demand = demand
+        self._peers = peers
         self._poll_s = poll_s
         self.streams = 0  # StreamIsActive calls open now
         self._closing = asyncio.Event()
@@ -52,14 +60,29 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
             logger.info("ScaledObject %s/%s: %s", ref.namespace, ref.name, exc.message)
             await abort_rpc(context, exc)
 
-    def _active(self, trigger: Trigger) -> bool:
-        return self.demand.of(trigger.stage).requests > 0
+    async def _requests(
+        self, ref: pb.ScaledObjectRef, trigger: Trigger, context: grpc.aio.ServicerContext
+    ) -> float:
+        """The stage's demand: here, plus every peer's for a call from outside."""
+        metadata = context.invocation_metadata()
+        if self._peers is not None and self._peers.is_self(metadata):
+            return 0.0  # this orchestrator asking itself (a headless Service lists it)
+        here = float(self.demand.of(trigger.stage).requests)
+        if self._peers is None or not self._peers or forwarded_by(metadata) is not None:
+            return here
+        asked = pb.GetMetricsRequest(scaledObjectRef=ref, metricName=trigger.metric_name)
+        return here + await self._peers.demand(asked)
+
+    async def _active(
+        self, ref: pb.ScaledObjectRef, trigger: Trigger, context: grpc.aio.ServicerContext
+    ) -> bool:
+        return await self._requests(ref, trigger, context) > 0
 
     async def IsActive(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
     ) -> pb.IsActiveResponse:
         trigger = await self._trigger(request, context, needs_target=False)
-        return pb.IsActiveResponse(result=self._active(trigger))
+        return pb.IsActiveResponse(result=await self._active(request, trigger, context))
 
     async def StreamIsActive(
         self, request: pb.ScaledObjectRef, context: grpc.aio.ServicerContext
@@ -72,7 +95,7 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
         try:
             sent: bool | None = None
             while not self._closing.is_set():
-                active = self._active(trigger)
+                active = await self._active(request, trigger, context)
                 if active != sent:
                     yield pb.IsActiveResponse(result=active)
                     sent = active
@@ -111,8 +134,10 @@ class ExternalScaler(externalscaler_pb2_grpc.ExternalScalerServicer):
                 field="metricName",
             )
             await abort_rpc(context, wrong)
-        requests = self.demand.of(trigger.stage).requests
+        requests = await self._requests(request.scaledObjectRef, trigger, context)
         value = pb.MetricValue(
-            metricName=trigger.metric_name, metricValue=requests, metricValueFloat=requests
+            metricName=trigger.metric_name,
+            metricValue=round(requests),
+            metricValueFloat=requests,
         )
         return pb.GetMetricsResponse(metricValues=[value])

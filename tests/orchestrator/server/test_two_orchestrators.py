@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -20,6 +20,8 @@ import yaml
 
 from orchestrator.client import AsyncClient, Result
 from orchestrator.stages.processes import GatewayProcess, OrchestratorProcess
+from services.mesh.pb.externalscaler import externalscaler_pb2 as pb
+from services.mesh.pb.externalscaler.externalscaler_pb2_grpc import ExternalScalerStub
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from tests.helpers.polling import eventually
 from tests.helpers.stage import tiny_config
@@ -244,3 +246,36 @@ async def _killing_a(pair: Pair, either: AsyncClient, http: httpx.AsyncClient, c
 async def _served(client: AsyncClient) -> int:
     (stage,) = await client.list_stages()
     return sum(r.served for r in stage.replicas)
+
+
+async def test_kedas_metric_from_either_orchestrator_counts_both(pair: Pair) -> None:
+    """KEDA asks whichever orchestrator the Service picks: the stage's demand it is
+    told must count the requests every orchestrator carries, not the one asked."""
+    ref = pb.ScaledObjectRef(name="thinker", namespace="omni", scalerMetadata={"stage": "thinker"})
+    channels = [grpc.aio.insecure_channel(p.address) for p in (pair.a, pair.b)]
+    to_a, to_b = (ExternalScalerStub(c) for c in channels)
+    try:
+        asked = pb.GetMetricsRequest(scaledObjectRef=ref)
+
+        async def metric(
+            stub: ExternalScalerStub, metadata: tuple[tuple[str, str], ...] = ()
+        ) -> float:
+            reply = await stub.GetMetrics(asked, metadata=metadata)
+            return float(reply.metricValues[0].metricValueFloat)
+
+        events, result = await started(pair.to_a, "counted")
+        assert await metric(to_b) == 1.0  # B holds none of it: A's, through its peers
+        assert await metric(to_a) == 1.0  # A's own, and B's none: not twice
+        assert await metric(to_b, ALONE) == 0.0  # passed on: B's alone
+        assert (await to_b.IsActive(ref)).result
+        await pair.to_a.abort("counted")
+        await asyncio.wait_for(rest(events, result), 30)
+        await eventually(lambda: _zero(metric(to_b)), 10)
+        assert not (await to_b.IsActive(ref)).result
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def _zero(value: Awaitable[float]) -> bool:
+    return await value == 0.0
