@@ -22,9 +22,12 @@ CHART_DIR = Path(__file__).resolve().parents[2] / "charts"
 # Helm's own install order for the kinds this chart renders.
 KIND_ORDER = (
     "NetworkPolicy",
+    "ServiceAccount",
     "Secret",
     "ConfigMap",
     "PersistentVolumeClaim",
+    "Role",
+    "RoleBinding",
     "Service",
     "Deployment",
 )
