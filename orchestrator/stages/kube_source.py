@@ -100,6 +100,7 @@ class PodWatch:
         self._stopping = threading.Event()
         self._response: Any = None  # the watch being read, shut down by stop()
         self._pods: dict[str, Mapping[str, Any]] = {}  # by name, as last listed or seen
+        self._backoff: float | None = None  # the next wait after a failure; None: none
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.relists = 0  # lists after the first (410 Gone), for the logs and tests
@@ -127,15 +128,12 @@ class PodWatch:
         except Refused as exc:
             self._tell(self._on_fallback, str(exc))
             return
-        backoff = self.settings.backoff_s
         version = ""  # "" lists first
-        failing = False
         while not self._stopping.is_set():
             try:
                 if not version:
                     version = self._list(api, namespace)
                 version = self._watch(api, namespace, version)
-                backoff, failing = self.settings.backoff_s, False
             except ApiException as exc:
                 if exc.status in (401, 403):
                     why = f"the Kubernetes API refused to list pods in {namespace}: {exc.status}"
@@ -148,27 +146,35 @@ class PodWatch:
                     version = ""
                     self.relists += 1
                     continue
-                failing = self._failed(failing, f"{exc.status} {exc.reason}")
+                self._failed(f"{exc.status} {exc.reason}")
             except Exception as exc:  # a dropped connection, a refused one, a timeout
                 if self._stopping.is_set():
                     return
-                failing = self._failed(failing, f"{type(exc).__name__}: {exc}")
-            else:
-                continue
-            self._stopping.wait(backoff)
-            backoff = min(backoff * 2, self.settings.max_backoff_s)
+                self._failed(f"{type(exc).__name__}: {exc}")
 
-    def _failed(self, failing: bool, why: str) -> bool:
+    def _connected(self) -> None:
+        """The API answered: the next failure waits the shortest backoff again."""
+        if self._backoff is not None:
+            logger.info("stage %s: watching its pods again", self.stage)
+        self._backoff = None
+
+    def _failed(self, why: str) -> None:
         # One line per outage: what we know stays routed meanwhile.
-        if not failing:
+        if self._backoff is None:
             logger.warning("stage %s: watching its pods failed (%s): retrying", self.stage, why)
-        return True
+            self._backoff = self.settings.backoff_s
+        self._stopping.wait(self._backoff)
+        self._backoff = min(self._backoff * 2, self.settings.max_backoff_s)
 
     def _list(self, api: Any, namespace: str) -> str:
         response = api.list_namespaced_pod(
-            namespace, label_selector=self.selector, _preload_content=False
+            namespace,
+            label_selector=self.selector,
+            _preload_content=False,
+            _request_timeout=(10, 60),
         )
         listing = json.loads(response.data)
+        self._connected()
         self._tell(self._on_pods, ready_replicas(listing.get("items") or (), self.port))
         self._pods = {p["metadata"]["name"]: p for p in listing.get("items") or ()}
         return str(listing["metadata"]["resourceVersion"])
@@ -192,6 +198,7 @@ class PodWatch:
             _request_timeout=(10, timeout + 30),
         )
         self._response = response
+        self._connected()
         try:
             if self._stopping.is_set():
                 return version
