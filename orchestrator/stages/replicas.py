@@ -200,7 +200,10 @@ class ReplicaSet:
             self._first_pods.set_result(True)
         self._listed(list(pods))
         for address, pod in pods.items():
-            self.replicas[address].pod, self.replicas[address].node = pod.pod, pod.node
+            replica = self.replicas[address]
+            if (replica.pod, replica.node) != (pod.pod, pod.node):  # found, or an IP reused
+                replica.pod, replica.node = pod.pod, pod.node
+                self._changed_now()
 
     def _fall_back(self, why: str) -> None:
         """The Kubernetes API is not to be used: by DNS from now on, said once."""
