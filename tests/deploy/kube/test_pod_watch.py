@@ -21,14 +21,16 @@ from orchestrator.client import AsyncClient
 from orchestrator.pipeline import parse_pipeline
 from orchestrator.stages.replica import DRAINING, READY
 from services.stage.server import StageServer
-from tests.deploy.kube.apiserver import KubeServer, free_port
+from tests.deploy.kube.apiserver import BUILD_WAIT_S, KubeServer, free_port
 from tests.deploy.kube.cluster import Namespace, admin_api
 from tests.deploy.kube.proxy import Relay
 from tests.helpers.polling import eventually
 from tests.orchestrator.conftest import orchestrator
 from tests.orchestrator.requests.test_replicas import replica_view, replicas
 
-pytestmark = pytest.mark.slow
+# The first test's setup may wait for the API server's build (CI starts it in the
+# background): its own limit, not pytest-timeout's 300 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(BUILD_WAIT_S + 300)]
 
 
 def watched(port: int, selector: str):
