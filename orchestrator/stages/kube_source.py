@@ -103,7 +103,7 @@ class PodWatch:
         self._backoff: float | None = None  # the next wait after a failure; None: none
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.relists = 0  # lists after the first (410 Gone), for the logs and tests
+        self._told: dict[str, PodReplica] | None = None  # the last set handed over
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -121,13 +121,19 @@ class PodWatch:
     # --- the thread -----------------------------------------------------------------
 
     def _run(self) -> None:
-        from kubernetes.client.exceptions import ApiException
-
         try:
             api, namespace = _core_api()
         except Refused as exc:
             self._tell(self._on_fallback, str(exc))
             return
+        try:
+            self._follow(api, namespace)
+        finally:
+            api.api_client.close()
+
+    def _follow(self, api: Any, namespace: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+
         version = ""  # "" lists first
         while not self._stopping.is_set():
             try:
@@ -144,7 +150,6 @@ class PodWatch:
                         "stage %s: pod version %s is gone (410): listing again", self.stage, version
                     )
                     version = ""
-                    self.relists += 1
                     continue
                 self._failed(f"{exc.status} {exc.reason}")
             except Exception as exc:  # a dropped connection, a refused one, a timeout
@@ -175,8 +180,8 @@ class PodWatch:
         )
         listing = json.loads(response.data)
         self._connected()
-        self._tell(self._on_pods, ready_replicas(listing.get("items") or (), self.port))
         self._pods = {p["metadata"]["name"]: p for p in listing.get("items") or ()}
+        self._ready_now()
         return str(listing["metadata"]["resourceVersion"])
 
     def _watch(self, api: Any, namespace: str, version: str) -> str:
@@ -215,11 +220,18 @@ class PodWatch:
                     self._pods.pop(name, None)
                 else:
                     self._pods[name] = pod
-                self._tell(self._on_pods, ready_replicas(self._pods.values(), self.port))
+                self._ready_now()
         finally:
             self._response = None
             response.release_conn()
         return version
+
+    def _ready_now(self) -> None:
+        """Hands the ready set over when it changed (most Pod updates change nothing)."""
+        ready = ready_replicas(self._pods.values(), self.port)
+        if ready != self._told:
+            self._told = ready
+            self._tell(self._on_pods, ready)
 
     def _tell(self, callback: Callable[[Any], None], what: Any) -> None:
         assert self._loop is not None
@@ -230,6 +242,8 @@ class PodWatch:
 def _core_api() -> tuple[Any, str]:
     """A CoreV1Api with this Pod's service account, and its namespace; Refused when
     there is none (not in a Pod, or no token mounted)."""
+    # Imported here, as in the thread's other methods: the client takes a while to
+    # import and an orchestrator with no stage naming its Pods never needs it.
     from kubernetes import client
     from kubernetes.config.config_exception import ConfigException
     from kubernetes.config.incluster_config import InClusterConfigLoader
