@@ -53,6 +53,7 @@ fi
 
 if [[ ! -x $CACHE/kube-apiserver ]]; then
     work=$(mktemp -d)
+    trap 'rm -rf "$work" "$CACHE/building"' EXIT
     # The source list lives in a private apt state: the machine's sources stay as they are.
     mkdir -p "$work/apt/lists/partial" "$work/apt/parts"
     cat >"$work/apt/parts/deb-src.sources" <<'EOF'
@@ -83,7 +84,6 @@ EOF
         ./cmd/kube-apiserver
     mv "$CACHE/kube-apiserver.tmp" "$CACHE/kube-apiserver"
     cd /
-    rm -rf "$work"
 fi
 
 "$CACHE/kube-apiserver" --version
