@@ -46,10 +46,8 @@ if ((${#need[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y -qq \
         --no-install-recommends "${need[@]}" >/dev/null
 fi
-# Debian's etcd-server starts a system etcd on 2379; the tests run their own on free ports.
-if command -v systemctl >/dev/null && systemctl is-active --quiet etcd 2>/dev/null; then
-    systemctl stop etcd || true
-fi
+# (Where systemd runs, Debian's etcd-server also starts a system etcd on 2379: left
+# alone; the tests run their own on free ports.)
 
 if [[ ! -x $CACHE/kube-apiserver ]]; then
     work=$(mktemp -d)
