@@ -216,7 +216,7 @@ class ReplicaSet:
             why,
             self.target.address,
         )
-        if self._first_pods is not None:
+        if self._first_pods is not None and not self._first_pods.done():
             self._first_pods.set_result(False)  # start() goes on by DNS
         else:
             self._tasks.append(
