@@ -74,6 +74,10 @@ class Stage(Frozen):
     # The requests of one conversation (GenerateRequest.affinity_key) go to the
     # replica that had its last one while that one is ready: its prefix cache.
     affinity: bool = False
+    # In Kubernetes: a label selector of the stage's Pods, watched through the API in
+    # the orchestrator's namespace (stages/kube_source.py); the address gives their
+    # port, and its dns: name is used instead where the API cannot be asked.
+    pods: str = ""
     # A stage on no edge, reached only by requests addressed to it alone
     # (GenerateRequest.stage): a recogniser that turns each clip into text once, at
     # the edge of the conversation, rather than in every request's path.

@@ -123,6 +123,7 @@ class OrchestratorServer:
                 addresses[s.name],
                 dialing,
                 ReplicaSettings(routing=s.routing, affinity=s.affinity),
+                pods=s.pods,
             )
             for s in pipeline.stages
         }

@@ -71,6 +71,29 @@ dns:///{{ include "omni.fullname" $root }}-{{ .name }}.{{ $root.Release.Namespac
 {{- end -}}
 {{- end -}}
 
+{{/* Whether the orchestrator watches the stages' Pods through the Kubernetes API
+(podWatch.enabled; never on the host network, where there is no cluster): "true" or "". */}}
+{{- define "omni.podWatch" -}}
+{{- if and .Values.podWatch.enabled (not .Values.hostNetwork) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The label selector of a stage's Pods (those of its unit's Deployment), for the
+orchestrator's Pod watch; "" without one. */}}
+{{- define "omni.stagePods" -}}
+{{- $root := .root -}}
+{{- if include "omni.podWatch" $root -}}
+{{- $stage := get $root.Values.stages .name -}}
+{{- $labels := include "omni.selectorLabels" $root | fromYaml -}}
+{{- $_ := set $labels "app.kubernetes.io/component" "stage" -}}
+{{- $_ := set $labels "omni-mesh.dev/unit" ($stage.group | default .name) -}}
+{{- $pairs := list -}}
+{{- range $key := keys $labels | sortAlpha -}}
+{{- $pairs = append $pairs (printf "%s=%s" $key (get $labels $key)) -}}
+{{- end -}}
+{{- join "," $pairs -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The stage file (services/stage/config.py) of one stage. */}}
 {{- define "omni.stageFile" -}}
 {{- $stage := .stage -}}
@@ -241,6 +264,9 @@ capabilities:
   "download_stall_timeout_s" ($stage.downloadStallTimeoutS | default 60)
   "alone" ($stage.alone | default false)
 ) -}}
+{{- with include "omni.stagePods" (dict "root" $root "name" $name) -}}
+{{- $_ := set (last $stages) "pods" . -}}
+{{- end -}}
 {{- end -}}
 {{- $pipeline := dict "name" .Values.pipeline.name "stages" $stages -}}
 {{- with .Values.pipeline.edges -}}

@@ -2,10 +2,11 @@
 
 States (``ReplicaState``), from its grpc health (``observe``): STARTING until
 its health first says SERVING; READY; DRAINING when it says NOT_SERVING or its
-stage's address no longer lists it (it finishes what it holds, gets nothing
-new); DOWN when nothing answers at its address (what it held is failed or
-moved). Its load is this orchestrator's requests on it: in flight, and of those
-the ones it has said nothing of yet (queued).
+stage's address (or its Pod: not Ready, being deleted) no longer lists it (it
+finishes what it holds, gets nothing new); DOWN when nothing answers at its
+address (what it held is failed or moved). Its load is this orchestrator's
+requests on it: in flight, and of those the ones it has said nothing of yet
+(queued).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ class Replica:
         self.client = client
         self.state = STARTING
         self.message = "its health has not answered yet"
-        self.listed = True  # still named by the stage's address
+        self.listed = True  # still named by the stage's address (or a ready Pod)
+        self.pod = ""  # where known (Kubernetes)
+        self.node = ""
         self.in_flight = 0
         self.queued = 0  # in flight, nothing heard from it yet
         self.served = 0
@@ -93,4 +96,6 @@ class Replica:
             queued=self.queued,
             message="" if state == READY else message,
             served=self.served,
+            pod=self.pod,
+            node=self.node,
         )

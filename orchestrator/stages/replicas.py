@@ -1,7 +1,9 @@
 """Every replica of one stage: found, watched, and the one a new request goes to.
 
 A ``ReplicaSet`` finds the replicas its stage's address names (``resolver``:
-an ``ipv4:`` list, a ``dns:`` name looked up again every ``resolve_s``), gives
+an ``ipv4:`` list, a ``dns:`` name looked up again every ``resolve_s``) or, for a
+stage that names its Pods, the ready ones the Kubernetes API shows (``kube_source``;
+DNS again where the API cannot be asked, said once), gives
 each (``replica``) its own channel, asks each one's grpc health every
 ``health_poll_s`` on it, and picks the replica a new request goes to (``pick``,
 by ``routing``), waiting a while for one that takes requests.
@@ -16,9 +18,10 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.stages.health_probe import HealthProbe
+from orchestrator.stages.kube_source import KubeSettings, PodReplica, PodWatch
 from orchestrator.stages.replica import DOWN, Replica
 from orchestrator.stages.resolver import Lookup, Target, pinned_dialing, system_lookup
 from orchestrator.stages.routing import ReplicaChooser, Routing
@@ -37,6 +40,7 @@ class ReplicaSettings:
     health_poll_s: float = 0.5
     health_timeout_s: float = 1.0
     pick_wait_s: float = 10.0  # a request waits this long for a READY replica
+    kube: KubeSettings = field(default_factory=KubeSettings)  # watching its Pods (``pods``)
 
 
 class NoReplica(Exception):
@@ -51,9 +55,13 @@ class ReplicaSet:
         dialing: Dialing = PLAINTEXT,
         settings: ReplicaSettings = ReplicaSettings(),
         *,
+        pods: str = "",
         lookup: Lookup = system_lookup,
     ) -> None:
+        """``pods``: a label selector of the stage's Pods, watched through the
+        Kubernetes API; the address's port is theirs, its name the fallback."""
         self.stage = stage
+        self.pods = pods
         self.target = Target.parse(address)
         self.settings = settings
         self._dialing = pinned_dialing(dialing, self.target.host) if self.target.dns else dialing
@@ -68,6 +76,9 @@ class ReplicaSet:
         self._change: list[Callable[[], None]] = []
         self._lookup_failed = False
         self.waiting = 0  # requests in ``pick`` now, waiting for a READY replica
+        self._pod_watch: PodWatch | None = None
+        self._first_pods: asyncio.Future[bool] | None = None  # True: pods, False: DNS
+        self._stopped = False
 
     # --- who hears of what ------------------------------------------------------------
 
@@ -89,11 +100,33 @@ class ReplicaSet:
     # --- lifecycle --------------------------------------------------------------------
 
     async def start(self) -> None:
+        if self.pods:
+            port = self.target.port or int(self.target.address.rpartition(":")[2])
+            self._first_pods = asyncio.get_running_loop().create_future()
+            self._pod_watch = PodWatch(
+                self.stage, self.pods, port, self._pods_now, self._fall_back, self.settings.kube
+            )
+            self._pod_watch.start()
+            try:  # the replicas known at start, as with DNS; else found as they come
+                wait = self.settings.pick_wait_s
+                by_pods = await asyncio.wait_for(asyncio.shield(self._first_pods), wait)
+            except TimeoutError:
+                logger.warning("stage %s: its pods are not listed yet", self.stage)
+                by_pods = True
+            self._first_pods = None
+            if by_pods:
+                return
+        await self._find_by_address()
+
+    async def _find_by_address(self) -> None:
         await self._resolve()
         if self.target.dns:
             self._tasks.append(asyncio.create_task(self._discover(), name=f"dns-{self.stage}"))
 
     async def stop(self) -> None:
+        self._stopped = True
+        if self._pod_watch is not None:
+            await self._pod_watch.stop()
         tasks = [*self._tasks, *self._watching.values()]
         for task in tasks:
             task.cancel()
@@ -169,6 +202,41 @@ class ReplicaSet:
             self._lookup_failed = True
             return
         self._lookup_failed = False
+        self._listed(addresses)
+
+    def _pods_now(self, pods: dict[str, PodReplica]) -> None:
+        """The ready Pods now (from the watch's thread, on the loop)."""
+        if self._stopped:
+            return
+        if self._first_pods is not None and not self._first_pods.done():
+            self._first_pods.set_result(True)
+        self._listed(list(pods))
+        for address, pod in pods.items():
+            replica = self.replicas[address]
+            if (replica.pod, replica.node) != (pod.pod, pod.node):  # found, or an IP reused
+                replica.pod, replica.node = pod.pod, pod.node
+                self._changed_now()
+
+    def _fall_back(self, why: str) -> None:
+        """The Kubernetes API is not to be used: by DNS from now on, said once."""
+        if self._stopped:
+            return
+        self._pod_watch = None
+        logger.warning(
+            "stage %s: %s: finding its replicas by DNS (%s) instead",
+            self.stage,
+            why,
+            self.target.address,
+        )
+        if self._first_pods is not None and not self._first_pods.done():
+            self._first_pods.set_result(False)  # start() goes on by DNS
+        else:
+            self._tasks.append(
+                asyncio.create_task(self._find_by_address(), name=f"dns-{self.stage}-fallback")
+            )
+
+    def _listed(self, addresses: list[str]) -> None:
+        """``addresses`` are the replicas now: new ones are added, missing ones drain."""
         for address in addresses:
             replica = self.replicas.get(address)
             if replica is None:

@@ -23,9 +23,12 @@ CHART_DIR = Path(__file__).resolve().parents[2] / "charts"
 KIND_ORDER = (
     "NetworkPolicy",
     "PodDisruptionBudget",
+    "ServiceAccount",
     "Secret",
     "ConfigMap",
     "PersistentVolumeClaim",
+    "Role",
+    "RoleBinding",
     "Service",
     "Deployment",
 )

@@ -43,7 +43,11 @@ def test_tls_secret_and_otlp_endpoint_reach_every_container() -> None:
 def test_pods_are_hardened(variant: str) -> None:
     docs = render(VARIANTS[variant])
     for name, spec in pod_specs(docs).items():
-        assert spec["automountServiceAccountToken"] is False, name
+        # Only the orchestrator holds an API token: its own account's, to watch the
+        # stages' Pods (test_chart_rbac.py), unless there is no cluster to ask.
+        watches = name == "omni-orchestrator" and not VARIANTS[variant].get("hostNetwork")
+        assert spec["automountServiceAccountToken"] is watches, name
+        assert spec.get("serviceAccountName") == ("omni-orchestrator" if watches else None)
         assert spec["securityContext"]["runAsNonRoot"] is True, name
         assert spec["securityContext"]["runAsUser"] != 0, name
         for container in spec["containers"]:
