@@ -3,9 +3,9 @@ the default pipeline as `omni up --http` runs it: the OpenAI Agents SDK
 (RealtimeAgent/RealtimeRunner), Pipecat (OpenAIRealtimeLLMService) and LiveKit
 Agents (openai.realtime.RealtimeModel). Each completes a text turn without an
 error, and its agent's instructions reach the thinker: the answer is the one a
-chat completion gets for the same system and user messages in this run. The
-Agents SDK also completes a spoken turn (our speaker's speech, heard by the
-recogniser).
+chat completion gets for the same system and user messages in this run. Each
+also completes a spoken turn: our speaker's speech streamed in at the pace of
+speech, heard by the recogniser (the words within a WER bound) and answered.
 
 The frameworks pin other versions than the mesh (LiveKit's protobuf is older),
 so they live in a virtual environment of their own, `.venv-voice`
@@ -75,7 +75,7 @@ async def test_a_text_turn_at_the_frameworks_defaults(
         assert result["audio_bytes"] > 0, result
 
 
-@pytest.mark.parametrize("script", ["agents_turn.py", "pipecat_turn.py"])
+@pytest.mark.parametrize("script", ["agents_turn.py", "pipecat_turn.py", "livekit_turn.py"])
 async def test_a_spoken_turn_at_the_frameworks_defaults(
     default: str, script: str, tmp_path: Path
 ) -> None:
@@ -86,4 +86,6 @@ async def test_a_spoken_turn_at_the_frameworks_defaults(
     result = await run_turn(script, default, INSTRUCTIONS, "", str(clip))
     assert result["errors"] == [], result
     assert wer(question, result["heard"]) <= MAX_WER, result
-    assert result["audio_bytes"] > 0 and result["text"], result
+    assert result["text"], result
+    if "audio_bytes" in result:  # LiveKit without a room has no audio output
+        assert result["audio_bytes"] > 0, result
