@@ -26,18 +26,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from orchestrator.stages.resolver import host_port
+from services.mesh import environment
 
 logger = logging.getLogger(__name__)
-
-SERVICEACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 @dataclass(frozen=True)
@@ -248,7 +245,7 @@ def _core_api() -> tuple[Any, str]:
     from kubernetes.config.config_exception import ConfigException
     from kubernetes.config.incluster_config import InClusterConfigLoader
 
-    folder = Path(os.environ.get("OMNI_KUBE_SERVICEACCOUNT_DIR", SERVICEACCOUNT_DIR))
+    folder = environment.KUBE_SERVICEACCOUNT_DIR.get()
     configuration = client.Configuration()
     try:
         InClusterConfigLoader(

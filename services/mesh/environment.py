@@ -199,6 +199,16 @@ MAX_PAUSE_S = Variable[float | None](
     blank_is_unset=True,
     shown="the file's, else 300",
 )
+KUBE_SERVICEACCOUNT_DIR = Variable(
+    "OMNI_KUBE_SERVICEACCOUNT_DIR",
+    _path,
+    Path("/var/run/secrets/kubernetes.io/serviceaccount"),
+    "orchestrator",
+    "where the Pod's service account (token, ca.crt, namespace) is read from to watch "
+    "the stages' Pods (the tests' own API server's account)",
+    blank_is_unset=True,
+    shown="`/var/run/secrets/kubernetes.io/serviceaccount`",
+)
 
 # --- the stage ---------------------------------------------------------------------
 
@@ -287,6 +297,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     MESH_TOKEN_FILE,
     TOKENS_FILE,
     MAX_PAUSE_S,
+    KUBE_SERVICEACCOUNT_DIR,
     CACHE_DIR,
     LOCK_DIR,
     KERNELS,
