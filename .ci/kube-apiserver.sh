@@ -85,6 +85,8 @@ EOF
 fi
 
 "$CACHE/kube-apiserver" --version
-etcd --version | head -1
+# sed, not head: head stops reading, etcd then dies of SIGPIPE, and pipefail made
+# that a failed build.
+etcd --version | sed -n 1p
 touch "$CACHE/ok"
 echo "kube-apiserver.sh: done: $CACHE/kube-apiserver"
