@@ -46,7 +46,12 @@ async def run_turn(script: str, base_url: str, *args: str) -> dict[str, Any]:
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
-    out, err = await asyncio.wait_for(process.communicate(), 300)
+    try:
+        out, err = await asyncio.wait_for(process.communicate(), 240)
+    finally:  # a turn that hangs (or a test that times out) leaves no client behind
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
     assert process.returncode == 0, err.decode()[-3000:]
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     return result
