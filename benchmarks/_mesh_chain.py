@@ -18,9 +18,9 @@ import yaml
 
 from benchmarks._mesh_relay import RelayProcess
 from benchmarks._mesh_report import HOP_TOKENS, STAGES
+from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.stages.processes import OrchestratorProcess, StageProcess
+from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config

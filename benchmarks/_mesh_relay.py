@@ -26,7 +26,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.stages.processes import ServiceProcess
+from orchestrator.cli.processes import ServiceProcess
 from services.mesh.pb.omni.v1 import (
     orchestrator_pb2,
     orchestrator_pb2_grpc,

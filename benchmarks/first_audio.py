@@ -58,10 +58,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._audio_cases import CASES, Case, Spoken, samples_of
 from benchmarks._common import median, table, write_json
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient, Result
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient
 
 REPEATS = 5  # the audio stage alone, each way, per run

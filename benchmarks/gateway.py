@@ -48,13 +48,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
-from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import (
+from orchestrator.cli.processes import (
     GatewayProcess,
     OrchestratorProcess,
     ServiceProcess,
     StageProcess,
 )
+from orchestrator.client import AsyncClient
 
 PROMPT = "Tell me a long story about a dragon."
 OLD_STACK = "gateway on h11+asyncio"

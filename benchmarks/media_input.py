@@ -34,9 +34,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
-from orchestrator import content
-from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import OrchestratorProcess, StageProcess
+from orchestrator.cli.processes import OrchestratorProcess, StageProcess
+from orchestrator.client import AsyncClient, content
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
 from benchmarks._omni_heard import Heard, hear, percentile, spread, wave
+from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import OrchestratorProcess, StageProcess
 from services.mesh.rpc.stage_client import StageClient
 
 ROOT = Path(__file__).resolve().parents[1]

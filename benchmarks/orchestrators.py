@@ -37,8 +37,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
+from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import OrchestratorProcess, StageProcess
 
 
 def stage_file(folder: Path, cache: str) -> Path:

@@ -43,13 +43,13 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, table, write_json
-from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import (
+from orchestrator.cli.processes import (
     GatewayProcess,
     OrchestratorProcess,
     ServiceProcess,
     StageProcess,
 )
+from orchestrator.client import AsyncClient
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 PROMPT = "Say two short sentences about the sea."

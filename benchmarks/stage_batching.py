@@ -33,7 +33,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.engines.transformers.config import TransformersArgs
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit

@@ -26,7 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.engines.base import EngineRequest, SamplingParams, TokenOutput
 from services.engines.registry import engine_class
 from services.mesh.rpc.stage_client import StageClient, chat_submit

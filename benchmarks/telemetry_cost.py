@@ -34,8 +34,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
+from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import OrchestratorProcess, StageProcess
 from services.mesh.rpc.stage_client import StageClient
 
 REPO = Path(__file__).resolve().parents[1]

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import SMOLLM2, median, table, write_json
 from benchmarks._llamacpp_build import ISA_FLAGS, build_server, find_server
 from benchmarks.stage_batching import one
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.chat_prompts import CHAT_PROMPTS

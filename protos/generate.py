@@ -4,7 +4,7 @@
     python protos/generate.py --check   # exit 1 if the committed stubs drifted
 
 Two proto packages: ours (omni/v1) and KEDA's external scaler (externalscaler,
-served by orchestrator/scaling), each into the folder of its path under pb/.
+served by orchestrator/server/scaling), each into the folder of its path under pb/.
 protoc writes imports as ``from omni.v1 import x_pb2`` (the proto package path);
 the stubs live inside ``services.mesh.pb`` so those imports are rewritten to
 relative ones. Nothing else is changed, and the output is never edited by hand.

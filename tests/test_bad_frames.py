@@ -10,8 +10,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config

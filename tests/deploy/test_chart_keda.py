@@ -3,7 +3,7 @@ stage's own Deployment through the orchestrator's external scaler, rendered with
 real Helm: lint clean, the core kinds valid for Kubernetes 1.29 and 1.33, KEDA's
 kinds valid against the fields KEDA documents (no KEDA CRD schema ships with
 kubernetes-validate), and the trigger's metadata read back by the orchestrator's
-own parser (orchestrator/scaling/trigger.py) as the stage and target intended."""
+own parser (orchestrator/server/scaling/trigger.py) as the stage and target intended."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.scaling.trigger import read_trigger
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.scaling.trigger import read_trigger
 from tests.deploy.chart import CHART_DIR, merge, render
 from tests.deploy.manifests import (
     GROUP,

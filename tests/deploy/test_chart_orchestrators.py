@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.stages.resolver import Target
+from orchestrator.server.stages.resolver import Target
 from tests.deploy.chart import merge, render
 from tests.deploy.manifests import VARIANTS, by_kind, flag, pod_of
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import base64
 
-from orchestrator.pipeline import parse_pipeline
+from orchestrator.server.pipeline import parse_pipeline
 from tests.deploy.chart import render
 from tests.deploy.manifests import TLS, by_kind, config_file, containers
 

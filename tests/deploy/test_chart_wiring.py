@@ -9,7 +9,7 @@ import helm_python
 import pytest
 import yaml
 
-from orchestrator.pipeline import parse_pipeline
+from orchestrator.server.pipeline import parse_pipeline
 from services.stage.config import parse_stage_config
 from tests.deploy.chart import CHART_DIR, merge, render
 from tests.deploy.manifests import (

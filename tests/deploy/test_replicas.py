@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage import server as stage_server

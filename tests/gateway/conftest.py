@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.cli.processes import GatewayProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import GatewayProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.security import SecuritySettings, client_dialing
 from tests.helpers.stage import stage_config
 from tests.orchestrator.conftest import Stages

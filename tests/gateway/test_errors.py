@@ -15,7 +15,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from orchestrator.stages.processes import GatewayProcess
+from orchestrator.cli.processes import GatewayProcess
 from services.gateway.errors import http_status
 from services.mesh.security import SecuritySettings
 from tests.gateway.conftest import MODEL, Mesh, mesh_over, tokens_file

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.stages.watchdog import InitTimeout, Watchdog, WatchdogSettings
+from orchestrator.server.stages.watchdog import InitTimeout, Watchdog, WatchdogSettings
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 

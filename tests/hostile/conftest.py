@@ -17,8 +17,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.data.node import node_identity
 from services.mesh.pb.omni.v1 import tensor_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit

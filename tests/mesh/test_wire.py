@@ -98,8 +98,8 @@ def test_shapes_beyond_any_tensor_are_refused_not_crashed() -> None:
 
 def test_the_orchestrator_process_does_not_import_torch() -> None:
     code = (
-        "import sys, orchestrator.cli, orchestrator.commands, orchestrator.server, "
-        "orchestrator.stages.launcher, orchestrator.client, orchestrator.outputs; "
+        "import sys, orchestrator.cli.main, orchestrator.cli.commands, orchestrator.server.server, "
+        "orchestrator.cli.launcher, orchestrator.client, orchestrator.cli.outputs; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

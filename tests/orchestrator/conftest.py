@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config
 

@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from orchestrator.pipeline import Edge, PipelineConfig, load_pipeline, parse_pipeline
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
+from orchestrator.server.pipeline import Edge, PipelineConfig, load_pipeline, parse_pipeline
 from services.mesh.config_files import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Where a client of the orchestrator dials (orchestrator/targets.py): one address,
+"""Where a client of the orchestrator dials (orchestrator/client/targets.py): one address,
 several joined into one gRPC target, or a refusal naming the one that cannot join."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from orchestrator.client import Client
-from orchestrator.targets import ATTEMPTS, client_options, target
+from orchestrator.client.targets import ATTEMPTS, client_options, target
 
 
 @pytest.mark.parametrize(

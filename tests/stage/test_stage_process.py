@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.device_lock import DeviceLock

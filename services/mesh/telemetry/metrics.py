@@ -58,7 +58,7 @@ INIT_PHASE_DURATION = _meter.create_histogram(
     unit="s",
     description="Start-up phases of each stage (download included)",
 )
-# A speaking pipeline's audio as its client hears it (orchestrator/requests/audio_clock.py).
+# A speaking pipeline's audio as its client hears it (orchestrator/server/requests/audio_clock.py).
 TIME_TO_FIRST_AUDIO = _meter.create_histogram(
     "omni.audio.time_to_first_packet",
     unit="s",

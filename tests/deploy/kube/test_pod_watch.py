@@ -18,8 +18,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.stages.replica import DRAINING, READY
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.stages.replica import DRAINING, READY
 from services.stage.server import StageServer
 from tests.deploy.kube.apiserver import BUILD_WAIT_S, KubeServer, free_port
 from tests.deploy.kube.cluster import Namespace, admin_api
@@ -113,7 +113,7 @@ async def test_a_dropped_watch_reconnects_and_a_version_gone_lists_again(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     port = free_port()
-    caplog.set_level(logging.INFO, logger="orchestrator.stages.kube_source")
+    caplog.set_level(logging.INFO, logger="orchestrator.server.stages.kube_source")
     async with replicas(omni_cache_dir, 3, port=port) as servers:
         a, b, c = servers
         namespace.add_pod("thinker-a", a.split(":")[0], "node-a")

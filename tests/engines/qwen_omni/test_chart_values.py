@@ -7,7 +7,7 @@ from __future__ import annotations
 import helm_python
 import kubernetes_validate
 
-from orchestrator.pipeline import parse_pipeline
+from orchestrator.server.pipeline import parse_pipeline
 from services.stage.config import parse_stage_config
 from tests.deploy.chart import CHART_DIR, load_values, render
 from tests.deploy.manifests import KUBE_VERSIONS, by_kind, config_file, pod_specs

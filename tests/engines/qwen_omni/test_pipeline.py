@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator import content
-from orchestrator.client import Result
+from orchestrator.client import Result, content
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.tensors.codec import from_proto

@@ -20,7 +20,7 @@ import pytest
 from hibari import Hibari
 from hibari.voices import voice_path
 
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from tests.engines.speech.conftest import speaker_config

@@ -18,7 +18,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
 from tests.engines.speech.conftest import speaker_config
 from tests.gateway.conftest import Mesh, mesh_over

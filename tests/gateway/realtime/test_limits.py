@@ -18,7 +18,7 @@ import pytest
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from orchestrator.stages.processes import GatewayProcess
+from orchestrator.cli.processes import GatewayProcess
 from tests.gateway.conftest import MODEL, Mesh
 from tests.helpers.polling import eventually
 from tests.helpers.stalled_ws import StalledClient, frames

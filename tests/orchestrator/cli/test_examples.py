@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from orchestrator.cli.launcher import Launcher
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import load_pipeline
-from orchestrator.stages.launcher import Launcher
+from orchestrator.server.pipeline import load_pipeline
 from tests.helpers.reference_answer import ReferenceLM
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "pipelines"

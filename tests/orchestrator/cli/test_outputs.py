@@ -8,8 +8,8 @@ from PIL import Image
 from safetensors.numpy import load_file as load_numpy
 from safetensors.torch import load_file as load_torch
 
+from orchestrator.cli.outputs import save_outputs
 from orchestrator.client import Result, StageResult
-from orchestrator.outputs import save_outputs
 from services.mesh.tensors import codec
 
 
@@ -49,7 +49,7 @@ def test_audio_segments_grow_one_wav_named_by_request_and_stage(tmp_path: Path) 
     folder; the pieces join in order into one valid WAV."""
     import wave
 
-    from orchestrator.audio import AudioFiles
+    from orchestrator.client.audio import AudioFiles
     from services.mesh.pb.omni.v1 import stage_pb2
 
     files = AudioFiles(tmp_path)

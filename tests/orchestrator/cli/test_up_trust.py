@@ -19,9 +19,9 @@ import psutil
 import pytest
 import yaml
 
+from orchestrator.cli.launcher import Launcher
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.stages.launcher import Launcher
+from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.data.node import node_identity
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, client_dialing

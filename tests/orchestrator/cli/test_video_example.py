@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.cli.launcher import Launcher
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import load_pipeline
-from orchestrator.stages.launcher import Launcher
+from orchestrator.server.pipeline import load_pipeline
 from services.engines.video.source import pattern_frames
 from services.mesh.tensors import codec
 

@@ -1,2 +1,2 @@
-"""Tests of moving requests (orchestrator/requests/): lanes, windows, sinks,
+"""Tests of moving requests (orchestrator/server/requests/): lanes, windows, sinks,
 routing, shared stage streams, telemetry, what crosses each seam."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.requests.audio_clock import AudioClock
+from orchestrator.server.requests.audio_clock import AudioClock
 
 
 class Clock:

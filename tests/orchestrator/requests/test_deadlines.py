@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.requests.client_input import single
-from orchestrator.requests.sink import EventSink
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.requests.client_input import single
+from orchestrator.server.requests.sink import EventSink
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from tests.helpers.stage import tiny_config, write_config
 

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from orchestrator.requests.errors import NotStarted
-from orchestrator.requests.gate import StageGate
+from orchestrator.server.requests.errors import NotStarted
+from orchestrator.server.requests.gate import StageGate
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 
 Status = orchestrator_pb2.StageStatus
@@ -62,7 +62,7 @@ async def test_a_failed_stage_refuses_at_once_and_a_long_wait_ends() -> None:
 
 
 async def test_a_held_request_counts_for_the_stage_it_waits_for_until_it_leaves() -> None:
-    """What a stage's autoscaler reads (orchestrator/scaling): requests held for it."""
+    """What a stage's autoscaler reads (orchestrator/server/scaling): requests held for it."""
     renderer = Stage(orchestrator_pb2.STAGE_DOWN, "no replica")
     described = {"thinker"}
     stages = {"thinker": Stage(orchestrator_pb2.STAGE_READY), "renderer": renderer}

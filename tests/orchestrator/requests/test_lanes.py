@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import asyncio
 
-from orchestrator.pipeline import Edge
-from orchestrator.requests.lanes import Lane
-from orchestrator.requests.windows import Window
+from orchestrator.server.pipeline import Edge
+from orchestrator.server.requests.lanes import Lane
+from orchestrator.server.requests.windows import Window
 
 
 def window(seq: int, tokens: int) -> Window:

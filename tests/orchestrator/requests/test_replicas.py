@@ -18,12 +18,12 @@ from typing import ClassVar
 import pytest
 import yaml
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.stages.processes import StageProcess
-from orchestrator.stages.replica import READY
-from orchestrator.stages.replicas import ReplicaSet, ReplicaSettings
-from orchestrator.stages.resolver import Target
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.stages.replica import READY
+from orchestrator.server.stages.replicas import ReplicaSet, ReplicaSettings
+from orchestrator.server.stages.resolver import Target
 from services.engines.base import EngineEvent, EnginePlan
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient

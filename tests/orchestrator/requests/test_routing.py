@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from orchestrator.client import AsyncClient, Result
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.errors import InitFailed
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.tensors import codec

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from orchestrator.requests.sink import EventSink
+from orchestrator.server.requests.sink import EventSink
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 from grpc_health.v1 import health_pb2
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import Result
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.requests.client_input import single
-from orchestrator.requests.request_stream import CREDIT
-from orchestrator.requests.sink import EventSink
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.requests.client_input import single
+from orchestrator.server.requests.request_stream import CREDIT
+from orchestrator.server.requests.sink import EventSink
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config

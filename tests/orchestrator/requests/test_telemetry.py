@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from orchestrator.cli.processes import OrchestratorProcess
 from orchestrator.client import AsyncClient
-from orchestrator.stages.processes import OrchestratorProcess
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.telemetry import tracing
 from tests.helpers.otlp import OtlpReceiver, Received

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.requests.windows import Window, WindowState
+from orchestrator.server.requests.windows import Window, WindowState
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec

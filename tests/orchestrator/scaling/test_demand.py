@@ -1,4 +1,4 @@
-"""A stage's demand (orchestrator/scaling/demand.py) from the real gate and a real
+"""A stage's demand (orchestrator/server/scaling/demand.py) from the real gate and a real
 ReplicaSet: a request waiting in the ReplicaSet's pick for a READY replica counts
 as waiting, and leaves the count when it gives up; one given to a replica counts
 in flight there until it ends there."""
@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from orchestrator.requests.gate import StageGate
-from orchestrator.scaling.demand import Demand, StageDemand
-from orchestrator.stages.replicas import NoReplica, ReplicaSet, ReplicaSettings
+from orchestrator.server.requests.gate import StageGate
+from orchestrator.server.scaling.demand import Demand, StageDemand
+from orchestrator.server.stages.replicas import NoReplica, ReplicaSet, ReplicaSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from tests.orchestrator.requests.test_replicas import free_port
 

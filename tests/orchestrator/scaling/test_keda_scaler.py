@@ -23,8 +23,8 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.externalscaler import externalscaler_pb2 as pb
 from services.mesh.pb.externalscaler import externalscaler_pb2_grpc
 from services.mesh.security import SecuritySettings

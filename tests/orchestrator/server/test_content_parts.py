@@ -20,10 +20,9 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator import content
-from orchestrator.client import AsyncClient, Result
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.client import AsyncClient, Result, content
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config

@@ -9,7 +9,7 @@ import types
 
 import grpc
 
-from orchestrator.requests.flow import RequestFlow
+from orchestrator.server.requests.flow import RequestFlow
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2, tensor_pb2
 from tests.orchestrator.conftest import orchestrator, pipeline
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from orchestrator.peers import Peers
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.peers import Peers
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 
 NAME = "omni-orchestrator-peers.mesh.svc.cluster.local"
 

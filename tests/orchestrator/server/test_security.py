@@ -15,10 +15,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, SecuritySettings, client_dialing, mesh_dialing

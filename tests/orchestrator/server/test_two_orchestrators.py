@@ -18,8 +18,8 @@ import httpx
 import pytest
 import yaml
 
+from orchestrator.cli.processes import GatewayProcess, OrchestratorProcess
 from orchestrator.client import AsyncClient, Result
-from orchestrator.stages.processes import GatewayProcess, OrchestratorProcess
 from services.mesh.pb.externalscaler import externalscaler_pb2 as pb
 from services.mesh.pb.externalscaler.externalscaler_pb2_grpc import ExternalScalerStub
 from services.mesh.pb.omni.v1 import orchestrator_pb2

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
-from orchestrator.stages.kube_source import PodReplica, ready_replicas
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
+from orchestrator.server.stages.kube_source import PodReplica, ready_replicas
 from tests.helpers.polling import eventually
 from tests.orchestrator.requests.test_replicas import free_port, replicas
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.stages.monitor import StageMonitor, StageTarget
-from orchestrator.stages.processes import StageProcess
-from orchestrator.stages.watchdog import InitTimeout, WatchdogSettings
+from orchestrator.cli.processes import StageProcess
+from orchestrator.server.stages.monitor import StageMonitor, StageTarget
+from orchestrator.server.stages.watchdog import InitTimeout, WatchdogSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from tests.helpers.http_server import FileServer
 from tests.helpers.lock_holder import lock_held

@@ -22,7 +22,7 @@ import pyte
 import pytest
 import yaml
 
-from orchestrator.stages.progress import ProgressView, render, short_source
+from orchestrator.cli.progress import ProgressView, render, short_source
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from tests.helpers.http_server import FileServer
 from tests.helpers.models import tar_folder, tiny_llama_folder

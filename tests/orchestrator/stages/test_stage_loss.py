@@ -10,9 +10,9 @@ from pathlib import Path
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import Result
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import KEEPALIVE_S
 from tests.helpers.polling import eventually

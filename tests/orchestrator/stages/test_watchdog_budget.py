@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator.stages.watchdog import InitTimeout, WatchdogSettings
+from orchestrator.server.stages.watchdog import InitTimeout, WatchdogSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from tests.helpers.init_events import failure, failure_free, make
 

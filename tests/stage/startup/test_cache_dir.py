@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.stage import tiny_config, write_config

@@ -13,10 +13,10 @@ from typing import Any
 import psutil
 import yaml
 
+from orchestrator.cli.launcher import Launcher
+from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import load_pipeline
-from orchestrator.stages.launcher import Launcher
-from orchestrator.stages.processes import StageProcess
+from orchestrator.server.pipeline import load_pipeline
 from services.engines.vllm import cpu
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import content
+from orchestrator.client import content
 from services.engines.base import ChatTurn, MediaPart
 from services.mesh.data import media_wire
 from services.mesh.data.chunks import ChunkAssembler

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from orchestrator.client import AsyncClient
-from orchestrator.pipeline import parse_pipeline
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.data.node import mesh_id, node_identity

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.stages.processes import StageProcess
+from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.fetch import fetch_model

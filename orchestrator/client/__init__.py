@@ -1,0 +1,30 @@
+"""The Python client library of the Orchestrator service.
+
+``clients``  AsyncClient and Client: Generate, GenerateStream, Abort, stages; Result
+``content``  chat content parts: text, images, audio, video, from bytes or files
+``audio``    a request's audio written as it arrives, one WAV file per stage
+``targets``  where a client dials: one orchestrator or several, a call tried again
+
+It never imports the server or the CLI, so a program that only asks a mesh imports
+no server code.
+"""
+
+from orchestrator.client.clients import (
+    DEFAULT_ADDRESS,
+    AsyncClient,
+    Client,
+    Events,
+    Result,
+    StageResult,
+    make_request,
+)
+
+__all__ = [
+    "DEFAULT_ADDRESS",
+    "AsyncClient",
+    "Client",
+    "Events",
+    "Result",
+    "StageResult",
+    "make_request",
+]
