@@ -26,7 +26,7 @@ from tests.deploy.kube.cluster import Namespace, admin_api
 from tests.deploy.kube.proxy import Relay
 from tests.helpers.polling import eventually
 from tests.orchestrator.conftest import orchestrator
-from tests.orchestrator.requests.test_replicas import replica_view, replicas
+from tests.orchestrator.server.requests.test_replicas import replica_view, replicas
 
 # The first test's setup may wait for the API server's build (CI starts it in the
 # background): its own limit, not pytest-timeout's 300 s.

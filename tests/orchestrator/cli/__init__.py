@@ -1,2 +1,2 @@
-"""Tests of the omni CLI (cli.py, commands.py, up.py, outputs.py) and the
-example pipelines it runs."""
+"""Tests of the omni CLI (orchestrator/cli/: main.py, commands.py, up.py, outputs.py,
+the start-up view) and the example pipelines it runs."""

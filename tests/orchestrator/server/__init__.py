@@ -1,2 +1,4 @@
-"""Tests of the orchestrator as its clients see it (server.py, servicer.py,
-front_door.py, content.py): status, input budget, content parts, security."""
+"""Tests of the orchestrator server (orchestrator/server/). At this folder's top, the
+whole server as its clients see it (server.py, servicer.py, front_door.py, the
+pipeline file, content parts): status, input budget, security; below it, one folder
+per subpackage (requests/, stages/, scaling/)."""

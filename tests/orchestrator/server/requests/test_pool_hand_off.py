@@ -20,7 +20,7 @@ from services.mesh.tensors import codec
 from tests.helpers.shm_blocks import inodes_of
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 FRAMES, WINDOW, SIDE = 12, 4, 256  # a window of 4 frames is 768 KiB: a 1 MiB pooled block
 
 

@@ -1,2 +1,2 @@
 """Tests of knowing the stages (orchestrator/server/stages/): monitors, the init
-watchdog, health after a stage loss, the start-up view."""
+watchdog, health after a stage loss."""

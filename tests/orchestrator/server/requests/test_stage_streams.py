@@ -26,7 +26,7 @@ from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
-from tests.orchestrator.stages.test_stage_loss import orchestrator_health, wait_for
+from tests.orchestrator.server.stages.test_stage_loss import orchestrator_health, wait_for
 
 STAGES = ("thinker", "talker")
 

@@ -22,7 +22,7 @@ from orchestrator.client import Result
 from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline, renderer_config
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 SCRIPTED = "tests.helpers.engines:ScriptedEngine"  # echoes the token ids it receives
 CHUNK_BYTES = 1024
 HIDDEN = "hidden_states_to_prompt_embeds"

@@ -32,7 +32,7 @@ from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.grpcurl import grpcurl
 from tests.helpers.polling import eventually
-from tests.orchestrator.requests.test_replicas import free_port, scripted
+from tests.orchestrator.server.requests.test_replicas import free_port, scripted
 
 METRIC = "omni-solo-requests"
 

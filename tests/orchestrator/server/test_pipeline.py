@@ -13,7 +13,7 @@ from orchestrator.cli.processes import StageProcess
 from orchestrator.server.pipeline import Edge, PipelineConfig, load_pipeline, parse_pipeline
 from services.mesh.config_files import ConfigError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 TWO = """\
 name: omni-demo
@@ -127,7 +127,7 @@ def test_transform_names_are_names_and_the_stages_say_which_exist(tmp_path: Path
         load_pipeline(path)
     assert str(err.value).startswith(f"{path}: edges.0.transform:")
     # A well-formed name the file cannot know about: the consuming stage's
-    # Describe decides once it is up (tests/orchestrator/requests/test_routing.py).
+    # Describe decides once it is up (tests/orchestrator/server/requests/test_routing.py).
     path.write_text(TWO.replace("hidden_states_to_prompt_embeds", "hidden_to_embeds"))
     assert load_pipeline(path).edges[0].transform == "hidden_to_embeds"
 

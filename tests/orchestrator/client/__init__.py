@@ -1,0 +1,1 @@
+"""Tests of the Python client library (orchestrator/client/)."""
