@@ -7,6 +7,6 @@
 ``examples/`` the stage and pipeline files shipped in the wheel
 
 The CLI sits on both others; the server and the client never import each other or
-the CLI. None of it imports stage or engine code: it talks to stages only through
-the contract in protos/ (services.mesh).
+the CLI (import-linter contracts in pyproject.toml). None of it imports stage or
+engine code: it talks to stages only through the contract in protos/ (services.mesh).
 """

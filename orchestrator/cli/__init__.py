@@ -9,5 +9,5 @@
 ``mesh_pki``   ``omni up``'s trust: mesh token, tokens file, a throwaway CA for ``--tls``
 ``outputs``    a request's tensor and image outputs written to files (``omni generate``)
 
-It sits on the server and the client library; neither imports it.
+It sits on the server and the client library; neither imports it (import-linter).
 """

@@ -5,8 +5,8 @@
 ``audio``    a request's audio written as it arrives, one WAV file per stage
 ``targets``  where a client dials: one orchestrator or several, a call tried again
 
-It never imports the server or the CLI, so a program that only asks a mesh imports
-no server code.
+It never imports the server or the CLI (import-linter), so a program that only asks
+a mesh imports no server code.
 """
 
 from orchestrator.client.clients import (

@@ -11,5 +11,5 @@
 ``requests/``       moving requests: router, flow, submits, windows, sinks
 ``scaling/``        what each stage is asked for, told to KEDA
 
-It never imports the client library or the CLI.
+It never imports the client library or the CLI (import-linter).
 """
