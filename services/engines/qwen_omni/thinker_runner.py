@@ -33,7 +33,7 @@ from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni.rows import OmniRows, prompt_positions, right_padded
 from services.engines.sampling import Sampling, sample
-from services.engines.scheduler import Outbox, Step
+from services.engines.scheduler import Handed, Outbox, Step
 
 
 @dataclass(eq=False)
@@ -72,9 +72,9 @@ class ThinkerRequest:
     def ready(self) -> bool:
         return True
 
-    def add(self, token: int, row: torch.Tensor | None) -> list[EngineEvent]:
+    def add(self, token: int, row: torch.Tensor | None) -> list[Handed]:
         self.answer.append(token)
-        events: list[EngineEvent] = [TokenOutput((token,), self.text.add(token), row)]
+        events: list[Handed] = [TokenOutput((token,), self.text.add(token), row)]
         reason: FinishReason | None = None
         if token == self.eos:
             reason = "eos"
@@ -171,7 +171,7 @@ class ThinkerRunner:
         # row of a product over every position can differ in its last bits from a
         # product over that row alone).
         logits = self.model.lm_head(out.last_hidden_state)[0, -1].float()
-        events: list[EngineEvent] = []
+        events: list[Handed] = []
         if request.handoff:
             hidden = out.hidden_states
             events += self._handoff(request, hidden[0][0], hidden[self._accept][0])
@@ -210,7 +210,7 @@ class ThinkerRunner:
         joining, at = [], []
         for row, request in enumerate(requests):
             length = request.prompt_tokens
-            events: list[EngineEvent] = []
+            events: list[Handed] = []
             if request.handoff:
                 hidden = out.hidden_states
                 events += self._handoff(
@@ -239,7 +239,7 @@ class ThinkerRunner:
         for row, request in enumerate(rows.requests):
             outbox[request] = self._take(request, logits[row])
 
-    def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[EngineEvent]:
+    def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[Handed]:
         """The request's next token from its logits, and the events it makes."""
         if self.watch is not None:
             self.watch(request.request_id, logits)
