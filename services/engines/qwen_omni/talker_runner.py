@@ -28,7 +28,7 @@ from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni.handoff import Handoff, Prompt, talker_prompt, trailing
-from services.engines.qwen_omni.rows import OmniRows, right_padded
+from services.engines.qwen_omni.rows import OmniRunner, right_padded
 from services.engines.qwen_omni.sampling import CodeSampling
 from services.engines.scheduler import Handed, Outbox, Step, WindowEnd
 
@@ -69,16 +69,13 @@ class TalkerRequest:
         return len(self.handoff.answer_embeds)
 
 
-class TalkerRunner:
-    mixes = False
-
+class TalkerRunner(OmniRunner[TalkerRequest]):
     def __init__(self, model: Any, config: Any) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self._config = config
         self._text_config = model.config.text_config
         self._device = next(model.parameters()).device
-        self._shape = KvShape.of(self._text_config, model.dtype, self._device)
-        self.rows: OmniRows[TalkerRequest] = OmniRows(self._shape)
+        super().__init__(KvShape.of(self._text_config, model.dtype, self._device))
         self._groups = model.config.num_code_groups
         self._eos = model.config.codec_eos_token_id
         self._cache_argument = cache_argument(type(model.model).forward)
@@ -86,12 +83,6 @@ class TalkerRunner:
         # (group 0) and the code predictor's (1 ..): tests, as the thinker's.
         self.watch: Callable[[str, int, torch.Tensor], None] | None = None
         self.prefills: list[int] = []  # rows per prefill forward, the last few (tests)
-
-    def fits(self, members: Sequence[TalkerRequest]) -> bool:
-        return True
-
-    def admit(self, admitted: Sequence[TalkerRequest]) -> None:
-        return None
 
     def run(self, step: Step[TalkerRequest]) -> Outbox[TalkerRequest]:
         outbox: Outbox[TalkerRequest] = {}
@@ -107,12 +98,6 @@ class TalkerRunner:
         if step.decode:
             self._decode(step.decode, outbox)
         return outbox
-
-    def free(self, gone: Sequence[TalkerRequest]) -> None:
-        self.rows.keep(set(gone))
-
-    def reset(self) -> None:
-        self.rows = OmniRows(self._shape)
 
     # -- forwards ---------------------------------------------------------------
 

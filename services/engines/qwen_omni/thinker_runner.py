@@ -31,7 +31,7 @@ from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
-from services.engines.qwen_omni.rows import OmniRows, prompt_positions, right_padded
+from services.engines.qwen_omni.rows import OmniRunner, prompt_positions, right_padded
 from services.engines.sampling import Sampling, sample
 from services.engines.scheduler import Handed, Outbox, Step
 
@@ -94,16 +94,13 @@ class ThinkerRequest:
 PREFILL_CELLS = 8192
 
 
-class ThinkerRunner:
-    mixes = False
-
+class ThinkerRunner(OmniRunner[ThinkerRequest]):
     def __init__(self, model: Any, config: Any) -> None:
         self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
         self._config = config
         self._text_config = model.config.text_config
         device = next(model.parameters()).device
-        self._shape = KvShape.of(self._text_config, model.dtype, device)
-        self.rows: OmniRows[ThinkerRequest] = OmniRows(self._shape)
+        super().__init__(KvShape.of(self._text_config, model.dtype, device))
         self._embed = model.get_input_embeddings()
         self._accept = config.talker_config.accept_hidden_layer
         self._tts = torch.tensor(
@@ -118,12 +115,6 @@ class ThinkerRunner:
 
     # -- the scheduler's ModelRunner -------------------------------------------
 
-    def fits(self, members: Sequence[ThinkerRequest]) -> bool:
-        return True
-
-    def admit(self, admitted: Sequence[ThinkerRequest]) -> None:
-        return None
-
     def run(self, step: Step[ThinkerRequest]) -> Outbox[ThinkerRequest]:
         outbox: Outbox[ThinkerRequest] = {}
         together = [r for r in step.prefill if r.text_only]
@@ -137,12 +128,6 @@ class ThinkerRunner:
         if step.decode:
             self._decode(step.decode, outbox)
         return outbox
-
-    def free(self, gone: Sequence[ThinkerRequest]) -> None:
-        self.rows.keep(set(gone))
-
-    def reset(self) -> None:
-        self.rows = OmniRows(self._shape)
 
     # -- forwards ---------------------------------------------------------------
 
