@@ -2,11 +2,14 @@
 prompt, in one way: the one input (request_checks.py), its size before it costs
 anything (prompt_size.py), token ids inside the vocabulary, chat messages
 through the model's chat template, ``prompt_embeds`` of the model's width and
-finite, and sampling parameters resolved (defaults.py) and in range. Diffusers
-checks its ``prompt_embeds`` with ``check_embeds`` too.
+finite, and sampling parameters resolved (defaults.py) and in range, within the
+room the prompt leaves (``check``: each engine's limits say what that room is).
+Each engine's intake turns what ``check`` found into its plan, ``TextPlan``'s
+``resolved``. Diffusers checks its ``prompt_embeds`` with ``check_embeds`` too.
 
 Plain Python over a Hugging Face tokenizer; refusals are INVALID_ARGUMENT
-naming the field.
+naming the field. ``check`` serves an engine's ``check`` at intake and its
+``generate`` alike, so the two can never disagree about what a valid request is.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Generic, Protocol, TypeVar, cast
 
 import jinja2
 import torch
 from transformers import BatchEncoding, PreTrainedTokenizerBase
 
-from services.engines.base import EngineRequest, SamplingParams
+from services.engines.base import EnginePlan, EngineRequest, SamplingParams
 from services.engines.defaults import DefaultLayers, resolve
 from services.engines.prompt_size import PromptBound
 from services.engines.request_checks import (
@@ -65,6 +68,51 @@ class Prompt:
     @property
     def tokens(self) -> int:
         return len(self.token_ids) if self.embeds is None else int(self.embeds.shape[0])
+
+
+class TextLimits(Protocol):
+    """What a text engine's limits (its intake's ``Limits``) say of a request."""
+
+    @property
+    def prompt(self) -> PromptLimits: ...
+
+    def room(self, prompt: Prompt) -> tuple[int, str]:
+        """The new tokens ``prompt`` leaves room for, and where ("the model's context"),
+        refusing a prompt that leaves none."""
+        ...
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A text request as ``check`` found it: its prompt, and its sampling parameters
+    within the room the prompt leaves."""
+
+    request: EngineRequest
+    prompt: Prompt
+    sampling: TextSampling
+
+
+def check(
+    request: EngineRequest,
+    tokenizer: PreTrainedTokenizerBase,
+    limits: TextLimits,
+    defaults: DefaultLayers,
+) -> Checked:
+    """Raises ``InvalidArgument`` naming the offending field."""
+    prompt = read_prompt(request, tokenizer, limits.prompt)
+    room, where = limits.room(prompt)
+    return Checked(request, prompt, sampling(request.params, defaults, room, where))
+
+
+P = TypeVar("P")
+
+
+@dataclass(frozen=True)
+class TextPlan(EnginePlan, Generic[P]):
+    """A text engine's plan: the request, and what its intake resolved (the prompt
+    tokenized or templated, the parameters resolved)."""
+
+    resolved: P
 
 
 def read_prompt(

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from services.engines import text_intake
 from services.engines.base import EngineRequest
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers, TextDefaults
 from services.engines.vllm import intake
@@ -34,7 +35,7 @@ DEFAULTS = DefaultLayers(engine=TextDefaults(max_tokens=100), built_in=TEXT_BUIL
 
 
 def plan(rq: EngineRequest, limits: intake.Limits = LIMITS) -> intake.Plan:
-    return intake.plan(rq, byte_tokenizer(), limits, DEFAULTS)
+    return intake.plan(text_intake.check(rq, byte_tokenizer(), limits, DEFAULTS))
 
 
 def test_prompts_become_token_ids_or_embeddings() -> None:

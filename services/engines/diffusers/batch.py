@@ -1,4 +1,5 @@
-"""One pipeline call for several requests: they denoise as one batch.
+"""One pipeline call for several requests: they denoise as one batch, on the
+pipeline's one thread (``Batches``).
 
 Requests batch when the call cannot tell them apart but by their prompt and
 seed: the same size, step count, guidance scale and kind of prompt (text, or
@@ -28,6 +29,7 @@ from services.engines.base import (
     TensorOutput,
 )
 from services.engines.diffusers.images import encode_png, latent_preview, to_uint8_image
+from services.engines.scheduler.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -82,19 +84,82 @@ class _Interrupted(Exception):
     decode, and not every pipeline honours it)."""
 
 
+class Batches:
+    """The pipeline's one thread (scheduler/worker.py; a pipeline keeps per-call state on
+    itself, so two runs must never overlap) and the line of members waiting for it, in
+    arrival order. Each pass takes the oldest and every later one that can share its
+    call, up to ``max_batch_size``, having waited up to ``gather_s`` from the oldest
+    one's arrival for others sent with it (one that queued behind a running batch has,
+    and starts at once)."""
+
+    def __init__(self, pipe: DiffusionPipeline, max_batch_size: int, gather_s: float) -> None:
+        self._pipe = pipe
+        self._limit = max_batch_size
+        self._gather_s = gather_s
+        self._worker: Worker[Member, list[Member]] = Worker(
+            "diffusers",
+            "the diffusers engine",
+            take=self._take,
+            run=self._run,
+            fail=self._failed,
+            end=_end,
+        )
+
+    def submit(self, member: Member) -> None:
+        self._worker.submit(member)
+
+    def withdraw(self, member: Member) -> bool:
+        """Take ``member`` out of the line; False when a batch has taken it already."""
+        return self._worker.withdraw(member)
+
+    @property
+    def waiting(self) -> int:
+        return self._worker.pending
+
+    def close(self) -> None:
+        """Once the batch running (if any) has stopped: its members were cancelled."""
+        self._worker.close(None)
+
+    def _take(self, waiting: list[Member]) -> list[list[Member]]:
+        while True:
+            if not waiting:
+                return []
+            head = waiting[0]
+            batch = [m for m in waiting if m.job.batch_key == head.job.batch_key]
+            batch = batch[: self._limit]
+            left = head.arrived + self._gather_s - time.monotonic()
+            if len(batch) >= self._limit or left <= 0:
+                break
+            self._worker.wait(left)
+        for member in batch:
+            waiting.remove(member)
+        if len(batch) > 1:
+            logger.debug("diffusers: %d requests share one batch", len(batch))
+        return [batch]
+
+    def _run(self, members: list[Member]) -> None:
+        run_batch(self._pipe, members)
+
+    def _failed(self, members: list[Member], error: Exception) -> None:
+        """Handed to every consumer, which raises it."""
+        logger.exception("diffusers batch %s failed", _ids(members))
+        _end(members, error)
+
+
+def _end(members: list[Member], error: Exception) -> None:
+    for member in members:
+        member.emit(Done(error=error))
+
+
 def run_batch(pipe: DiffusionPipeline, members: list[Member]) -> None:
-    """Runs on the worker thread; always ends by emitting one ``Done`` to each member."""
+    """Runs on the worker thread; ends by emitting one ``Done`` to each member, or
+    raises (Batches fails them)."""
     try:
         images = _denoise(pipe, members)
     except _Interrupted:
         logger.info("diffusers batch %s: stopped at a step boundary", _ids(members))
         for member in members:
             member.emit(Done(interrupted=True))
-        return
-    except Exception as exc:  # handed to every consumer, which raises it
-        logger.exception("diffusers batch %s failed", _ids(members))
-        for member in members:
-            member.emit(Done(error=exc))
         return
     for member, image in zip(members, images, strict=True):
         if member.cancel.is_set():

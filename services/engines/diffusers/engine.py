@@ -1,12 +1,11 @@
 """``DiffusersEngine``: any local ``DiffusionPipeline``; concurrent requests that
 fit one call denoise as one batch (batch.py).
 
-The pipeline runs on one worker thread the engine owns (a pipeline keeps per-call
-state on itself, so two runs must never overlap). Requests wait in one line; each
-time the worker is free it takes the oldest and every later one that can share
-its call, up to ``max_batch_size``, having waited up to ``gather_ms`` from the
-oldest one's arrival for others sent with it. A step-end callback carries previews back to
-the event loop and is where a cancelled run stops.
+The pipeline runs on one thread the engine owns, requests waiting in one line for
+it (batch.py's ``Batches``): each time it is free it takes the oldest and every
+later one that can share its call, up to ``max_batch_size``, having waited up to
+``gather_ms`` from the oldest one's arrival for others sent with it. A step-end
+callback carries previews back to the event loop and is where a cancelled run stops.
 """
 
 from __future__ import annotations
@@ -15,9 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import time
 from collections.abc import AsyncGenerator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,7 +30,7 @@ from services.engines.base import (
     SamplingParams,
 )
 from services.engines.defaults import DefaultLayers, resolve
-from services.engines.diffusers.batch import Done, Job, Member, run_batch
+from services.engines.diffusers.batch import Batches, Done, Job, Member
 from services.engines.diffusers.checks import check_request
 from services.engines.diffusers.config import BUILT_IN, DiffusersArgs
 from services.engines.diffusers.loading import (
@@ -76,10 +73,7 @@ class DiffusersEngine:
         self._args = DiffusersArgs.of(settings)
         self._defaults = DefaultLayers(settings.defaults, self._args.request_defaults, BUILT_IN)
         self._pipe: DiffusionPipeline | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusers")
-        self._lock = threading.Lock()  # guards _waiting (event loop and worker)
-        self._arrivals = threading.Condition(self._lock)
-        self._waiting: list[Member] = []  # in arrival order
+        self._batches: Batches | None = None
         self._members: dict[str, Member] = {}  # by request id: waiting or running
         self._prompt_bound: PromptBound | None = None  # None: the pipeline has no tokenizer
 
@@ -89,9 +83,18 @@ class DiffusersEngine:
             raise FailedPrecondition("the diffusers engine has no pipeline loaded")
         return self._pipe
 
+    @property
+    def waiting(self) -> int:
+        """Requests in line for the pipeline (metrics, tests)."""
+        return 0 if self._batches is None else self._batches.waiting
+
     def load(self, model_path: Path | None) -> ModelInfo:
         pipe, description = load_pipeline(self._settings, self._args, model_path)
         self._pipe = pipe
+        if self._batches is not None:
+            self._batches.close()
+        gather_s = self._args.gather_ms / 1e3
+        self._batches = Batches(pipe, self._settings.max_batch_size, gather_s)
         tokenizers = [
             tokenizer
             for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
@@ -108,8 +111,15 @@ class DiffusersEngine:
         request = EngineRequest("warmup", text="warmup", params=SamplingParams(seed=0))
         job = dataclasses.replace(self._job(request), steps=1)
         outcome: list[ProgressOutput | Done] = []
-        member = Member(job, threading.Event(), outcome.append)
-        self._executor.submit(run_batch, self.pipeline, [member]).result()
+        ended = threading.Event()
+
+        def emit(item: ProgressOutput | Done) -> None:
+            outcome.append(item)
+            if isinstance(item, Done):
+                ended.set()
+
+        self._line().submit(Member(job, threading.Event(), emit))
+        ended.wait()
         done = outcome[-1]
         if isinstance(done, Done) and done.error is not None:
             raise InitFailed("the diffusers warm-up run failed (see the stage log)") from done.error
@@ -130,13 +140,9 @@ class DiffusersEngine:
             post.post(queue.put_nowait, item)
 
         member = Member(job, threading.Event(), emit)
-        with self._arrivals:
-            self._waiting.append(member)
-            self._arrivals.notify()
+        batches = self._line()
+        batches.submit(member)
         self._members[request.request_id] = member
-        # One turn of the worker per request: a turn finds its request already
-        # taken by an earlier batch, or runs the next batch.
-        self._executor.submit(self._next_batch)
         try:
             while True:
                 item = await queue.get()
@@ -155,45 +161,22 @@ class DiffusersEngine:
             # waiting request never starts, a running batch drops it (and stops at
             # its next step once none of its members is left).
             member.cancel.set()
-            self._unqueue(member)
+            batches.withdraw(member)
             if self._members.get(request.request_id) is member:
                 del self._members[request.request_id]
 
     def close(self) -> None:
         for member in list(self._members.values()):
             member.cancel.set()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._batches is not None:
+            self._batches.close()
+            self._batches = None
         self._pipe = None
 
-    def _unqueue(self, member: Member) -> bool:
-        """Take ``member`` out of the line; False when a batch has taken it already."""
-        with self._lock:
-            if member in self._waiting:
-                self._waiting.remove(member)
-                return True
-            return False
-
-    def _next_batch(self) -> None:
-        """On the worker: run the oldest waiting request with all that can share its
-        call; a batch not yet full waits for arrivals until the oldest has waited
-        ``gather_ms`` (one that queued behind a running batch has, and starts at once)."""
-        limit = self._settings.max_batch_size
-        with self._arrivals:
-            while True:
-                if not self._waiting:
-                    return
-                head = self._waiting[0]
-                batch = [m for m in self._waiting if m.job.batch_key == head.job.batch_key]
-                batch = batch[:limit]
-                left = head.arrived + self._args.gather_ms / 1e3 - time.monotonic()
-                if len(batch) >= limit or left <= 0:
-                    break
-                self._arrivals.wait(left)
-            for member in batch:
-                self._waiting.remove(member)
-        if len(batch) > 1:
-            logger.debug("diffusers: %d requests share one batch", len(batch))
-        run_batch(self.pipeline, batch)
+    def _line(self) -> Batches:
+        if self._batches is None:
+            raise FailedPrecondition("the diffusers engine has no pipeline loaded")
+        return self._batches
 
     def _job(self, request: EngineRequest) -> Job:
         params = resolve(request.params, self._defaults)

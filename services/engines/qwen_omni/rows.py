@@ -1,5 +1,6 @@
 """The decoding rows of a Qwen3-Omni part (the thinker, the talker): one padded KV
-cache (services/engines/kv_cache.py) and each row's multimodal rotary offset.
+cache (services/engines/kv_cache.py) and each row's multimodal rotary offset; and what
+both parts' model runners share of the scheduler's contract (``OmniRunner``).
 
 Qwen3-Omni rotates by 3D positions (time, height, width) where a prompt holds an
 image or audio, and by the text position plus a per-request offset (its
@@ -60,6 +61,31 @@ class OmniRows(Generic[R]):
             dtype=torch.long,
             device=self.shape.device,
         )
+
+
+class OmniRunner(Generic[R]):
+    """What the thinker's and the talker's model runners share: their decoding rows
+    (``rows``), which a prefill makes (admitting a request adds none); every request
+    fits (the stage's ``max_batch_size`` bounds the batch); prefill and decode run as
+    separate forwards."""
+
+    mixes = False
+
+    def __init__(self, shape: KvShape) -> None:
+        self._shape = shape
+        self.rows: OmniRows[R] = OmniRows(shape)
+
+    def fits(self, members: Sequence[R]) -> bool:
+        return True
+
+    def admit(self, admitted: Sequence[R]) -> None:
+        return None
+
+    def free(self, gone: Sequence[R]) -> None:
+        self.rows.keep(set(gone))
+
+    def reset(self) -> None:
+        self.rows = OmniRows(self._shape)
 
 
 def prompt_positions(positions: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,6 @@ segment each, so the edge to code2wav can be windowed.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -28,7 +27,6 @@ from services.engines.base import (
     EnginePlan,
     EngineRequest,
     EngineSettings,
-    FinishOutput,
     ModelInfo,
 )
 from services.engines.defaults import DefaultLayers, RequestDefaults, resolve
@@ -38,22 +36,20 @@ from services.engines.qwen_omni.config import TalkerArgs
 from services.engines.qwen_omni.handoff import Handoff
 from services.engines.qwen_omni.sampling import CodeSampling
 from services.engines.qwen_omni.talker_intake import answer_rows, first_handoff
-from services.engines.qwen_omni.talker_runner import Starved, TalkerRequest, TalkerRunner
+from services.engines.qwen_omni.talker_runner import TalkerRequest, TalkerRunner
 from services.engines.request_checks import check_seed, refuse, refuse_unknown_tensors
 from services.engines.sampling import Sampling
-from services.engines.scheduler import Delivery, EngineShell, Limits, Scheduler
-from services.engines.scheduler.loop_post import loop_post
+from services.engines.scheduler import EngineShell, Inbox, Limits, Scheduler
 from services.mesh.errors import InitFailed
 
 
 @dataclass
 class _Talk:
-    """One request's talker state across its windows, and its events not yet handed out."""
+    """One request's talker state across its windows, and its events not yet handed
+    out (its inbox, made on the event loop by its first ``generate``)."""
 
     request: TalkerRequest
-    inbox: asyncio.Queue[Delivery]
-    submitted: bool = False
-    done: bool = False
+    inbox: Inbox | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +114,7 @@ class QwenOmniTalker:
         size = self._config.talker_config.thinker_hidden_size
         if talk is not None:  # a later window: its rows, fed when it is taken
             return TalkerPlan(request, talk, rows=answer_rows(request, size))
-        talk = _Talk(self._request(request, first_handoff(request, size)), asyncio.Queue())
+        talk = _Talk(self._request(request, first_handoff(request, size)))
         return TalkerPlan(request, talk)
 
     def take(self, plan: TalkerPlan) -> None:
@@ -172,35 +168,22 @@ class QwenOmniTalker:
 
     def release(self, request_id: str) -> None:
         talk = self._talks.pop(request_id, None)
-        if talk is not None and not talk.request.finished:
-            talk.request.cancelled = True
-            self.scheduler.wake()
+        if talk is not None:
+            self._shell.cancel(talk.request)
 
     # -- running ------------------------------------------------------------------
 
     async def generate(self, plan: TalkerPlan) -> AsyncGenerator[EngineEvent, None]:
+        """This window's codes: to where the talker has used every row it was given,
+        or, once the input has ended, to its end."""
         talk = plan.talk
-        if not talk.submitted:
-            post = loop_post(asyncio.get_running_loop())
-            talk.request.deliver = lambda delivery: post.post(talk.inbox.put_nowait, delivery)
-            talk.submitted = True
-            self.scheduler.submit(talk.request)
-        request = talk.request
-        while not talk.done:
-            if not plan.final and not request.ready and talk.inbox.empty():
-                break  # waiting for more of the thinker: the next window goes on
-            delivery = await talk.inbox.get()
-            if isinstance(delivery, BaseException):
-                raise delivery
-            for event in delivery:
-                if isinstance(event, Starved):
-                    if not plan.final and event.rows == len(request.handoff.answer_embeds):
-                        return  # every row this window brought is used
-                    continue
-                yield event
-                if isinstance(event, FinishOutput):
-                    talk.done = True
-                    return
+        if talk.inbox is None:
+            talk.inbox = Inbox()
+            talk.request.deliver = talk.inbox.deliver
+            self._shell.submit(talk.request)
+        events = talk.inbox.events() if plan.final else talk.inbox.window(talk.request)
+        async for event in events:
+            yield event
 
     def close(self) -> None:
         self._shell.close()

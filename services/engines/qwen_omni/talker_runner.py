@@ -23,22 +23,14 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from services.engines.base import EngineEvent, FinishOutput, FinishReason, TensorOutput
+from services.engines.base import FinishOutput, FinishReason, TensorOutput
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
 from services.engines.qwen_omni.handoff import Handoff, Prompt, talker_prompt, trailing
-from services.engines.qwen_omni.rows import OmniRows, right_padded
+from services.engines.qwen_omni.rows import OmniRunner, right_padded
 from services.engines.qwen_omni.sampling import CodeSampling
-from services.engines.scheduler import Outbox, Step
-
-
-class Starved:
-    """Delivered when a request's next step waits for its thinker: ``rows`` answer
-    rows were all it had (the engine's window ends there)."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+from services.engines.scheduler import Handed, Outbox, Step, WindowEnd
 
 
 @dataclass(eq=False)
@@ -71,17 +63,19 @@ class TalkerRequest:
             return bool(self.handoff.answer_ids)  # the talker's prompt ends with token 0
         return self.handoff.has_row(self.steps)
 
+    @property
+    def given(self) -> int:
+        """The thinker's answer rows it has (what its WindowEnd counts)."""
+        return len(self.handoff.answer_embeds)
 
-class TalkerRunner:
-    mixes = False
 
+class TalkerRunner(OmniRunner[TalkerRequest]):
     def __init__(self, model: Any, config: Any) -> None:
         self.model = model  # Qwen3OmniMoeTalkerForConditionalGeneration
         self._config = config
         self._text_config = model.config.text_config
         self._device = next(model.parameters()).device
-        self._shape = KvShape.of(self._text_config, model.dtype, self._device)
-        self.rows: OmniRows[TalkerRequest] = OmniRows(self._shape)
+        super().__init__(KvShape.of(self._text_config, model.dtype, self._device))
         self._groups = model.config.num_code_groups
         self._eos = model.config.codec_eos_token_id
         self._cache_argument = cache_argument(type(model.model).forward)
@@ -89,12 +83,6 @@ class TalkerRunner:
         # (group 0) and the code predictor's (1 ..): tests, as the thinker's.
         self.watch: Callable[[str, int, torch.Tensor], None] | None = None
         self.prefills: list[int] = []  # rows per prefill forward, the last few (tests)
-
-    def fits(self, members: Sequence[TalkerRequest]) -> bool:
-        return True
-
-    def admit(self, admitted: Sequence[TalkerRequest]) -> None:
-        return None
 
     def run(self, step: Step[TalkerRequest]) -> Outbox[TalkerRequest]:
         outbox: Outbox[TalkerRequest] = {}
@@ -110,12 +98,6 @@ class TalkerRunner:
         if step.decode:
             self._decode(step.decode, outbox)
         return outbox
-
-    def free(self, gone: Sequence[TalkerRequest]) -> None:
-        self.rows.keep(set(gone))
-
-    def reset(self) -> None:
-        self.rows = OmniRows(self._shape)
 
     # -- forwards ---------------------------------------------------------------
 
@@ -195,11 +177,10 @@ class TalkerRunner:
             self._starved(request, outbox)
 
     def _starved(self, request: TalkerRequest, outbox: Outbox[TalkerRequest]) -> None:
-        """Tell a request whose next step must wait for its thinker (it emits that
-        window's end), once per wait."""
+        """Tell a request whose next step must wait for its thinker (its engine ends
+        that window there), once per wait."""
         if not request.finished and not request.ready:
-            rows = len(request.handoff.answer_embeds)
-            outbox.setdefault(request, []).append(Starved(rows))  # type: ignore[arg-type]
+            outbox.setdefault(request, []).append(WindowEnd(request.given))
 
     def _decode(self, stepping: Sequence[TalkerRequest], outbox: Outbox[TalkerRequest]) -> None:
         rows = self.rows
@@ -276,9 +257,9 @@ class TalkerRunner:
         return torch.cat(parts, dim=1).sum(1, keepdim=True)
 
     def _take(self, request: TalkerRequest, logits: torch.Tensor,
-              codes: torch.Tensor | None) -> list[EngineEvent]:  # fmt: skip
+              codes: torch.Tensor | None) -> list[Handed]:  # fmt: skip
         """The codes this forward consumed go out; the next token is drawn."""
-        events: list[EngineEvent] = []
+        events: list[Handed] = []
         scores = request.sampling.scores(logits, request.tokens)
         if self.watch is not None:
             self.watch(request.request_id, 0, scores)

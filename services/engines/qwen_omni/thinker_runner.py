@@ -31,9 +31,9 @@ from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.hf_cache import cache_argument, transformers_cache
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.qwen_omni import config as names
-from services.engines.qwen_omni.rows import OmniRows, prompt_positions, right_padded
+from services.engines.qwen_omni.rows import OmniRunner, prompt_positions, right_padded
 from services.engines.sampling import Sampling, sample
-from services.engines.scheduler import Outbox, Step
+from services.engines.scheduler import Handed, Outbox, Step
 
 
 @dataclass(eq=False)
@@ -72,9 +72,9 @@ class ThinkerRequest:
     def ready(self) -> bool:
         return True
 
-    def add(self, token: int, row: torch.Tensor | None) -> list[EngineEvent]:
+    def add(self, token: int, row: torch.Tensor | None) -> list[Handed]:
         self.answer.append(token)
-        events: list[EngineEvent] = [TokenOutput((token,), self.text.add(token), row)]
+        events: list[Handed] = [TokenOutput((token,), self.text.add(token), row)]
         reason: FinishReason | None = None
         if token == self.eos:
             reason = "eos"
@@ -94,16 +94,13 @@ class ThinkerRequest:
 PREFILL_CELLS = 8192
 
 
-class ThinkerRunner:
-    mixes = False
-
+class ThinkerRunner(OmniRunner[ThinkerRequest]):
     def __init__(self, model: Any, config: Any) -> None:
         self.model = model  # Qwen3OmniMoeThinkerForConditionalGeneration
         self._config = config
         self._text_config = model.config.text_config
         device = next(model.parameters()).device
-        self._shape = KvShape.of(self._text_config, model.dtype, device)
-        self.rows: OmniRows[ThinkerRequest] = OmniRows(self._shape)
+        super().__init__(KvShape.of(self._text_config, model.dtype, device))
         self._embed = model.get_input_embeddings()
         self._accept = config.talker_config.accept_hidden_layer
         self._tts = torch.tensor(
@@ -118,12 +115,6 @@ class ThinkerRunner:
 
     # -- the scheduler's ModelRunner -------------------------------------------
 
-    def fits(self, members: Sequence[ThinkerRequest]) -> bool:
-        return True
-
-    def admit(self, admitted: Sequence[ThinkerRequest]) -> None:
-        return None
-
     def run(self, step: Step[ThinkerRequest]) -> Outbox[ThinkerRequest]:
         outbox: Outbox[ThinkerRequest] = {}
         together = [r for r in step.prefill if r.text_only]
@@ -137,12 +128,6 @@ class ThinkerRunner:
         if step.decode:
             self._decode(step.decode, outbox)
         return outbox
-
-    def free(self, gone: Sequence[ThinkerRequest]) -> None:
-        self.rows.keep(set(gone))
-
-    def reset(self) -> None:
-        self.rows = OmniRows(self._shape)
 
     # -- forwards ---------------------------------------------------------------
 
@@ -171,7 +156,7 @@ class ThinkerRunner:
         # row of a product over every position can differ in its last bits from a
         # product over that row alone).
         logits = self.model.lm_head(out.last_hidden_state)[0, -1].float()
-        events: list[EngineEvent] = []
+        events: list[Handed] = []
         if request.handoff:
             hidden = out.hidden_states
             events += self._handoff(request, hidden[0][0], hidden[self._accept][0])
@@ -210,7 +195,7 @@ class ThinkerRunner:
         joining, at = [], []
         for row, request in enumerate(requests):
             length = request.prompt_tokens
-            events: list[EngineEvent] = []
+            events: list[Handed] = []
             if request.handoff:
                 hidden = out.hidden_states
                 events += self._handoff(
@@ -239,7 +224,7 @@ class ThinkerRunner:
         for row, request in enumerate(rows.requests):
             outbox[request] = self._take(request, logits[row])
 
-    def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[EngineEvent]:
+    def _take(self, request: ThinkerRequest, logits: torch.Tensor) -> list[Handed]:
         """The request's next token from its logits, and the events it makes."""
         if self.watch is not None:
             self.watch(request.request_id, logits)

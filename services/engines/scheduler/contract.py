@@ -15,9 +15,23 @@ from typing import Generic, Protocol, TypeVar
 
 from services.engines.base import EngineEvent
 
-# What the scheduler hands a request after a step: its new events, or the error
-# that ended it (its own, or the whole batch's).
-Delivery = list[EngineEvent] | BaseException
+
+@dataclass(frozen=True)
+class WindowEnd:
+    """Handed to a request after a step when its next step must wait for input it has
+    not been given (its ``ready`` is False): ``given`` is how much it had then (the
+    talker: its thinker's answer rows). An engine fed window by window ends a window's
+    events there (``Inbox.window``); one that reads a request whole never sees it."""
+
+    given: int
+
+
+# What a step hands a request: its new events, and where its input ran out.
+Handed = EngineEvent | WindowEnd
+
+# What the scheduler hands a request after a step: what the step handed it, or the
+# error that ended it (its own, or the whole batch's).
+Delivery = list[Handed] | BaseException
 
 
 class Scheduled(Protocol):
@@ -48,6 +62,20 @@ class Scheduled(Protocol):
         ...
 
 
+class Windowed(Protocol):
+    """A request fed window by window (the talker, by its thinker's windows)."""
+
+    @property
+    def ready(self) -> bool:
+        """As ``Scheduled.ready``: whether it can take a step with the input it has."""
+        ...
+
+    @property
+    def given(self) -> int:
+        """How much input it has been given so far (what ``WindowEnd.given`` counts)."""
+        ...
+
+
 R = TypeVar("R", bound=Scheduled)
 
 
@@ -61,7 +89,7 @@ class Step(Generic[R]):
     decode: Sequence[R] = ()
 
 
-Outbox = dict[R, list[EngineEvent]]
+Outbox = dict[R, list[Handed]]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Continuous batching on the one thread that owns the model, for any model runner.
+"""Continuous batching on the one thread that owns the model (worker.py), for any
+model runner.
 
 Each step (nano-vllm's ``schedule`` → ``run`` → ``postprocess``):
 
@@ -25,7 +26,6 @@ mixed step decodes from the next one.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -36,6 +36,7 @@ import torch
 
 from services.engines.scheduler.arrivals import Arrivals
 from services.engines.scheduler.contract import ModelRunner, Outbox, R, Step, StepTaken
+from services.engines.scheduler.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -64,38 +65,37 @@ class Scheduler(Generic[R]):
         self.limits = limits
         self.runner = runner
         self._clock = clock
-        self._cond = threading.Condition()
-        self._inbox: list[R] = []
         self._arrivals = Arrivals(limits.gather_s, clock)
-        self._closed = False
         self.waiting: deque[R] = deque()
         self.prefilling: list[R] = []
         self.running: list[R] = []
         self._watchers: list[Callable[[StepTaken], None]] = []
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        self._worker: Worker[R, list[R]] = Worker(
+            name,
+            "the engine",
+            take=self._take,
+            run=self._pass,
+            fail=self._failed,
+            end=self._fail_all,
+            due=self._has_work,
+        )
 
     # -- from the event loop ----------------------------------------------------
 
     def expect(self) -> None:
         """A request was checked and is on its way to ``submit`` (a stage checks each
         request just before it runs it): what makes gathering worth a wait."""
-        with self._cond:
+        with self._worker.changing():
             self._arrivals.expect()
-            self._cond.notify()
 
     def submit(self, request: R) -> None:
-        with self._cond:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
+        with self._worker.changing():
+            self._worker.submit(request)
             self._arrivals.arrived()
-            self._inbox.append(request)
-            self._cond.notify()
 
     def wake(self) -> None:
         """Something changed (a cancel, a talker's input): look at it now."""
-        with self._cond:
-            self._cond.notify()
+        self._worker.wake()
 
     def watch(self, watcher: Callable[[StepTaken], None]) -> Callable[[], None]:
         """Call ``watcher`` on the model thread after each forward (metrics, tests);
@@ -104,41 +104,35 @@ class Scheduler(Generic[R]):
         return lambda: self._watchers.remove(watcher)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
+        self._worker.close(timeout_s)
 
     # -- the model thread ------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._closed or self._inbox or self._has_work()):
-                    self._cond.wait()
-                if self._closed:
+    def _take(self, arrived: list[R]) -> list[list[R]]:
+        """With the lock held: an idle scheduler first gathers newcomers, up to
+        ``gather_s``, while more arrivals are likely (arrivals.py; a lone request waits
+        ``ARRIVAL_GAP_S`` at most); then this pass takes every arrival."""
+        if not self._busy():
+            deadline = self._clock() + self.limits.gather_s
+            while not self._worker.closed and len(arrived) < self.limits.max_batch_size:
+                left = self._arrivals.wait_until(deadline) - self._clock()
+                if left <= 0:
                     break
-                if not self._busy():
-                    self._gather()
-                self.waiting.extend(self._inbox)
-                self._inbox.clear()
-            try:
-                with torch.inference_mode():
-                    self.step()
-            except Exception as exc:  # a model error: fail this batch, keep serving
-                logger.exception("a step failed; failing %d requests", self._count())
-                self._fail_all(exc)
-        self._fail_all(RuntimeError("the engine closed"))
+                self._worker.wait(left)
+        taken = arrived[:]
+        arrived.clear()
+        return [taken]
 
-    def _gather(self) -> None:
-        """With the lock held: wait, up to ``gather_s``, while more arrivals are
-        likely (arrivals.py); a lone request waits ``ARRIVAL_GAP_S`` at most."""
-        deadline = self._clock() + self.limits.gather_s
-        while not self._closed and len(self._inbox) < self.limits.max_batch_size:
-            left = self._arrivals.wait_until(deadline) - self._clock()
-            if left <= 0:
-                break
-            self._cond.wait(left)
+    def _pass(self, arrived: list[R]) -> None:
+        """The arrivals join the line; one step."""
+        self.waiting.extend(arrived)
+        with torch.inference_mode():
+            self.step()
+
+    def _failed(self, _: list[R], error: Exception) -> None:
+        """A model error: this batch (and whatever waits) fails; the scheduler serves on."""
+        logger.exception("a step failed; failing %d requests", self._count())
+        self._fail_all(self._worker.drain(), error)
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -225,10 +219,9 @@ class Scheduler(Generic[R]):
         budget = max(16, self.limits.prefill_tokens // len(remaining))
         return max(1, min(width, budget))
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._cond:
-            self.waiting.extend(self._inbox)
-            self._inbox.clear()
+    def _fail_all(self, pending: list[R], error: BaseException) -> None:
+        """Every request held or ``pending`` fails with ``error``; the runner drops its rows."""
+        self.waiting.extend(pending)
         for request in [*self.waiting, *self.prefilling, *self.running]:
             request.finished = True
             request.deliver(error)

@@ -4,7 +4,8 @@ seeded generator, a request's run (submitted; on every way out, its end, ``aclos
 or the consuming task cancelled, a request not finished is cancelled and the model
 thread woken to drop it at its next step), and close. The engines (the transformers
 engine, the Qwen3-Omni thinker and talker) keep what is theirs: intake, their
-request type and their runner.
+request type and their runner. The talker, whose request outlives each window's
+``generate``, submits it once and cancels it at its release.
 """
 
 from __future__ import annotations
@@ -45,19 +46,26 @@ class EngineShell(Generic[R]):
             generator.manual_seed(seed)
         return generator
 
+    def submit(self, request: R) -> None:
+        self.scheduler.submit(request)
+
+    def cancel(self, request: R) -> None:
+        """A request not finished is cancelled: the scheduler drops it (and its rows) at
+        its next step."""
+        if not request.finished:
+            request.cancelled = True
+            if self._scheduler is not None:
+                self._scheduler.wake()
+
     @contextmanager
     def running(self, request: R) -> Iterator[None]:
         """``request`` submitted for the block (which reads its deliveries); on every
-        way out of it, a request not finished is cancelled: the scheduler drops it
-        (and its rows) at its next step."""
-        scheduler = self.scheduler
-        scheduler.submit(request)
+        way out of it, a request not finished is cancelled."""
+        self.submit(request)
         try:
             yield
         finally:
-            if not request.finished:
-                request.cancelled = True
-                scheduler.wake()
+            self.cancel(request)
 
     def close(self) -> None:
         if self._scheduler is not None:

@@ -12,15 +12,15 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from services.engines import text_intake
 from services.engines.base import (
     EngineEvent,
-    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -30,9 +30,10 @@ from services.engines.base import (
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
 from services.engines.scheduler import Delivery, EngineShell, Inbox, Limits, Scheduler
+from services.engines.text_intake import TextPlan
 from services.engines.transformers import intake
 from services.engines.transformers.config import TransformersArgs
-from services.engines.transformers.loading import conversion_pending, converted_folder, load_model
+from services.engines.transformers.loading import ConvertsGguf, load_model
 from services.engines.transformers.runners import KvBudget, TextRunner, runner_for, runner_name
 from services.engines.transformers.text_request import TextRequest
 from services.mesh.errors import InitFailed
@@ -42,12 +43,7 @@ logger = logging.getLogger(__name__)
 _WARMUP_TIMEOUT_S = 600.0
 
 
-@dataclass(frozen=True)
-class TransformersPlan(EnginePlan):
-    resolved: intake.Plan  # the prompt tokenized (or templated), the parameters resolved
-
-
-class TransformersEngine:
+class TransformersEngine(ConvertsGguf):
     name: ClassVar[str] = "transformers"
     supported_params: ClassVar[frozenset[str]] = frozenset(
         {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "return_hidden_states"}
@@ -69,12 +65,6 @@ class TransformersEngine:
         self._active: dict[str, TextRequest] = {}
 
     # -- lifecycle -------------------------------------------------------------
-
-    def preparation(self, model_path: Path) -> str | None:
-        return conversion_pending(model_path, self._settings.cache_dir)
-
-    def prepare(self, model_path: Path) -> None:
-        converted_folder(model_path, self._settings.cache_dir)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:
@@ -165,13 +155,13 @@ class TransformersEngine:
         count when it gathers the first arrival."""
         self._running().expect()
 
-    def check(self, request: EngineRequest) -> TransformersPlan:
+    def check(self, request: EngineRequest) -> TextPlan[intake.Plan]:
         # The stage calls this in a thread, several at once: safe, as with no
         # truncation or padding asked for, encoding never reconfigures the Rust
         # tokenizer (the one thing that raises "Already borrowed" across threads).
-        return TransformersPlan(request, self._plan(request))
+        return TextPlan(request, self._plan(request))
 
-    async def generate(self, plan: TransformersPlan) -> AsyncGenerator[EngineEvent, None]:
+    async def generate(self, plan: TextPlan[intake.Plan]) -> AsyncGenerator[EngineEvent, None]:
         request, resolved = plan.request, plan.resolved
         rid = request.request_id
         inbox = Inbox()
@@ -200,7 +190,7 @@ class TransformersEngine:
     def _plan(self, request: EngineRequest) -> intake.Plan:
         tokenizer = self._loaded()[1]
         assert self._limits is not None
-        return intake.plan(request, tokenizer, self._limits, self._defaults)
+        return intake.plan(text_intake.check(request, tokenizer, self._limits, self._defaults))
 
     def _text_request(
         self, request: EngineRequest, plan: intake.Plan, deliver: Callable[[Delivery], None]

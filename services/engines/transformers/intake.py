@@ -1,9 +1,7 @@
-"""Validating a request and turning it into a prompt plus resolved parameters:
-the shared text intake (services/engines/text_intake.py) and what only this
-engine knows, the room its context and the stage's KV plan leave.
-
-The same function serves ``check`` at intake and ``generate`` itself, so the two
-can never disagree about what a valid request is.
+"""What only this engine knows of a text request, beside the shared text intake
+(services/engines/text_intake.py, whose ``check`` reads it): the room its context
+and the stage's KV plan leave (``Limits.room``), and its plan (``plan``): token ids
+or embeddings and the sampling it draws with.
 """
 
 from __future__ import annotations
@@ -11,11 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from services.engines import text_intake
-from services.engines.base import EngineRequest
-from services.engines.defaults import DefaultLayers
 from services.engines.request_checks import refuse
 from services.engines.sampling import Sampling
 
@@ -43,6 +38,25 @@ class Limits:
             self.max_prompt_tokens, self.vocab_size, self.hidden_size, self.token_chars
         )
 
+    def room(self, prompt: text_intake.Prompt) -> tuple[int, str]:
+        field, n = prompt.field, prompt.tokens
+        room = self.max_positions - n
+        if room < 1:
+            refuse(field, f"prompt has {n} tokens, the model's context is {self.max_positions}")
+        where = "the model's context"
+        if self.kv_tokens is not None and self.kv_tokens - n < room:
+            pages = self.kv_tokens // self.page_size
+            where = f"the stage's KV cache ({pages} x {self.page_size}-token pages)"
+            room = self.kv_tokens - n
+            if room < 1:
+                refuse(
+                    field,
+                    f"prompt has {n} tokens and can never fit the stage's KV cache, which holds "
+                    f"{self.kv_tokens} tokens ({pages} x {self.page_size}-token pages) for "
+                    "the prompt and at least one new token",
+                )
+        return room, where
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -61,31 +75,9 @@ class Plan:
         return len(self.token_ids) if self.embeds is None else self.embeds.shape[0]
 
 
-def plan(
-    request: EngineRequest,
-    tokenizer: PreTrainedTokenizerBase,
-    limits: Limits,
-    defaults: DefaultLayers,
-) -> Plan:
-    """Raises ``InvalidArgument`` naming the offending field."""
-    prompt = text_intake.read_prompt(request, tokenizer, limits.prompt)
-    field, n = prompt.field, prompt.tokens
-    room = limits.max_positions - n
-    if room < 1:
-        refuse(field, f"prompt has {n} tokens, the model's context is {limits.max_positions}")
-    where = "the model's context"
-    if limits.kv_tokens is not None and limits.kv_tokens - n < room:
-        pages = limits.kv_tokens // limits.page_size
-        where = f"the stage's KV cache ({pages} x {limits.page_size}-token pages)"
-        room = limits.kv_tokens - n
-        if room < 1:
-            refuse(
-                field,
-                f"prompt has {n} tokens and can never fit the stage's KV cache, which holds "
-                f"{limits.kv_tokens} tokens ({pages} x {limits.page_size}-token pages) for "
-                "the prompt and at least one new token",
-            )
-    chosen = text_intake.sampling(request.params, defaults, room, where)
+def plan(checked: text_intake.Checked) -> Plan:
+    """The engine's plan of a checked request: its prompt and how it samples."""
+    prompt, chosen = checked.prompt, checked.sampling
     return Plan(
         token_ids=prompt.token_ids,
         embeds=prompt.embeds,
@@ -93,5 +85,5 @@ def plan(
         sampling=Sampling(chosen.temperature, chosen.top_p, chosen.top_k),
         seed=chosen.seed,
         stop=chosen.stop,
-        return_hidden_states=request.params.return_hidden_states,
+        return_hidden_states=checked.request.params.return_hidden_states,
     )

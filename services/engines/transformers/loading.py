@@ -238,6 +238,20 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+class ConvertsGguf:
+    """``capabilities.PreparesModel`` for an engine that reads a GGUF file through its
+    safetensors conversion (the transformers and vllm engines, into one cached
+    folder): the stage's PREPARE step converts it, once per file, before ``load``."""
+
+    _settings: EngineSettings
+
+    def preparation(self, model_path: Path) -> str | None:
+        return conversion_pending(model_path, self._settings.cache_dir)
+
+    def prepare(self, model_path: Path) -> None:
+        converted_folder(model_path, self._settings.cache_dir)
+
+
 def _convert(gguf: Path, out: Path) -> None:
     """A standard HF folder, as transformers' own ``save_pretrained`` would write it:
     weights under their model's names with tied duplicates saved once under the

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from services.engines.base import EngineEvent, FinishOutput, FinishReason, TokenOutput
 from services.engines.detokenizer import IncrementalDetokenizer
 from services.engines.sampling import sample
-from services.engines.scheduler import Delivery
+from services.engines.scheduler import Delivery, Outbox
 from services.engines.transformers.intake import Plan
 from services.engines.transformers.text import StopStrings
 
@@ -114,7 +114,7 @@ def emit_tokens(
     which: list[int],
     logits: torch.Tensor,
     states: torch.Tensor | None,
-    outbox: dict[TextRequest, list[EngineEvent]],
+    outbox: Outbox[TextRequest],
 ) -> None:
     """Pick the next token of each row in ``which`` (its logits and, if it asked,
     its hidden state row) and queue the events that follow in ``outbox``."""

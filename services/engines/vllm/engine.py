@@ -11,15 +11,14 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from services.engines import text_intake
 from services.engines.base import (
     EngineEvent,
-    EnginePlan,
     EngineRequest,
     EngineSettings,
     FinishOutput,
@@ -28,7 +27,8 @@ from services.engines.base import (
 )
 from services.engines.defaults import TEXT_BUILT_IN, DefaultLayers
 from services.engines.prompt_size import longest_token_chars
-from services.engines.transformers.loading import conversion_pending, converted_folder
+from services.engines.text_intake import TextPlan
+from services.engines.transformers.loading import ConvertsGguf, converted_folder
 from services.engines.vllm import cpu, intake
 from services.engines.vllm.config import VllmArgs
 from services.engines.vllm.sizing import kv_geometry, model_bytes
@@ -46,12 +46,7 @@ INSTALL_HINT = (
 _ENDED = object()
 
 
-@dataclass(frozen=True)
-class VllmPlan(EnginePlan):
-    resolved: intake.Plan  # the prompt tokenized (or templated), the parameters resolved
-
-
-class VllmEngine:
+class VllmEngine(ConvertsGguf):
     name: ClassVar[str] = "vllm"
     supported_params: ClassVar[frozenset[str]] = frozenset(
         {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop"}
@@ -69,12 +64,6 @@ class VllmEngine:
         self._engine_dead: type[BaseException] = RuntimeError  # vLLM's, once imported
         # Requests in each scheduler step, as vLLM's stat loggers report them.
         self.steps = StepCounts()
-
-    def preparation(self, model_path: Path) -> str | None:
-        return conversion_pending(model_path, self._settings.cache_dir)
-
-    def prepare(self, model_path: Path) -> None:
-        converted_folder(model_path, self._settings.cache_dir)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         if model_path is None:
@@ -156,10 +145,10 @@ class VllmEngine:
         # AsyncLLM has already profiled memory and captured CUDA graphs while starting.
         logger.info("vllm engine: warm-up happened while starting")
 
-    def check(self, request: EngineRequest) -> VllmPlan:
-        return VllmPlan(request, self._plan(request))
+    def check(self, request: EngineRequest) -> TextPlan[intake.Plan]:
+        return TextPlan(request, self._plan(request))
 
-    async def generate(self, plan: VllmPlan) -> AsyncGenerator[EngineEvent, None]:
+    async def generate(self, plan: TextPlan[intake.Plan]) -> AsyncGenerator[EngineEvent, None]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -202,7 +191,8 @@ class VllmEngine:
     def _plan(self, request: EngineRequest) -> intake.Plan:
         if self._llm is None or self._tokenizer is None or self._limits is None:
             raise FailedPrecondition("the vllm engine is not loaded")
-        return intake.plan(request, self._tokenizer, self._limits, self._defaults)
+        checked = text_intake.check(request, self._tokenizer, self._limits, self._defaults)
+        return intake.plan(checked)
 
     def _translate(self, rid: str, exc: BaseException) -> BaseException:
         """vLLM's errors in ours: a dead engine is fatal for the stage; a refused

@@ -1,8 +1,9 @@
-"""Validating a request and turning it into a vLLM prompt and sampling arguments:
-the shared text intake (services/engines/text_intake.py) in vLLM's terms.
+"""A text request in vLLM's terms, beside the shared text intake
+(services/engines/text_intake.py, whose ``check`` reads it): the room its context
+leaves (``Limits.room``), a vLLM prompt and sampling arguments (``plan``), and
+vLLM's finish reasons in ours.
 
-Plain Python over a Hugging Face tokenizer: it runs, and is tested, without vLLM.
-``check`` and ``generate`` both call ``plan`` so they never disagree.
+Plain Python: it runs, and is tested, without vLLM.
 """
 
 from __future__ import annotations
@@ -10,11 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
 from services.engines import text_intake
-from services.engines.base import EngineRequest
-from services.engines.defaults import DefaultLayers
 from services.engines.request_checks import refuse
 from services.mesh.finish import FinishReason
 
@@ -44,6 +41,12 @@ class Limits:
             self.max_prompt_tokens, self.vocab_size, self.hidden_size, self.token_chars, no_embeds
         )
 
+    def room(self, prompt: text_intake.Prompt) -> tuple[int, str]:
+        room = self.max_model_len - prompt.tokens
+        if room < 1:
+            refuse(prompt.field, f"prompt fills the model's context of {self.max_model_len}")
+        return room, "the model's context"
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -54,18 +57,9 @@ class Plan:
     sampling: dict[str, Any]  # keyword arguments of vllm.SamplingParams
 
 
-def plan(
-    request: EngineRequest,
-    tokenizer: PreTrainedTokenizerBase,
-    limits: Limits,
-    defaults: DefaultLayers,
-) -> Plan:
-    """Raises ``InvalidArgument`` naming the offending field."""
-    prompt = text_intake.read_prompt(request, tokenizer, limits.prompt)
-    room = limits.max_model_len - prompt.tokens
-    if room < 1:
-        refuse(prompt.field, f"prompt fills the model's context of {limits.max_model_len}")
-    chosen = text_intake.sampling(request.params, defaults, room, "the model's context")
+def plan(checked: text_intake.Checked) -> Plan:
+    """vLLM's prompt and ``SamplingParams`` arguments for a checked request."""
+    prompt, chosen = checked.prompt, checked.sampling
     sampling: dict[str, Any] = {
         "n": 1,
         "max_tokens": chosen.max_tokens,

@@ -146,7 +146,7 @@ async def test_a_cancelled_member_leaves_the_batch_running(
             return
         blocker_running.set()
         give_up = time.monotonic() + 30
-        while len(engine._waiting) < 2 and time.monotonic() < give_up:
+        while engine.waiting < 2 and time.monotonic() < give_up:
             time.sleep(0.005)
         released.set()
 

@@ -14,8 +14,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from services.engines.base import EngineEvent, FinishOutput, TokenOutput
-from services.engines.scheduler import Delivery, Limits, Outbox, Scheduler, Step, StepTaken
+from services.engines.base import FinishOutput, TokenOutput
+from services.engines.scheduler import (
+    Delivery,
+    Handed,
+    Limits,
+    Outbox,
+    Scheduler,
+    Step,
+    StepTaken,
+)
 
 TIMEOUT_S = 30.0
 
@@ -33,7 +41,7 @@ class Counting:
     finished: bool = False
     prefilled: int = 0
     said: list[int] = field(default_factory=list)
-    got: list[EngineEvent] = field(default_factory=list)
+    got: list[Handed] = field(default_factory=list)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -91,7 +99,7 @@ class CountingRunner:
             r.prefilled += min(step.chunk, r.remaining_prompt)
         for r in step.decode:
             r.said.append(len(r.said))
-            events: list[EngineEvent] = [TokenOutput((r.said[-1],), str(r.said[-1]))]
+            events: list[Handed] = [TokenOutput((r.said[-1],), str(r.said[-1]))]
             if len(r.said) == r.tokens:
                 r.finished = True
                 events.append(FinishOutput("length", r.prompt, r.tokens))

@@ -29,7 +29,12 @@ from services.engines.transformers.runners.lean import (
     lean_refuses,
     sdpa,
 )
-from services.engines.transformers.runners.text_runner import Forwarded, TextRunner
+from services.engines.transformers.runners.text_runner import (
+    DecodePart,
+    Forwarded,
+    PrefillPart,
+    TextRunner,
+)
 from services.engines.transformers.weights.blocks import MANY_ROWS, BlockLinear
 from services.kernels.stack import BlockWeight, DecodeStack, StackLayer, StackShape
 
@@ -168,12 +173,7 @@ class LlamaCpuRunner(TextRunner):
         self.stack_steps += 1
         return self.lean.lm_head(states).float(), states if hidden else None
 
-    def mixed_forward(
-        self,
-        prefill: tuple[KvCache, torch.Tensor, torch.Tensor],
-        decode: tuple[KvCache, torch.Tensor],
-        hidden: bool,
-    ) -> Forwarded:
+    def mixed_forward(self, prefill: PrefillPart, decode: DecodePart, hidden: bool) -> Forwarded:
         """One flat sequence: the prefill rows' W columns each, then one column per
         decode row. The linears, norms and rotary are per position; attention runs
         per part, each against its own cache with its own mask."""

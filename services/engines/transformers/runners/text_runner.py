@@ -29,6 +29,12 @@ MIN_SHARED_PREFIX = 16
 # layer's hidden state there [rows, hidden] where asked for.
 Forwarded = tuple[torch.Tensor, torch.Tensor | None]
 
+# A mixed step's two parts: the prefill rows (their cache, the chunk's embeddings
+# [rows, W, hidden], and which of its positions are real [rows, W]) and the decode
+# rows (their cache, and one new position each [rows, 1, hidden]).
+PrefillPart = tuple[KvCache, torch.Tensor, torch.Tensor]
+DecodePart = tuple[KvCache, torch.Tensor]
+
 
 class TextRunner:
     """A text model's rows; subclasses implement ``forward`` (and ``mixed_forward``
@@ -58,12 +64,7 @@ class TextRunner:
         (``valid`` [rows, W]: real positions, each row's last ones: left padding)."""
         raise NotImplementedError
 
-    def mixed_forward(
-        self,
-        prefill: tuple[KvCache, torch.Tensor, torch.Tensor],
-        decode: tuple[KvCache, torch.Tensor],
-        hidden: bool,
-    ) -> Forwarded:
+    def mixed_forward(self, prefill: PrefillPart, decode: DecodePart, hidden: bool) -> Forwarded:
         """The prefill rows' chunk and the decode rows' new positions in one forward:
         the prefill rows' results first."""
         raise NotImplementedError
