@@ -21,11 +21,11 @@ import yaml
 from hibari import Hibari
 
 from benchmarks import _omni as omni
-from benchmarks._common import SMOLLM2
 from orchestrator.client import Result
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors.codec import from_proto, to_proto
+from services.testing.configs import SMOLLM2
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "pipelines"
 PROMPT = omni.PROMPT  # the same story prompt for every case

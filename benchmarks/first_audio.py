@@ -54,8 +54,6 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._audio_cases import CASES, Case, Spoken, samples_of
 from benchmarks._common import median, table, write_json
 from orchestrator.client import AsyncClient, Result

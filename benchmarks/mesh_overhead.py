@@ -49,8 +49,6 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, write_json
 from benchmarks._mesh_chain import (
     Mesh,

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,8 +48,6 @@ from typing import Any
 
 import torch
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _omni as omni
 from benchmarks._common import median, table, write_json

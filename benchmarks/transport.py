@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from benchmarks.transport_ways import Bench, label, parse_size
 from services.mesh.data.chunks import CHUNK_BYTES

@@ -19,7 +19,7 @@ from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import GatewayProcess
 from services.mesh.security import SecuritySettings, client_dialing
-from tests.helpers.stage import stage_config
+from services.testing.configs import stage_config
 from tests.orchestrator.conftest import Stages
 
 MODEL = "omni-test"

@@ -15,7 +15,7 @@ from orchestrator.pipeline import parse_pipeline
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 RENDER_DIM = 64  # the tiny Llama's hidden size: its hidden states condition the renderer
 THINK_TO_RENDER = [

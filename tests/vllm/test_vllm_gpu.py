@@ -19,7 +19,7 @@ from services.engines.base import (
 )
 from services.engines.vllm import VllmEngine
 from services.mesh.errors import InvalidArgument
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.helpers.polling import eventually
 from tests.helpers.vllm_parts import (
     CHAT_HI,

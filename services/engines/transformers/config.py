@@ -3,7 +3,7 @@ dtype it runs in.
 
 The dtype is one setting, the stage file's ``dtype:`` (``auto`` or null, float32,
 bfloat16, float16). ``auto`` picks the fastest precision whose greedy answers are
-float32's on the fixed prompt set (tests/helpers/chat_prompts.py, 32 prompts x 32
+float32's on the fixed prompt set (services/testing/chat_prompts.py, 32 prompts x 32
 greedy tokens, ``benchmarks/precision_agreement.py`` measures it): 0 of 32 may
 differ. On a CPU no lower precision meets that bar (bfloat16: 15 of 32 differ on
 SmolLM2-135M, AVX-512 BF16), so ``auto`` is float32 there and bfloat16 (1.4-2x the

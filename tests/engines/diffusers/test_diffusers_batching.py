@@ -22,7 +22,7 @@ from services.engines.base import (
     TensorOutput,
 )
 from services.engines.diffusers import DiffusersEngine
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 
 STEPS = 4
 

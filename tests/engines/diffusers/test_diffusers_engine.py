@@ -26,7 +26,7 @@ from services.engines.base import (
 from services.engines.diffusers import DiffusersEngine, build_dummy_pipeline
 from services.engines.diffusers.images import latent_preview
 from services.mesh.errors import InitFailed, InvalidArgument
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 
 EMBEDS = "inputs.tensors.prompt_embeds"
 NATIVE = 16  # the dummy pipeline's image side: latent 8, VAE factor 2

@@ -13,10 +13,10 @@ import torch
 
 from services.engines.base import EngineRequest, FinishOutput, SamplingParams, TensorOutput
 from services.engines.qwen_omni import QwenOmniTalker, QwenOmniThinker
+from services.testing import engine_runs
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
-from tests.helpers import engine_runs
-from tests.helpers.engine_runs import collect, generate, tokens_of
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from orchestrator.requests.sink import EventSink
 from orchestrator.server import OrchestratorServer
 from orchestrator.stages.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient, chat_submit
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,8 @@ from services.mesh.security import Dialing, SecuritySettings, client_dialing, me
 from services.mesh.security.certs import MeshCA
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config, write_config
 from tests.helpers.grpcurl import GRPCURL
-from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import Stages
 
 

@@ -14,8 +14,8 @@ from orchestrator.stages.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.fetch import fetch_model
+from services.testing.configs import write_config
 from tests.helpers.http_server import FileServer
-from tests.helpers.stage import write_config
 
 ROOT = Path(__file__).resolve().parents[4]
 SIZE = 8 << 20

@@ -1,5 +1,5 @@
 """A plug-in engine that takes text, images and audio and answers with what it got
-(``engine: "tests.helpers.media_engine:MediaEngine"``), so a test asserts on the
+(``engine: "services.testing.media_engine:MediaEngine"``), so a test asserts on the
 receiving side: each turn's role and text, and each part in order with its kind,
 media type, size and SHA-256 of its bytes (PCM: of its float32 samples, with
 dtype, shape and sample rate). The answer is that record as JSON, in one token.
@@ -22,7 +22,7 @@ from services.engines.base import (
     MediaPart,
     TokenOutput,
 )
-from tests.helpers.fake_engine import FakeEngine
+from services.testing.fake_engine import FakeEngine
 
 
 def part_record(part: str | MediaPart) -> dict[str, Any]:
