@@ -188,8 +188,9 @@ def tiny_omni(cache: str, tokens: int | None) -> Case:
         in_process=in_process,
         local="chunked_decode",
         target=3.0,
-        # Decoding all 127 codes takes ~35 ms in process; a request through the
-        # stage adds ~20 ms of fixed cost, so the ratio says nothing about the stream.
+        # The tiny code2wav decodes all 127 codes in about as long as a request's
+        # fixed cost through the stage (docs/benchmarks.md), so the ratio says
+        # nothing about the stream.
         stream_target=None,
         play_scale=play_scale,
     )
