@@ -160,7 +160,7 @@ class _Server(uvicorn.Server):
     the signal after its shutdown)."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]
+    def capture_signals(self):
         yield
 
 

@@ -86,6 +86,6 @@ class MediaEngine(TextOnlyEngine):
 
     def __init__(self, settings: EngineSettings) -> None:
         super().__init__(settings)
-        kinds = dict(settings.engine_args).get("accepts")  # type: ignore[arg-type]
+        kinds = dict(settings.engine_args).get("accepts")
         if kinds is not None:
             self.accepts = frozenset(kinds)

@@ -51,7 +51,7 @@ class Mesh:
             tls_ca=cert.ca,
             mesh_token_file=self.mesh_token,
             tokens_file=self.tokens_file,
-            **extra,  # type: ignore[arg-type]
+            **extra,
         )
 
     def client(self, address: str, who: str | None) -> AsyncClient:

@@ -80,7 +80,7 @@ async def test_queue_ms_counts_the_wait_for_a_place_in_the_batch(
         await server.stop(1.0)
     done = [r.completed for r in results.values()]
     assert all(d is not None for d in done)
-    first, second = sorted(done, key=lambda d: d.timings.queue_ms)  # type: ignore[union-attr]
+    first, second = sorted(done, key=lambda d: d.timings.queue_ms)
     assert first is not None and second is not None
     # One request at a time: the second waited in the engine while the first ran.
     assert second.timings.queue_ms >= 0.5 * first.timings.total_ms
