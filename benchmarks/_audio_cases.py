@@ -21,11 +21,11 @@ import yaml
 from hibari import Hibari
 
 from benchmarks import _omni as omni
-from benchmarks._common import SMOLLM2
 from orchestrator.client import Result
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors.codec import from_proto, to_proto
+from services.testing.configs import SMOLLM2
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "pipelines"
 PROMPT = omni.PROMPT  # the same story prompt for every case
@@ -188,8 +188,9 @@ def tiny_omni(cache: str, tokens: int | None) -> Case:
         in_process=in_process,
         local="chunked_decode",
         target=3.0,
-        # Decoding all 127 codes takes ~35 ms in process; a request through the
-        # stage adds ~20 ms of fixed cost, so the ratio says nothing about the stream.
+        # The tiny code2wav decodes all 127 codes in about as long as a request's
+        # fixed cost through the stage (docs/benchmarks.md), so the ratio says
+        # nothing about the stream.
         stream_target=None,
         play_scale=play_scale,
     )

@@ -12,15 +12,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import sys
-from pathlib import Path
 from typing import Any
 
 import orjson
 import uvicorn
 import uvloop
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.client import AsyncClient, make_request
 

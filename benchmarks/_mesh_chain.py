@@ -23,7 +23,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = (

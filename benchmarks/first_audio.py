@@ -29,8 +29,8 @@ chunk_size); the stage alone is code2wav on the talker's codes against its
 where the real one makes 1920, so the client plays each piece as long as the
 real model's (``play_scale``) when it judges gaps. Both arms must make the same
 audio (sha256 of every sample). Target: first audio >= 3x sooner windowed; no
-gap. (Stream against in process is reported, not a target: ~35 ms of decode
-against ~20 ms fixed per request.)
+gap. (Stream against in process is reported, not a target: the tiny decode is
+about as long as a request's fixed cost; docs/benchmarks.md.)
 
 A case is one function in benchmarks/_audio_cases.py returning a ``Case``
 (its stage files, the windowed edges, the stage whose audio is played, what fed
@@ -53,8 +53,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._audio_cases import CASES, Case, Spoken, samples_of
 from benchmarks._common import median, table, write_json

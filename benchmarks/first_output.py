@@ -28,14 +28,13 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
+from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "full": {"window": -1},

@@ -45,9 +45,7 @@ import httpx
 import psutil
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
+from benchmarks._common import table, write_json
 from orchestrator.cli.processes import (
     GatewayProcess,
     OrchestratorProcess,
@@ -55,6 +53,7 @@ from orchestrator.cli.processes import (
     StageProcess,
 )
 from orchestrator.client import AsyncClient
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 PROMPT = "Tell me a long story about a dragon."
 OLD_STACK = "gateway on h11+asyncio"

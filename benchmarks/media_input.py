@@ -2,7 +2,7 @@
 
     python benchmarks/media_input.py [--mib 20] [--rounds 5] [--out FILE]
 
-One stage process (tests/helpers/media_engine.py: it hashes what it got, so the
+One stage process (services/testing/media_engine.py: it hashes what it got, so the
 engine does no model work) and `omni orchestrator serve`, as their own
 processes; this process is the client. Each round sends the same bytes two ways,
 in alternating order:
@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import OrchestratorProcess, StageProcess
@@ -79,7 +77,7 @@ async def main() -> int:
             yaml.safe_dump(
                 {
                     "name": "media",
-                    "engine": "tests.helpers.media_engine:MediaEngine",
+                    "engine": "services.testing.media_engine:MediaEngine",
                     "load_format": "dummy",
                     "cache_dir": str(folder / "cache"),
                 }

@@ -21,9 +21,9 @@ event loop. Downstream stages take the upstream's token ids ("tokens" transform)
    what Python gRPC aio costs for one more process on the path, the floor that
    no change inside the orchestrator goes below. (Issue 24, on 2 shared cores:
    the orchestrator's first hop now adds what the relay adds, within the noise;
-   its CPU per request is 1.15-1.2x the relay's, most of the difference being
-   the server stack every call goes through (decoding, auth, reads
-   interceptors), not the request path. Below the relay lies only what takes
+   its CPU per request is a little over the relay's (docs/benchmarks.md), most of
+   the difference being the server stack every call goes through (decoding, auth,
+   reads interceptors), not the request path. Below the relay lies only what takes
    Python gRPC off the path: a proxy in C++/Rust, or the client streaming from
    the entry stage itself with the orchestrator on the control path only.)
 2. Pipelining: 2 stages of 32 tokens, 12 identical requests at once. Ideal bound
@@ -32,8 +32,8 @@ event loop. Downstream stages take the upstream's token ids ("tokens" transform)
    directly shows what the CPU allows without the orchestrator.
 
 Targets: <= 0.5 ms p50 added per hop; orchestrator CPU per request for 1/2/3
-stages half of the 2.5 / 3.6 / 4.2 ms measured when issue 24 was filed (read it
-against the relay's CPU in the same run); pipelining >= 90 % of the bound.
+stages half of what was measured when issue 24 was filed (docs/benchmarks.md; read
+it against the relay's CPU in the same run); pipelining >= 90 % of the bound.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import median, write_json
 from benchmarks._mesh_chain import (

@@ -44,8 +44,6 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from benchmarks._omni_heard import Heard, hear, percentile, spread, wave
 from orchestrator.cli.processes import OrchestratorProcess, StageProcess

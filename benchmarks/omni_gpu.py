@@ -18,8 +18,8 @@ The two mesh configurations run interleaved round by round over the same three
 stage processes. On a GPU the monolithic model runs first and is freed before
 the stages load (both would not fit one GPU); with ``--tiny`` it runs in the
 same rounds, interleaved with the mesh's, so all three see the same load (run
-first, minutes apart on a shared machine, it once read 1.7-2.4 s against the
-mesh's 0.3-0.9 s). Every configuration runs torch at one thread per process.
+first, minutes apart on a shared machine, it read several times the mesh's
+figure; docs/benchmarks.md). Every configuration runs torch at one thread per process.
 The tiny talker answers PROMPT with 127 codes (--talker-tokens 128 caps it;
 benchmarks/_omni.py), about 10 s of speech for the real model.
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,8 +48,6 @@ from typing import Any
 
 import torch
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _omni as omni
 from benchmarks._common import median, table, write_json
@@ -223,7 +220,7 @@ def main() -> None:
         folder, model, devices = tiny.ensure(cache), None, ["cpu"] * 3
         args.chunk, args.tokens = omni.TINY_CHUNK, omni.THINKER_TOKENS
         args.talker_tokens = omni.TALKER_TOKENS
-        torch.set_num_threads(1)  # as each stage: at 2 threads on 2 busy cores it is ~8x slower
+        torch.set_num_threads(1)  # as each stage: 2 threads on 2 busy cores are far slower
         local = Monolithic(folder, "cpu", torch.float32, args)
         samples = asyncio.run(mesh(model, devices, args, local))
     else:

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,11 +33,10 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
+from benchmarks._common import table, write_json
 from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 
 def stage_file(folder: Path, cache: str) -> Path:

@@ -10,7 +10,7 @@ oneDNN-packed float32 weights through transformers' own forward
 (``float32/packed/reference``).
 
 ``dtype: auto`` takes a precision only if its greedy answers equal float32's on
-every one of the 32 fixed chat prompts (tests/helpers/chat_prompts.py), 32 tokens
+every one of the 32 fixed chat prompts (services/testing/chat_prompts.py), 32 tokens
 each, on SmolLM2-135M (services/engines/transformers/config.py, CPU_DIFFERING).
 This measures that: per precision, how many of the 32 answers differ and at which
 token each first does, and the wall time of the 32 (8 at a time) beside float32's.
@@ -20,20 +20,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import table, write_json
 from benchmarks.vs_llamacpp import gguf_path
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.transformers import TransformersEngine
 from services.mesh import environment
-from tests.helpers.chat_prompts import CHAT_PROMPTS
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.chat_prompts import CHAT_PROMPTS
+from services.testing.engine_runs import collect, generate, tokens_of
 
 
 async def answers(engine: TransformersEngine, max_tokens: int) -> list[list[int]]:

@@ -40,9 +40,7 @@ import psutil
 import websockets
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, table, write_json
+from benchmarks._common import table, write_json
 from orchestrator.cli.processes import (
     GatewayProcess,
     OrchestratorProcess,
@@ -51,6 +49,7 @@ from orchestrator.cli.processes import (
 )
 from orchestrator.client import AsyncClient
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+from services.testing.configs import SMOLLM2
 
 PROMPT = "Say two short sentences about the sea."
 THINKER = {

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +29,13 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, TINY_LLAMA, table, write_json
+from benchmarks._common import table, write_json
 from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1.orchestrator_pb2 import REPLICA_READY
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 LONG, SHORT = 128, 2  # tokens of a long and a short answer
 CONCURRENCY = 32

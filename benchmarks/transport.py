@@ -44,8 +44,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from benchmarks.transport_ways import Bench, label, parse_size
 from services.mesh.data.chunks import CHUNK_BYTES
@@ -100,8 +98,8 @@ def run(sizes: list[int], repeats: int, tmp: Path, sweep: list[int]) -> list[dic
                     elapsed = way(src)
                     if i:  # round 0 warms every path up
                         samples[name].append(elapsed)
-            # Refs in a row of their own: right after a bulk transfer, a 0.3 ms
-            # round trip mostly measures the caches that transfer flushed.
+            # Refs in a row of their own: right after a bulk transfer, a round trip
+            # under a millisecond mostly measures the caches that transfer flushed.
             samples["ref (shm, no data)"] = [bench.ref(src) for _ in range(11)][1:]
             for name, values in samples.items():
                 seconds = median(values)

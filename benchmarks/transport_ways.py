@@ -9,7 +9,6 @@ import mmap
 import multiprocessing as mp
 import pickle
 import struct
-import sys
 import threading
 import time
 import uuid
@@ -23,8 +22,6 @@ import grpc
 import msgpack
 import torch
 import zmq
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, serializer

@@ -3,7 +3,7 @@ build) in bfloat16 and in float32 on SmolLM2-135M, greedy, side by side.
 
     .venv-vllm/bin/python benchmarks/vllm_precision.py [--runs 3] [--out FILE]
 
-Per precision: how many of the 32 fixed chat prompts (tests/helpers/chat_prompts.py,
+Per precision: how many of the 32 fixed chat prompts (services/testing/chat_prompts.py,
 32 tokens each) get float32's answer, where each other answer first differs, what
 it says to "What is the capital of France?", and speed: the 32 at once (tokens/s
 over the batch) and one request alone (64 tokens, tokens/s). Each precision runs in
@@ -23,10 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
-from tests.helpers.chat_prompts import CHAT_PROMPTS
+from services.testing.chat_prompts import CHAT_PROMPTS
 
 DTYPES = ("float32", "bfloat16")
 MAX_TOKENS = 32

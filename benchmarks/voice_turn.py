@@ -44,7 +44,6 @@ import numpy as np
 import orjson
 import websockets
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks._common import table, write_json
 from services.mesh import wav
 

@@ -26,7 +26,7 @@ stage per ``--modes`` entry: a stage ``dtype``, optionally ``/`` its
 ``float32/gguf_blocks/auto/int8``: 8-bit activations, llama.cpp's trade).
 llama.cpp serves the same GGUF with ``-np 8 -t 2`` (8 slots, 2 threads) on
 ``/v1/chat/completions``, streaming, greedy. Both get the same chat prompts
-(tests/helpers/chat_prompts.py). Each run measures every side at 1 (4 prompts one
+(services/testing/chat_prompts.py). Each run measures every side at 1 (4 prompts one
 after another), 4 and 8 concurrent requests, the sides in a
 rotating order so drift favours none: tokens/s over the wall time, TTFT p50.
 llama.cpp runs with its prompt cache off unless ``--llama-cache-prompt``: the rounds
@@ -44,7 +44,6 @@ import importlib.util
 import json
 import os
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -53,15 +52,14 @@ from typing import Any
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks._common import SMOLLM2, median, table, write_json
+from benchmarks._common import median, table, write_json
 from benchmarks._llamacpp_build import ISA_FLAGS, build_server, find_server
 from benchmarks.stage_batching import one
 from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from tests.helpers.chat_prompts import CHAT_PROMPTS
+from services.testing.chat_prompts import CHAT_PROMPTS
+from services.testing.configs import SMOLLM2
 
 ROOT = Path(__file__).resolve().parents[1]
 LEVELS = (1, 4, 8)

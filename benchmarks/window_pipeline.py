@@ -32,8 +32,6 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from benchmarks._common import median, table, write_json
 from services.engines.video.config import ModelShape, VideoArgs
 from services.engines.video.devices import Timeline

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 # The console script next to this interpreter: the one `pip install -e .` made.
 REPO = Path(__file__).resolve().parents[1]

@@ -17,8 +17,8 @@ from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config
 from tests.helpers.node import node_client as node_example
-from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 
@@ -94,13 +94,13 @@ async def test_node_client_sees_a_refusal_as_a_done_naming_the_field(
 
 async def test_node_client_sends_an_image_part(node_client: Path, tmp_path: Path) -> None:
     """--image: the stage's engine gets the file's bytes as an image part, then the text
-    (tests/helpers/media_engine.py answers with what it got)."""
+    (services/testing/media_engine.py answers with what it got)."""
     png = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 64
     image = tmp_path / "dot.png"
     image.write_bytes(png)
     config = {
         "name": "thinker",
-        "engine": "tests.helpers.media_engine:MediaEngine",
+        "engine": "services.testing.media_engine:MediaEngine",
         "load_format": "dummy",
         "cache_dir": str(tmp_path / "cache"),
     }

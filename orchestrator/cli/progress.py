@@ -90,7 +90,7 @@ _PHASES = {
 def render(status: orchestrator_pb2.StageStatus, speed: float | None = None) -> tuple[str, str]:
     """Two lines for one stage: what it is doing, and (while it downloads) how far."""
     if status.state == STARTING:
-        doing = _PHASES.get(status.phase, "starting")  # type: ignore[call-overload]
+        doing = _PHASES.get(status.phase, "starting")
     else:
         doing = orchestrator_pb2.StageState.Name(status.state).removeprefix("STAGE_")
         doing = "ready" if status.state == orchestrator_pb2.STAGE_READY else doing

@@ -10,7 +10,7 @@ TensorChunks on GenerateStream (``needs_stream``), so no size needs one big mess
 
 Parts are filled field by field and copied with ``CopyFrom``: protobuf's (upb)
 constructor with a sub-message, ``append`` and ``MergeFrom`` copy a message by
-re-encoding it, 30-100x slower for 20 MB of bytes on this machine.
+re-encoding it, many times slower for megabytes of bytes (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ server does no BDP probing: a stream's window opens for the message being read).
 
 What the process holds at its peak is therefore the budget plus the one message
 being taken in at that moment, in up to four copies (gRPC's received slices and
-their join, Python's bytes, the parsed message): a wave of eight 60 MB messages
-peaked ~300 MB up under a 256 MiB budget. Once its Submit is built the request
+their join, Python's bytes, the parsed message; a wave's peak is in
+docs/benchmarks.md). Once its Submit is built the request
 drops the parsed message, and the Submit goes once sent, so a relayed input is
 not held while its request runs; every copy is freed when it is done with (no
 traceback keeps one: ``errors.forget``), and the freed memory goes back to the

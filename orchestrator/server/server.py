@@ -255,8 +255,8 @@ class OrchestratorServer:
             # Without BDP probing a stream's window opens for the message being read
             # (gRPC sizes it to that message), not ahead of it: a call that waits for
             # the input budget leaves its message at the sender, as reads.py intends,
-            # instead of gRPC buffering tens of MB of it (a wave of eight 60 MB
-            # messages read one at a time peaked 570 MB up with it, 340 without).
+            # instead of gRPC buffering tens of MB of it (a wave's peak with and
+            # without probing: docs/benchmarks.md).
             options=[("grpc.http2.bdp_probe", 0)],
             also=[SCALER],
         )

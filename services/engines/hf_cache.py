@@ -65,5 +65,5 @@ class _Layer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._cache.width
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self._cache.width + query_length, 0

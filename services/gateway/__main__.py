@@ -160,7 +160,7 @@ class _Server(uvicorn.Server):
     the signal after its shutdown)."""
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]
+    def capture_signals(self):
         yield
 
 
@@ -211,7 +211,8 @@ async def serve(config: GatewayConfig, listening: Listening) -> int:
             http=listening.http,
             ws_max_size=listening.ws_max_size,
             # permessage-deflate off: realtime events are mostly base64 PCM, which
-            # compresses little; zlib cost ~10 ms of CPU a spoken response (measured).
+            # compresses little, and zlib was most of the CPU the gateway spent a spoken
+            # response (docs/benchmarks.md, Realtime).
             ws_per_message_deflate=False,
         )
     )

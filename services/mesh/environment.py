@@ -220,6 +220,7 @@ CACHE_DIR = Variable(
     "where models are fetched to, when the stage file names no `cache_dir`",
     blank_is_unset=True,
 )
+# Per user: a lock dir shared by all users would let one plant links in another's way.
 LOCK_DIR = Variable(
     "OMNI_LOCK_DIR",
     _path,

@@ -49,14 +49,6 @@ class NotFound(OmniError):
     code = grpc.StatusCode.NOT_FOUND
 
 
-class Unauthenticated(OmniError):
-    code = grpc.StatusCode.UNAUTHENTICATED
-
-
-class PermissionDenied(OmniError):
-    code = grpc.StatusCode.PERMISSION_DENIED
-
-
 class Cancelled(OmniError):
     code = grpc.StatusCode.CANCELLED
 

@@ -8,7 +8,6 @@ import struct
 import numpy as np
 
 MEDIA_TYPE = "audio/wav"
-HEADER_BYTES = 44
 
 
 def header(sample_rate: int, channels: int, data_bytes: int) -> bytes:

@@ -26,8 +26,8 @@ from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage import server as stage_server
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config, write_config
 from tests.helpers.lock_holder import lock_held
-from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
 
 REPLICA_HOSTS = ("127.0.0.1", "127.0.0.2")

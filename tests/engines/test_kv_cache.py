@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.transformers.runners.reference import ReferenceRunner
+from services.testing.configs import TINY_LLAMA
 from tests.helpers.float_error import assert_float32_close
-from tests.helpers.stage import TINY_LLAMA
 
 SHAPE = KvShape(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
 

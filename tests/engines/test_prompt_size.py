@@ -13,7 +13,7 @@ from services.engines.base import EngineRequest, EngineSettings
 from services.engines.prompt_size import SAFETY, longest_token_chars
 from services.engines.transformers import TransformersEngine
 from services.mesh.errors import InvalidArgument
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import TINY_LLAMA
 
 MAX_TOKENS = 8
 

@@ -19,7 +19,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.security import SecuritySettings, client_dialing
-from tests.helpers.stage import stage_config
+from services.testing.configs import stage_config
 from tests.orchestrator.conftest import Stages
 
 MODEL = "omni-test"

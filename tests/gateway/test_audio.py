@@ -25,9 +25,9 @@ from openai import AsyncOpenAI, OpenAI
 
 from services.mesh import wav
 from services.mesh.pb.omni.v1 import stage_pb2
+from services.testing.configs import stage_config
 from tests.engines.speech.conftest import speaker_config
 from tests.gateway.conftest import MODEL, Mesh, mesh_over
-from tests.helpers.stage import stage_config
 from tests.orchestrator.conftest import Stages
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}

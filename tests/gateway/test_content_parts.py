@@ -1,5 +1,5 @@
 """OpenAI content parts through a real gateway and orchestrator to a real stage
-process whose engine answers with what it got (tests/helpers/media_engine.py):
+process whose engine answers with what it got (services/testing/media_engine.py):
 text, a data-URL image and input_audio reach it in order, byte for byte."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ async def media_stage_mesh(folder: Path, **engine_args: object) -> AsyncIterator
     stages = Stages(folder, env={"PYTHONPATH": str(ROOT)})
     config = {
         "name": "thinker",
-        "engine": "tests.helpers.media_engine:MediaEngine",
+        "engine": "services.testing.media_engine:MediaEngine",
         "engine_args": engine_args,
         "load_format": "dummy",
         "cache_dir": str(folder / "cache"),

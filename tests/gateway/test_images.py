@@ -16,8 +16,8 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
+from services.testing.configs import tiny_config
 from tests.gateway.conftest import MODEL, Mesh, mesh_over
-from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import THINK_TO_RENDER, Stages, renderer_config
 
 

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from typing import ClassVar
 
 from services.engines.base import EngineEvent, EnginePlan, FinishOutput, TensorOutput
-from tests.helpers.fake_engine import FakeEngine
+from services.testing.fake_engine import FakeEngine
 
 
 class EchoTensorsEngine(FakeEngine):

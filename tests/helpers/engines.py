@@ -33,7 +33,7 @@ from services.engines.base import (
 )
 from services.engines.defaults import DefaultLayers, resolve
 from services.mesh.errors import EngineDead
-from tests.helpers.fake_engine import FakeEngine
+from services.testing.fake_engine import FakeEngine
 
 
 class ScriptedEngine(FakeEngine):

@@ -8,7 +8,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from services.engines.transformers.loading import converted_folder
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import TINY_LLAMA
 
 
 def tiny_llama_folder(dest: Path, smollm2_gguf: Path, cache_dir: Path) -> Path:

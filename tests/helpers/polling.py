@@ -27,7 +27,7 @@ async def eventually(
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return value  # type: ignore[return-value]
+            return value
         if time.monotonic() >= deadline:
             said = message() if callable(message) else message
             raise AssertionError(f"not true within {timeout_s:g}s" + (f": {said}" if said else ""))

@@ -25,8 +25,8 @@ from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, SecuritySettings, client_dialing
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config
 from tests.helpers.shm_blocks import blocks_of
-from tests.helpers.stage import tiny_config
 
 CONTROL_TOKENS = 24  # what the ordinary request asks for, and must get
 

@@ -29,8 +29,9 @@ from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config
 from tests.helpers.shm_blocks import remove_mesh
-from tests.helpers.stage import collect, tiny_config
+from tests.helpers.stage import collect
 from tests.orchestrator.conftest import (
     THINK_TO_RENDER,
     Stages,

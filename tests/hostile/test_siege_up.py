@@ -40,10 +40,10 @@ from orchestrator.client import AsyncClient
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import client_dialing
+from services.testing.configs import tiny_config, write_config
+from services.testing.idle_flood import IdleFlood
 from tests.helpers import memory
 from tests.helpers.polling import eventually
-from tests.helpers.stage import tiny_config, write_config
-from tests.hostile.idle_flood import IdleFlood
 from tests.orchestrator.cli.test_up import read_until
 
 OMNI = str(Path(sys.executable).parent / "omni")

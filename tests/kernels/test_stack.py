@@ -215,4 +215,4 @@ def test_a_part_given_in_anothers_place_is_refused_naming_both() -> None:
         with pytest.raises(ValueError, match=message):
             Model(wrong, good.norm)
     with pytest.raises(TypeError, match="positional"):
-        StackLayer(layer.norm_post, layer.norm_in)  # type: ignore[misc, call-arg]
+        StackLayer(layer.norm_post, layer.norm_in)

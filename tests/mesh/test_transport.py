@@ -32,7 +32,7 @@ def identity(**changes: str | list[str]) -> tensor_pb2.NodeIdentity:
     ident.CopyFrom(node_identity())
     for key, value in changes.items():
         if isinstance(value, list):
-            ident.ClearField(key)  # type: ignore[arg-type]
+            ident.ClearField(key)
             getattr(ident, key).extend(value)
         else:
             setattr(ident, key, value)

@@ -15,7 +15,7 @@ from orchestrator.client import AsyncClient
 from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 RENDER_DIM = 64  # the tiny Llama's hidden size: its hidden states condition the renderer
 THINK_TO_RENDER = [

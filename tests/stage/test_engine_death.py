@@ -15,7 +15,8 @@ from services.mesh.rpc.stage_client import StageClient
 from services.stage.__main__ import EXIT_ENGINE_DEAD
 from services.stage.config import parse_stage_config
 from services.stage.server import LIVENESS_SERVICE, STAGE_SERVICE, StageServer
-from tests.helpers.stage import chat, collect, write_config
+from services.testing.configs import write_config
+from tests.helpers.stage import chat, collect
 
 ROOT = Path(__file__).resolve().parents[2]
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -19,8 +19,9 @@ import pytest
 from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import tiny_config, write_config
 from tests.helpers.polling import eventually
-from tests.helpers.stage import cancel, chat, tiny_config, write_config
+from tests.helpers.stage import cancel, chat
 
 
 @pytest.fixture(scope="module")

@@ -14,11 +14,12 @@ from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.device_lock import DeviceLock
+from services.testing.configs import stage_config, tiny_config, write_config
 from tests.helpers.grpcurl import grpcurl, health, json_stream
 from tests.helpers.http_server import FileServer
 from tests.helpers.lock_holder import lock_held
 from tests.helpers.models import tar_folder, tiny_llama_folder
-from tests.helpers.stage import chat, collect, stage_config, tiny_config, write_config
+from tests.helpers.stage import chat, collect
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -20,7 +20,8 @@ from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import LIVENESS_SERVICE, STAGE_SERVICE, StageServer
-from tests.helpers.stage import Result, cancel, chat, collect, record, stage_config
+from services.testing.configs import stage_config
+from tests.helpers.stage import Result, cancel, chat, collect, record
 
 CAPITAL = "What is the capital of France?"
 

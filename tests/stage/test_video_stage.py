@@ -14,7 +14,7 @@ from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 from tests.helpers.stage import collect
 
 MODEL = {"dim": 16, "heads": 2, "blocks": 4, "window_frames": 2, "seed": 5}

@@ -19,7 +19,7 @@ from services.engines.base import (
 )
 from services.engines.vllm import VllmEngine
 from services.mesh.errors import InvalidArgument
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.helpers.polling import eventually
 from tests.helpers.vllm_parts import (
     CHAT_HI,
@@ -115,8 +115,8 @@ async def test_every_prompt_kind_generates(
 @gpu_only
 async def test_closing_the_stream_frees_the_request(served: VllmEngine) -> None:
     stream = generate(served, request("left", max_tokens=200))
-    await asyncio.wait_for(anext(stream), timeout=60)  # type: ignore[call-overload]
-    await stream.aclose()  # type: ignore[attr-defined]
+    await asyncio.wait_for(anext(stream), timeout=60)
+    await stream.aclose()
     llm: Any = served._llm
     # vLLM frees it on its own output task.
     unfinished = llm.output_processor.get_num_unfinished_requests

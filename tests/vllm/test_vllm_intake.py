@@ -79,7 +79,7 @@ def test_sampling_defaults_fill_in_and_fit_the_context() -> None:
         (request(seed=-1), "params.seed"),
         (request(stop=("",)), "params.stop"),
     ],
-)  # fmt: skip
+)
 def test_intake_names_the_bad_field(rq: EngineRequest, field: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         plan(rq)
@@ -105,6 +105,6 @@ def test_prompt_embeds_need_the_engine_arg() -> None:
         ("error", None, "abort"),  # a newer vLLM's: short of its end, unasked
         (None, None, "abort"),
     ],
-)  # fmt: skip
+)
 def test_finish_reasons_translate(reason: str, stop_reason: Any, ours: str) -> None:
     assert intake.finish_reason(reason, stop_reason) == ours

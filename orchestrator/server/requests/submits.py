@@ -23,8 +23,8 @@ from services.mesh.telemetry import tracing
 
 def from_client(request_id: str, request: orchestrator_pb2.GenerateRequest) -> stage_pb2.Submit:
     """A Generate's one Submit to the entry stage: the whole input at once. Copied
-    with CopyFrom: the constructor re-encodes a sub-message (upb), ~70x slower for
-    20 MB of tensor or media bytes."""
+    with CopyFrom: the constructor re-encodes a sub-message (upb), many times slower
+    for megabytes of tensor or media bytes (docs/benchmarks.md)."""
     submit = stage_pb2.Submit(request_id=request_id, is_last=True)
     submit.inputs.CopyFrom(request.inputs)
     submit.params.CopyFrom(request.params)

@@ -244,7 +244,7 @@ class Watchdog:
     def _phase_name(self) -> str:
         if self._phase == stage_pb2.INIT_PHASE_UNSPECIFIED:
             return "none (no init event seen)"
-        return stage_pb2.InitPhase.Name(self._phase)  # type: ignore[arg-type]
+        return stage_pb2.InitPhase.Name(self._phase)
 
     def _timeout_message(self, now: float) -> str:
         text = f"stage {self.stage}: init timed out in phase {self._phase_name()} "

@@ -18,7 +18,6 @@ from services.engines.base import EngineSettings, ModelInfo
 from services.mesh.errors import InitFailed
 
 Role = Literal["thinker", "talker", "code2wav"]
-ROLES: tuple[Role, ...] = ("thinker", "talker", "code2wav")
 
 
 _DTYPES = {

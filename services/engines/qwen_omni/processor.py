@@ -25,7 +25,7 @@ def _plain(value: Any) -> Any:
 def _processor_class() -> type:
     from transformers import Qwen3OmniMoeProcessor
 
-    class NoVideoProcessor(Qwen3OmniMoeProcessor):  # type: ignore[misc]
+    class NoVideoProcessor(Qwen3OmniMoeProcessor):
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             if argument_name == "video_processor" and argument is None:
                 return None

@@ -3,11 +3,11 @@ dtype it runs in.
 
 The dtype is one setting, the stage file's ``dtype:`` (``auto`` or null, float32,
 bfloat16, float16). ``auto`` picks the fastest precision whose greedy answers are
-float32's on the fixed prompt set (tests/helpers/chat_prompts.py, 32 prompts x 32
+float32's on the fixed prompt set (services/testing/chat_prompts.py, 32 prompts x 32
 greedy tokens, ``benchmarks/precision_agreement.py`` measures it): 0 of 32 may
-differ. On a CPU no lower precision meets that bar (bfloat16: 15 of 32 differ on
-SmolLM2-135M, AVX-512 BF16), so ``auto`` is float32 there and bfloat16 (1.4-2x the
-tokens/s here, oneDNN-packed) runs only when the stage file names it.
+differ. On a CPU no lower precision meets that bar (``CPU_DIFFERING``), so ``auto``
+is float32 there and bfloat16 (faster, oneDNN-packed; docs/benchmarks.md) runs only
+when the stage file names it.
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ from services.mesh.errors import InitFailed
 
 # Greedy answers (of the 32 fixed prompts, 32 tokens each) that differ from
 # float32's, per CPU precision, measured with benchmarks/precision_agreement.py on
-# SmolLM2-135M (AMD EPYC, AVX-512 BF16, torch 2.13): 15/32 for the whole model in
-# bfloat16, 13/32 with float32 activations and only the linears in bfloat16.
-# ``auto`` takes a precision only at 0.
+# SmolLM2-135M, the whole model in that precision (machine and the linears-only
+# variant: docs/benchmarks.md). ``auto`` takes a precision only at 0.
 CPU_DIFFERING: dict[str, int] = {"bfloat16": 15}
 # The GGUF-block products' activations unless engine_args names them
 # (TransformersArgs.activations). int8 would be the default only with at least 30 of
-# the 32 greedy answers float32's; benchmarks/precision_agreement.py measured 20 of 32
-# differing on SmolLM2-135M (docs/benchmarks.md), so float32.
+# the 32 greedy answers float32's; benchmarks/precision_agreement.py found far fewer
+# on SmolLM2-135M (docs/benchmarks.md, 8-bit activations), so float32.
 DEFAULT_ACTIVATIONS: Literal["float32", "int8"] = "float32"
 # Fastest first: bfloat16 halves the bytes each token reads (memory-bound decode).
 _CPU_CANDIDATES = ("bfloat16",)

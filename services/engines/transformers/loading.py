@@ -45,8 +45,8 @@ CONVERSION_FORMAT = 2
 BLOCKS_LAYOUT = "gguf-blocks-2.safetensors"  # 2: float16 scales and mins
 
 
-# What the float32 path costs a GGUF model where the kernels cannot run: SmolLM2-135M
-# decodes about 4x slower at one request (15-20 against 75-85 tokens/s, 2 cores).
+# What the float32 path costs a GGUF model where the kernels cannot run, as SmolLM2-135M
+# measured at one request (docs/benchmarks.md).
 SLOWER = "about 4x slower a token than on its GGUF blocks"
 
 

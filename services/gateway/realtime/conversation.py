@@ -151,10 +151,6 @@ class Conversation:
     def remove(self, item_id: str) -> None:
         del self.items[self.index(item_id)]
 
-    @property
-    def last_id(self) -> str | None:
-        return self.items[-1].id if self.items else None
-
     def within(self, budget: Budget) -> list[Item]:
         """Drop the oldest items until the rest fit ``budget``; returns what is kept."""
         drop = max(0, len(self.items) - budget.max_items)

@@ -29,7 +29,6 @@ class Outbox:
         self._empty = asyncio.Event()  # everything queued has been sent
         self._empty.set()
         self.overflowed = asyncio.Event()  # the client stopped reading
-        self.sent_events = 0
 
     def put(self, event: dict[str, Any], *, last: bool = False) -> None:
         """Queue ``event`` (its ``event_id`` added); dropped once overflowed, but
@@ -55,7 +54,6 @@ class Outbox:
                 await self._websocket.send_text(text)
                 self._queue.popleft()
                 self._queued_bytes -= len(text)
-                self.sent_events += 1
             self._ready.clear()
             self._empty.set()
 

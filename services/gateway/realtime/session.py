@@ -64,7 +64,7 @@ class Session:
         detection = ServerVadSettings() if pipeline.hears else None
         self.config = SessionConfig(
             model=model or pipeline.name,
-            output_modalities=modalities,  # type: ignore[arg-type]
+            output_modalities=modalities,
             audio=Audio(input=AudioInput(turn_detection=detection)),
         )
         self.conversation = Conversation()

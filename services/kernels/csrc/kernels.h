@@ -152,7 +152,7 @@ void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t
  * holds more OpenMP threads than CPUs (any other thread that ever ran a parallel
  * region keeps an idle team): then every barrier is a futex sleep and wake, and a
  * decode step's ~8 barriers a layer cost more than a second thread saves (SmolLM2 at
- * one row: 13.6 ms a step on two threads, 8 ms with this). llama.cpp's pool spins too.
+ * one row, with and without this: docs/benchmarks.md). llama.cpp's pool spins too.
  * `team` is set by one thread (omp single) before the first wait. */
 struct SpinBarrier {
     std::atomic<int> arrived{0};

@@ -120,7 +120,7 @@ void product_for(const Variant &v, const BlockWeight &w, const float *x, int64_t
 int block_product(const Variant &v, const BlockWeight &w, const float *x, int64_t rows, float *y,
                   bool int8, int threads) {
     /* 64-byte aligned tiles: a 512-bit load then never straddles two cache lines (a
-     * token's products at 8 rows measured 15 % slower unaligned). */
+     * token's products at 8 rows measured slower unaligned: docs/benchmarks.md). */
     const bool scratch = needs_scratch(v, rows, int8);
     float *xp = scratch ? aligned_floats(tiled_rows(rows) * w.k) : nullptr;
     if (scratch && !xp) return -1;

@@ -115,8 +115,8 @@ const Variant reference_variant = {
 
 /* Activation rows go in tiles of 8; what is left in one tile of 8, 4, 2 or 1 padded
  * with zero rows (5 to 7 rows: 8; 3: 4). Each tile dequantises every weight block
- * again, so 7 rows as 4 + 2 + 1 cost a quarter more than 8 (a stage's 7-row decode
- * step: 26.7 ms against 21.2 once padded), while a padded row costs only its FMAs. A
+ * again, so 7 rows as 4 + 2 + 1 cost more than 8 (a stage's 7-row decode step:
+ * docs/benchmarks.md), while a padded row costs only its FMAs. A
  * row's sum does not depend on its tile. */
 int64_t tile_width(int64_t left) { return left >= 5 ? 8 : left >= 3 ? 4 : left; }
 

@@ -2,10 +2,10 @@
  *
  * Run as separate calls, a layer is about ten (four products, the glue between them,
  * attention, the cache write), each with its Python dispatch and its own OpenMP
- * region: on SmolLM2-135M that was about 40 % of a batch-1 decode step (11.7 ms
- * in-process against 6.8 ms for the products alone). Here every layer runs inside
- * one parallel region, the threads meeting at a barrier between the operations (each
- * a spinning SpinBarrier, kernels.h), the way llama.cpp's graph runs on its pool: 8.1 ms.
+ * region: on SmolLM2-135M that was a large part of a batch-1 decode step beside the
+ * products alone. Here every layer runs inside one parallel region, the threads
+ * meeting at a barrier between the operations (each a spinning SpinBarrier,
+ * kernels.h), the way llama.cpp's graph runs on its pool (figures: docs/benchmarks.md).
  *
  * It computes what the separate ops compute, bit for bit (the same row functions and
  * products, in the same order; threads only share out rows, heads and output rows),

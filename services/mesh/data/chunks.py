@@ -24,16 +24,14 @@ from services.mesh.data.chunk_wire import EncodedChunk, encoded
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
 
-# 1 MiB, measured with benchmarks/transport.py --chunk-sweep (64 MiB through a
+# 1 MiB, chosen with benchmarks/transport.py --chunk-sweep (64 MiB through a
 # real gRPC stream between two processes, the mesh's own encode and decode at
-# both ends, transports in a new random order each round): 1, 2 and 4 MiB are
-# level within this machine's noise (1 MiB had the lowest median in 4 of 5
-# runs), 256-512 KiB pay gRPC's cost per message (10-35 % slower), and 4 MiB and
-# more gain nothing while a 4 MiB chunk no longer fits the 4 MiB message a
-# default gRPC client accepts. Smaller chunks also interleave better with other
-# requests' messages on a shared stream. Swept again once chunks were encoded
-# and read by hand (chunk_wire; 2 runs, p50 ms at 64 MiB): 256 KiB 75-80,
-# 512 KiB 53-54, 1 MiB 44-48, 2 MiB 47-51, 4 MiB 56 (zmq + msgpack 57-60).
+# both ends, transports in a new random order each round; figures in
+# docs/benchmarks.md): 1, 2 and 4 MiB are level within the noise, smaller chunks
+# pay gRPC's cost per message, and 4 MiB and more gain nothing while a 4 MiB chunk
+# no longer fits the 4 MiB message a default gRPC client accepts. Smaller chunks
+# also interleave better with other requests' messages on a shared stream. The
+# sweep held once chunks were encoded and read by hand (chunk_wire).
 CHUNK_BYTES = 1 << 20
 M = TypeVar("M")
 # Destinations from this size up are anonymous mappings advised to use huge pages.

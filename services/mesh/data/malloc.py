@@ -5,8 +5,8 @@ at most 32 MiB) its own mmap, unmaps it when freed, and trims freed heap memory
 back to the system. A tensor stream allocates and frees such buffers all the
 time (each chunk's bytes, each serialized message, each decode buffer), so each
 is fresh memory, and faulting in a fresh page costs more than copying into it:
-64 MiB copied into fresh memory took ~120 ms here against ~20 ms into memory
-malloc kept (benchmarks/transport.py). ``keep_freed_memory`` serves allocations
+several times the copy into memory malloc kept (benchmarks/transport.py; figures
+in docs/benchmarks.md). ``keep_freed_memory`` serves allocations
 up to ``mmap_threshold`` from malloc's heap and keeps up to ``trim_threshold``
 freed bytes mapped for reuse: the price is that a process keeps that much more
 memory resident after a peak. Not glibc: nothing changes.
@@ -19,8 +19,8 @@ to the system (``malloc_trim``), so the peak does not stay resident.
 of its own (up to eight per core), and the free top of a thread's arena is
 returned only by that thread's own frees, past the trim threshold. A stage's
 tensors are decoded and copied in worker threads and gRPC's threads read its
-frames, so after a burst each of them kept tens of MB that no trim returned (the
-thinker: +20 MB a wave of eight 60 MB inputs, wave after wave). ``arenas``
+frames, so after a burst each of them kept tens of MB that no trim returned, more
+with every wave of large inputs (docs/benchmarks.md). ``arenas``
 caps how many there are: with one (``ARENAS``), every free page is the trim's to
 return, and malloc's per-thread caches still serve small allocations without its
 lock (benchmarks/transport.py's mesh bytes moved 64 MiB no slower).
@@ -83,7 +83,8 @@ class FreedMemory:
     ``after_bytes`` is well under one large message: a burst longer than ``most_s``
     is trimmed in its middle, and what its tail frees must still be enough to trim
     again (at 64 MiB, the last 60 MB message of a wave was not, and the process
-    kept ~75 MB: the message's bytes are what it charges, its copies freed more)."""
+    kept what it freed: the message's bytes are what it charges, its copies freed
+    more; docs/benchmarks.md)."""
 
     def __init__(
         self, after_bytes: int = 16 << 20, quiet_s: float = 2.0, most_s: float = 10.0

@@ -67,7 +67,7 @@ class DecodingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         return _strict(handler, self._names.get(method, "request message"))
 
 

@@ -73,10 +73,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        rule = self._rules.get(handler_call_details.method)  # type: ignore[attr-defined]
+        rule = self._rules.get(handler_call_details.method)
         if handler is None or rule is None or not self._auth.enabled:
             return handler
-        return _guarded(handler, self._check(rule, handler_call_details.method))  # type: ignore[attr-defined]
+        return _guarded(handler, self._check(rule, handler_call_details.method))
 
     def _check(
         self, rule: Rule, method: str

@@ -108,7 +108,7 @@ def _part(
         data = media.data
     if not data:
         raise _invalid(f"{where}.data", "empty: the encoded file's bytes are missing")
-    return MediaPart(kind, media_type, data)  # type: ignore[arg-type]
+    return MediaPart(kind, media_type, data)
 
 
 def _pcm(

@@ -26,9 +26,6 @@ from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
-# Per user: a lock dir shared by all users would let one plant links in another's way.
-DEFAULT_LOCK_DIR = environment.LOCK_DIR.default
-
 
 def lock_file_name(device: str) -> str:
     """A file name for ``device`` ("cpu", "cuda:0", a GPU UUID): readable, and with a

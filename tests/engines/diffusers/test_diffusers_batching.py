@@ -22,7 +22,7 @@ from services.engines.base import (
     TensorOutput,
 )
 from services.engines.diffusers import DiffusersEngine
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 
 STEPS = 4
 
@@ -40,7 +40,7 @@ def engine() -> Iterator[DiffusersEngine]:
 def unet_batches(engine: DiffusersEngine) -> Iterator[list[int]]:
     """The batch size of every denoiser forward pass."""
     sizes: list[int] = []
-    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    unet: torch.nn.Module = engine.pipeline.unet
 
     def record(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         sample = args[0] if args else kwargs["sample"]
@@ -109,7 +109,7 @@ async def test_requests_sent_together_share_the_first_call_and_a_full_batch_star
     )
     engine.load(Path("unused-for-dummy"))
     sizes: list[int] = []
-    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    unet: torch.nn.Module = engine.pipeline.unet
     unet.register_forward_pre_hook(lambda _m, args: sizes.append(int(args[0].shape[0])))
     try:
         runs = await asyncio.wait_for(
@@ -136,7 +136,7 @@ async def test_a_cancelled_member_leaves_the_batch_running(
     engine: DiffusersEngine, unet_batches: list[int]
 ) -> None:
     long = {"num_inference_steps": 12, "preview_every": 1}
-    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    unet: torch.nn.Module = engine.pipeline.unet
     blocker_running, released = threading.Event(), threading.Event()
 
     def hold_the_blocker(_module: Any, _args: tuple[Any, ...], _kwargs: dict[str, Any]) -> None:

@@ -26,7 +26,7 @@ from services.engines.base import (
 from services.engines.diffusers import DiffusersEngine, build_dummy_pipeline
 from services.engines.diffusers.images import latent_preview
 from services.mesh.errors import InitFailed, InvalidArgument
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 
 EMBEDS = "inputs.tensors.prompt_embeds"
 NATIVE = 16  # the dummy pipeline's image side: latent 8, VAE factor 2
@@ -70,7 +70,7 @@ def image_of(events: list[EngineEvent]) -> torch.Tensor:
 def unet_calls(engine: DiffusersEngine) -> Iterator[list[int]]:
     """One entry per denoiser forward pass, i.e. per step actually run."""
     calls: list[int] = []
-    unet: torch.nn.Module = engine.pipeline.unet  # type: ignore[attr-defined]
+    unet: torch.nn.Module = engine.pipeline.unet
     handle = unet.register_forward_hook(lambda *_: calls.append(1))
     yield calls
     handle.remove()
@@ -187,9 +187,9 @@ async def assert_worker_idle(engine: DiffusersEngine, calls: list[int]) -> None:
 
 async def test_aclose_stops_the_run(engine: DiffusersEngine, unet_calls: list[int]) -> None:
     stream = generate(engine, request(num_inference_steps=LONG_RUN, preview_every=1))
-    first = await asyncio.wait_for(anext(stream), timeout=30)  # type: ignore[call-overload]
+    first = await asyncio.wait_for(anext(stream), timeout=30)
     assert isinstance(first, ProgressOutput)
-    await stream.aclose()  # type: ignore[attr-defined]
+    await stream.aclose()
     await assert_worker_idle(engine, unet_calls)
     assert len(unet_calls) < LONG_RUN // 2
 
@@ -261,7 +261,7 @@ def test_unknown_engine_args_are_refused_by_name() -> None:
         (request(guidance_scale=-1.0), "params.guidance_scale"),
         (request(seed=-1), "params.seed"),
     ],
-)  # fmt: skip
+)
 def test_check_names_the_bad_field(engine: DiffusersEngine, rq: EngineRequest, field: str) -> None:
     with pytest.raises(InvalidArgument) as caught:
         engine.check(rq)

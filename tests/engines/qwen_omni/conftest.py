@@ -23,7 +23,7 @@ _REFERENCES: dict[str, Reference] = {}
 
 
 @pytest.fixture(scope="session")
-def reference(tiny_omni: Path):  # type: ignore[no-untyped-def]
+def reference(tiny_omni: Path):
     def get(kind: str) -> Reference:
         if kind not in _REFERENCES:
             _REFERENCES[kind] = monolithic(tiny_omni, kind)

@@ -19,9 +19,9 @@ from services.engines.base import (
 )
 from services.engines.defaults import RequestDefaults
 from services.engines.qwen_omni import QwenOmniCode2Wav, QwenOmniTalker, QwenOmniThinker
+from services.testing import engine_runs
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS
-from tests.helpers import engine_runs
-from tests.helpers.engine_runs import collect, generate, tokens_of
 
 
 def settings(**engine_args: Any) -> EngineSettings:

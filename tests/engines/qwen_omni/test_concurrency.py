@@ -14,6 +14,8 @@ import torch
 
 from services.engines.base import EngineRequest, SamplingParams, TensorOutput, TokenOutput
 from services.engines.scheduler import StepTaken
+from services.testing import engine_runs
+from services.testing.engine_runs import collect, generate
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.concurrency import (
     COUNTS,
@@ -23,8 +25,6 @@ from tests.engines.qwen_omni.concurrency import (
     decided,
     omni_request,
 )
-from tests.helpers import engine_runs
-from tests.helpers.engine_runs import collect, generate
 from tests.helpers.polling import eventually
 
 

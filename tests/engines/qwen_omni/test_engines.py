@@ -22,7 +22,7 @@ def engines(tiny_omni: Path) -> tuple[QwenOmniThinker, QwenOmniTalker, QwenOmniC
 
 
 @pytest.mark.parametrize("index, part", [(0, "thinker"), (1, "talker"), (2, "code2wav")])
-def test_each_part_holds_only_its_own_weights(engines, tiny_omni: Path, index, part) -> None:  # type: ignore[no-untyped-def]
+def test_each_part_holds_only_its_own_weights(engines, tiny_omni: Path, index, part) -> None:
     """A part holds exactly the numbers the checkpoint stores under its prefix
     (counted, and summed in float64 so random or missing weights would show;
     names differ: transformers renames experts and prefixes on load), so it
@@ -36,14 +36,14 @@ def test_each_part_holds_only_its_own_weights(engines, tiny_omni: Path, index, p
         mine = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
     assert sum(t.numel() for t in held.values()) == sum(t.numel() for t in mine.values())
 
-    def energy(tensors) -> float:  # type: ignore[no-untyped-def]
+    def energy(tensors) -> float:
         return sum(float(t.double().square().sum()) for t in tensors)
 
     assert energy(held.values()) == pytest.approx(energy(mine.values()), rel=1e-12)
 
 
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])
-async def test_the_parts_in_a_row_equal_the_monolithic_model(engines, reference, kind) -> None:  # type: ignore[no-untyped-def]
+async def test_the_parts_in_a_row_equal_the_monolithic_model(engines, reference, kind) -> None:
     thinker, talker, code2wav = engines
     want = reference(kind)
     thought = await parts.think(thinker, request(kind))
@@ -56,7 +56,7 @@ async def test_the_parts_in_a_row_equal_the_monolithic_model(engines, reference,
 
 
 @pytest.mark.parametrize("sizes", [(1, 3, 8, 5), (8, 8), (40,), (2,) * 10])
-async def test_code_windows_decode_as_chunked_decode(tiny_omni: Path, reference, sizes) -> None:  # type: ignore[no-untyped-def]
+async def test_code_windows_decode_as_chunked_decode(tiny_omni: Path, reference, sizes) -> None:
     """However the codes arrive, the audio is chunked_decode's with the same chunk
     and left context, one segment per chunk (the last one when the input ends)."""
     codes = reference("text").codes
@@ -81,7 +81,7 @@ async def test_bad_codes_are_refused_by_name(tiny_omni: Path) -> None:
             engine.check(EngineRequest("bad", tensors={"codes": bad}))
 
 
-async def test_closing_the_thinker_drops_its_request_at_the_next_step(engines, reference) -> None:  # type: ignore[no-untyped-def]
+async def test_closing_the_thinker_drops_its_request_at_the_next_step(engines, reference) -> None:
     import time
 
     from services.engines.base import TokenOutput

@@ -13,10 +13,10 @@ import torch
 
 from services.engines.base import EngineRequest, FinishOutput, SamplingParams, TensorOutput
 from services.engines.qwen_omni import QwenOmniTalker, QwenOmniThinker
+from services.testing import engine_runs
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.reference import TALKER_TOKENS, THINKER_TOKENS, request
-from tests.helpers import engine_runs
-from tests.helpers.engine_runs import collect, generate, tokens_of
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def _first_new(ids: list[int], at_least: int) -> int:
     return next(i for i in range(at_least, len(ids)) if ids[i] not in ids[:i])
 
 
-async def test_the_thinker_says_eos_at_its_end_token_and_length_at_max_tokens(pair) -> None:  # type: ignore[no-untyped-def]
+async def test_the_thinker_says_eos_at_its_end_token_and_length_at_max_tokens(pair) -> None:
     thinker, _ = pair
     events = await collect(generate(thinker, request("text", "whole")))
     ids, finish = tokens_of(events), events[-1]
@@ -67,7 +67,7 @@ async def _talk(
     return codes, events[-1]
 
 
-async def test_the_talker_says_eos_at_its_codec_end_and_length_at_max_tokens(pair) -> None:  # type: ignore[no-untyped-def]
+async def test_the_talker_says_eos_at_its_codec_end_and_length_at_max_tokens(pair) -> None:
     thinker, talker = pair
     thought = await parts.think(thinker, request("text", "spoken"))
     codes, finish = await _talk(talker, thought, "whole")
@@ -78,5 +78,5 @@ async def test_the_talker_says_eos_at_its_codec_end_and_length_at_max_tokens(pai
     assert 4 < len(codes) < TALKER_TOKENS - 1
     short = len(codes) // 2
     cut, finish = await _talk(talker, thought, "cut", max_tokens=short)
-    assert finish == FinishOutput("length", finish.prompt_tokens, short - 1)  # type: ignore[union-attr]
+    assert finish == FinishOutput("length", finish.prompt_tokens, short - 1)
     assert torch.equal(cut, codes[: short - 1])

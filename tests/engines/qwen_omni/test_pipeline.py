@@ -117,7 +117,7 @@ async def run(
 @pytest.mark.parametrize("kind", ["text", "image", "audio"])
 async def test_text_codes_and_audio_equal_the_monolithic_model(
     mesh, reference, tmp_path, kind, to_talker
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     want = reference(kind)
     result = await run(
         mesh, "code2wav", {"window": 4, "first_window": 2}, tmp_path, kind, to_talker
@@ -136,7 +136,7 @@ async def test_text_codes_and_audio_equal_the_monolithic_model(
 
 async def test_windows_of_codes_decode_as_chunked_decode(
     mesh, reference, tiny_omni, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     from transformers import Qwen3OmniMoeCode2Wav
 
     from services.engines.qwen_omni import loading
@@ -152,7 +152,7 @@ async def test_windows_of_codes_decode_as_chunked_decode(
     assert torch.equal(audio_of(result, "code2wav_8"), chunked)
 
 
-async def test_a_video_is_refused_naming_the_stage_and_kind(mesh) -> None:  # type: ignore[no-untyped-def]
+async def test_a_video_is_refused_naming_the_stage_and_kind(mesh) -> None:
     config = pipeline(
         mesh, ["thinker", "talker", "code2wav"], [TO_TALKER, {"from": "talker", "to": "code2wav"}]
     )
@@ -168,7 +168,7 @@ async def test_a_video_is_refused_naming_the_stage_and_kind(mesh) -> None:  # ty
 
 async def test_concurrent_requests_through_the_mesh_give_what_they_give_alone(
     mesh, alone, tmp_path
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Eight requests at once through the three stage processes and the orchestrator,
     on the streamed edge, one of them cancelled mid-answer: the other seven's text,
     codes and audio are their own served alone (by concurrency.py's rule: every

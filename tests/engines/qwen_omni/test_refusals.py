@@ -46,18 +46,18 @@ def with_part(part: MediaPart) -> EngineRequest:
         (MediaPart("video", "video/mp4", b"..."), r"inputs\.messages\[0\]\.parts\[0\]"),
     ],
 )
-def test_media_it_cannot_read_is_refused_naming_the_part(thinker, part, field) -> None:  # type: ignore[no-untyped-def]
+def test_media_it_cannot_read_is_refused_naming_the_part(thinker, part, field) -> None:
     with pytest.raises(InvalidArgument, match=field):
         thinker.check(with_part(part))
 
 
-def test_pcm_at_another_rate_is_taken(thinker) -> None:  # type: ignore[no-untyped-def]
+def test_pcm_at_another_rate_is_taken(thinker) -> None:
     pcm = torch.sin(torch.arange(24000) / 24000 * 2 * torch.pi * 220)
     plan = thinker.check(with_part(MediaPart("audio", "audio/pcm", pcm=pcm, sample_rate=24000)))
     assert plan.inputs["feature_attention_mask"].sum() == 100  # 1 s at 16 kHz: 100 frames
 
 
-async def test_a_handoff_that_does_not_fit_is_refused(thinker, talker) -> None:  # type: ignore[no-untyped-def]
+async def test_a_handoff_that_does_not_fit_is_refused(thinker, talker) -> None:
     thought = await parts.think(thinker, request("text"))
     hidden = thought.handoff["hidden_states"]
     cases = {

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from services.engines.base import TokenOutput
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.engines.qwen_omni import parts
 from tests.engines.qwen_omni.reference import request
-from tests.helpers.engine_runs import collect, generate, tokens_of
 
 TOKENS = 40  # the old whole-answer decode read up to this many ids at a token
 

@@ -26,7 +26,7 @@ from services.engines.scheduler import Delivery, Limits, Scheduler, StepTaken
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.runners import runner_for
 from services.engines.transformers.text_request import TextRequest
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import TINY_LLAMA
 
 # Far longer than any test here takes: a scheduler that waited this long would fail it.
 LONG_GATHER_S = 120.0

@@ -16,8 +16,8 @@ from hibari import Hibari
 
 from orchestrator.client import Result
 from services.mesh import wav
+from services.testing.configs import stage_config
 from tests.engines.speech.conftest import speaker_config
-from tests.helpers.stage import stage_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}

@@ -23,11 +23,11 @@ from hibari.voices import voice_path
 from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import write_config
 from tests.engines.speech.conftest import speaker_config
 from tests.engines.speech.test_speaker_stage import audio_pieces, run, submit
 from tests.helpers.fake_hub import FakeHub
 from tests.helpers.http_server import FileServer
-from tests.helpers.stage import write_config
 
 TEXT = "I can't schedule a tomato for the garage."
 PACKAGED = Path(voice_path("heart"))

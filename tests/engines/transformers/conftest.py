@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.engines.base import EngineSettings
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.loading import converted_folder
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import TINY_LLAMA
 from tests.helpers.text_engine import Tiny
 
 

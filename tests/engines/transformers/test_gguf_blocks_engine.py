@@ -22,9 +22,9 @@ from services.engines.transformers.loading import converted_folder
 from services.engines.transformers.weights.blocks import BlockLinear
 from services.engines.transformers.weights.packed import PackedLinear, bfloat16_supported
 from services.mesh.errors import InitFailed
-from tests.helpers.chat_prompts import CHAT_PROMPTS
-from tests.helpers.engine_runs import collect, generate, tokens_of
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.chat_prompts import CHAT_PROMPTS
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import collect, generate, tokens_of
 
 needs_kernels = pytest.mark.skipif(
     kernels.unavailable() is not None,

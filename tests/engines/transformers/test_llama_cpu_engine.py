@@ -25,9 +25,9 @@ from services.engines.transformers.loading import model_info
 from services.engines.transformers.runners import runner_name
 from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner, llama_cpu_refuses
 from services.engines.transformers.weights.blocks import BlockLinear
-from tests.helpers.chat_prompts import CHAT_PROMPTS
-from tests.helpers.engine_runs import generate
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.chat_prompts import CHAT_PROMPTS
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import generate
 from tests.helpers.text_engine import collect
 
 MAX_TOKENS = 16

@@ -16,9 +16,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams, TokenOutput
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.weights.packed import PackedLinear, pack_linears
-from tests.helpers.engine_runs import generate
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close, assert_same_choices, row_errors
-from tests.helpers.stage import TINY_LLAMA
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about rain.", "Why is the sky blue?"]
 

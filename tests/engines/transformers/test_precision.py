@@ -25,9 +25,10 @@ from services.mesh.rpc.stage_client import StageClient
 from services.mesh.tensors import codec
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.configs import TINY_LLAMA, stage_config
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.helpers.float_error import assert_float32_close, row_errors
-from tests.helpers.stage import TINY_LLAMA, chat, stage_config
+from tests.helpers.stage import chat
 from tests.helpers.stage import collect as collect_stream
 
 needs_bf16 = pytest.mark.skipif(

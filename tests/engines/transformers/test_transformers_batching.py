@@ -25,9 +25,9 @@ from services.engines.base import (
 from services.engines.scheduler import StepTaken
 from services.engines.transformers import TransformersEngine
 from services.mesh.errors import InvalidArgument
-from tests.helpers.engine_runs import generate
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import generate
 from tests.helpers.float_error import assert_float32_close
-from tests.helpers.stage import TINY_LLAMA
 from tests.helpers.text_engine import Result, collect
 
 PROMPTS = [

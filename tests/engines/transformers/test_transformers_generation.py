@@ -16,9 +16,9 @@ from services.engines.base import EngineSettings, FinishOutput, SamplingParams, 
 from services.engines.defaults import RequestDefaults
 from services.engines.transformers import TransformersEngine
 from services.engines.transformers.loading import converted_folder
-from tests.helpers.engine_runs import generate
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import generate
 from tests.helpers.reference_answer import ReferenceLM
-from tests.helpers.stage import TINY_LLAMA
 from tests.helpers.text_engine import FRANCE, GREEDY, collect, req
 
 

@@ -14,8 +14,8 @@ from services.engines.transformers import TransformersEngine
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.loading import converted_folder, kernels_refuse
 from services.mesh.errors import InitFailed
-from tests.helpers.engine_runs import generate
-from tests.helpers.stage import TINY_LLAMA
+from services.testing.configs import TINY_LLAMA
+from services.testing.engine_runs import generate
 from tests.helpers.text_engine import Tiny, collect, req
 
 

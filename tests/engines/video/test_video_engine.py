@@ -28,7 +28,7 @@ from services.mesh.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from tests.helpers.engine_runs import generate
+from services.testing.engine_runs import generate
 
 ARGS = {"dim": 16, "heads": 2, "blocks": 4, "window_frames": 2}
 

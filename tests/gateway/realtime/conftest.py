@@ -20,9 +20,9 @@ import pytest_asyncio
 
 from orchestrator.cli.processes import StageProcess
 from services.mesh.rpc.stage_client import StageClient
+from services.testing.configs import stage_config, write_config
 from tests.engines.speech.conftest import speaker_config
 from tests.gateway.conftest import Mesh, mesh_over
-from tests.helpers.stage import stage_config, write_config
 from tests.orchestrator.cli.test_up import read_until
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}

@@ -43,7 +43,7 @@ def spoken_chat(mesh: Mesh, messages: list[dict[str, Any]], max_tokens: int) -> 
     client = OpenAI(base_url=mesh.base_url, api_key="x", max_retries=0, timeout=120)
     answer = client.chat.completions.create(
         model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"},
         max_tokens=max_tokens,

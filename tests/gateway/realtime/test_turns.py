@@ -21,7 +21,7 @@ def chat(mesh: Mesh, messages: list[dict[str, Any]], max_tokens: int) -> Any:
     client = OpenAI(base_url=mesh.base_url, api_key="x", max_retries=0, timeout=120)
     return client.chat.completions.create(
         model=MODEL,
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"},
         max_tokens=max_tokens,

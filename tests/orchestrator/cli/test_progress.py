@@ -24,9 +24,9 @@ import yaml
 
 from orchestrator.cli.progress import ProgressView, render, short_source
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.testing.configs import stage_config, write_config
 from tests.helpers.http_server import FileServer
 from tests.helpers.models import tar_folder, tiny_llama_folder
-from tests.helpers.stage import stage_config, write_config
 
 OMNI = str(Path(sys.executable).parent / "omni")
 COLUMNS = 80

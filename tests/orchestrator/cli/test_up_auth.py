@@ -15,7 +15,7 @@ import yaml
 
 from orchestrator.client import AsyncClient
 from services.mesh.security import client_dialing
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 from tests.orchestrator.cli.test_up_trust import omni_up, tiny_pipeline, up_to_the_end
 
 

@@ -25,7 +25,7 @@ from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.data.node import node_identity
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, client_dialing
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 from tests.orchestrator.cli.test_up import read_until, shm_blocks
 
 OMNI = str(Path(sys.executable).parent / "omni")

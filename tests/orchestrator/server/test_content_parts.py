@@ -1,6 +1,6 @@
 """Chat content parts end to end: a client sends text, an image and audio through
 a real orchestrator to real stages, and the stage's engine reports what it got
-(tests/helpers/media_engine.py): kinds, media types, bytes and PCM, in order.
+(services/testing/media_engine.py): kinds, media types, bytes and PCM, in order.
 
 Both servers here accept messages of at most 2 MiB, so the 5 MiB image (and the
 2.8 MB of PCM) arrive only because they travelled as chunks (client ->
@@ -42,7 +42,7 @@ def sha(data: bytes) -> str:
 def stage_file(name: str, engine: str, cache: Path) -> dict[str, Any]:
     return {
         "name": name,
-        "engine": f"tests.helpers.media_engine:{engine}",
+        "engine": f"services.testing.media_engine:{engine}",
         "load_format": "dummy",
         "cache_dir": str(cache),
         "runtime": {"max_message_bytes": LIMIT, "max_batch_size": 4},

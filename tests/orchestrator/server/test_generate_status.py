@@ -16,8 +16,8 @@ import pytest
 
 from orchestrator.client import Client
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.testing.configs import tiny_config
 from tests.helpers.grpcurl import GRPCURL, json_stream
-from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline
 
 METHOD_STREAM = "omni.v1.Orchestrator/GenerateStream"

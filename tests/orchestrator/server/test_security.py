@@ -25,8 +25,8 @@ from services.mesh.security import Dialing, SecuritySettings, client_dialing, me
 from services.mesh.security.certs import MeshCA
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
+from services.testing.configs import tiny_config, write_config
 from tests.helpers.grpcurl import GRPCURL
-from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import Stages
 
 
@@ -51,7 +51,7 @@ class Mesh:
             tls_ca=cert.ca,
             mesh_token_file=self.mesh_token,
             tokens_file=self.tokens_file,
-            **extra,  # type: ignore[arg-type]
+            **extra,
         )
 
     def client(self, address: str, who: str | None) -> AsyncClient:

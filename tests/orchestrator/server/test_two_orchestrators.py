@@ -23,8 +23,8 @@ from orchestrator.client import AsyncClient, Result
 from services.mesh.pb.externalscaler import externalscaler_pb2 as pb
 from services.mesh.pb.externalscaler.externalscaler_pb2_grpc import ExternalScalerStub
 from services.mesh.pb.omni.v1 import orchestrator_pb2
+from services.testing.configs import tiny_config
 from tests.helpers.polling import eventually
-from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import Stages
 
 LONG = {"max_tokens": 5000}  # runs until stopped, on this tiny model (seconds at least)

@@ -9,7 +9,8 @@ from pathlib import Path
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.stage import Result, chat, collect, tiny_config
+from services.testing.configs import tiny_config
+from tests.helpers.stage import Result, chat, collect
 
 MAX_TOKENS = 13  # a first token, then three full segments of 4
 

@@ -16,7 +16,8 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.stage import chat, collect, tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
+from tests.helpers.stage import chat, collect
 
 MAX_MESSAGE = 64 << 20  # the stage's default runtime.max_message_bytes
 RUNNING_TOKENS = 200

@@ -11,7 +11,8 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.stage import chat, collect, tiny_config
+from services.testing.configs import tiny_config
+from tests.helpers.stage import chat, collect
 
 
 async def start(config: dict[str, Any]) -> tuple[StageServer, StageClient]:
@@ -79,7 +80,7 @@ async def test_queue_ms_counts_the_wait_for_a_place_in_the_batch(
         await server.stop(1.0)
     done = [r.completed for r in results.values()]
     assert all(d is not None for d in done)
-    first, second = sorted(done, key=lambda d: d.timings.queue_ms)  # type: ignore[union-attr]
+    first, second = sorted(done, key=lambda d: d.timings.queue_ms)
     assert first is not None and second is not None
     # One request at a time: the second waited in the engine while the first ran.
     assert second.timings.queue_ms >= 0.5 * first.timings.total_ms

@@ -13,7 +13,8 @@ from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.stage import chat, tiny_config
+from services.testing.configs import tiny_config
+from tests.helpers.stage import chat
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 
 async def failed_init(config: Path, env: dict[str, str] | None = None) -> stage_pb2.InitEvent:

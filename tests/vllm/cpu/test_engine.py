@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from services.engines.base import EngineEvent, EngineSettings, FinishOutput, TokenOutput
 from services.engines.vllm import VllmEngine, cpu
-from tests.helpers.engine_runs import collect, generate, tokens_of
+from services.testing.engine_runs import collect, generate, tokens_of
 from tests.helpers.polling import eventually
 from tests.helpers.reference_answer import ReferenceLM
 from tests.helpers.vllm_parts import embeds_request, request

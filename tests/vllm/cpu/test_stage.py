@@ -21,7 +21,8 @@ from services.engines.vllm import cpu
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.__main__ import EXIT_ENGINE_DEAD
-from tests.helpers.stage import chat, collect, write_config
+from services.testing.configs import write_config
+from tests.helpers.stage import chat, collect
 from tests.vllm.cpu.conftest import QUESTION
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -29,8 +29,8 @@ from services import kernels
 QK = 32  # weights per block, both formats
 # Rows from which a product dequantises the weight (into a reused scratch) for
 # torch's GEMM instead. A prefill's weights come from memory, not cache: over all of
-# SmolLM2-135M's layers the kernel took 0.41-0.8x the time of dequantise + GEMM from
-# 16 to 128 rows and about the same from 192 (2 threads, a quiet 2-core EPYC).
+# SmolLM2-135M's layers the kernel was faster than dequantise + GEMM up to 128 rows
+# and no faster from 192 (docs/benchmarks.md).
 MANY_ROWS = 128
 # GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
 Q4_1, Q8_0 = 3, 8

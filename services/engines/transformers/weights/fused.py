@@ -20,7 +20,7 @@ def fuse(modules: list[nn.Module]) -> tuple[Callable[[torch.Tensor], torch.Tenso
     kind: the blocks are concatenated by rows and each module's buffers become views
     of its rows (no second copy). Otherwise their outputs are concatenated."""
     sizes = [_out_features(m) for m in modules]
-    if all(type(m) is BlockLinear for m in modules) and len({m.kind for m in modules}) == 1:  # type: ignore[union-attr]
+    if all(type(m) is BlockLinear for m in modules) and len({m.kind for m in modules}) == 1:
         blocks = [m for m in modules if isinstance(m, BlockLinear)]
         biases = [m.bias for m in blocks]
         fused = BlockLinear(

@@ -3,10 +3,9 @@
 A batched decode step multiplies a few rows (one per running request) by every
 weight of the model. torch's default CPU linear hands that to MKL's sgemm, which
 re-lays the whole weight out into its blocked format on every call once there is
-more than one row: on SmolLM2-135M with one thread a 4-row step cost 1.7x a 1-row
-one, so batching paid back little. Packing each weight into oneDNN's blocked
-layout once, at load, removes that per-call copy: the same 4-row step costs about
-1.3x a 1-row one and an 8-row step about 1.6x (``benchmarks/stage_batching.py``
+more than one row, so batching paid back little. Packing each weight into oneDNN's
+blocked layout once, at load, removes that per-call copy, so a few rows cost little
+more than one (figures in docs/benchmarks.md; ``benchmarks/stage_batching.py``
 measures the effect through a stage).
 
 The packed weight replaces the original (no second copy), except where the
@@ -16,7 +15,7 @@ twice.
 
 A bfloat16 model (``dtype: bfloat16``) is packed the same way where the CPU has
 native bfloat16 kernels (AVX-512 BF16, AMX): half the bytes per token, and a
-decode step on SmolLM2-135M about 1.8x faster than float32's. Elsewhere oneDNN
+faster decode step than float32's (docs/benchmarks.md). Elsewhere oneDNN
 would emulate bfloat16, so the model is left unpacked.
 """
 

@@ -71,7 +71,7 @@ def fetch_hub(source: str, hook: DownloadHook, *, progress_interval_s: float) ->
             revision=revision,
             cache_dir=cache_dir,
             local_files_only=offline,
-            tqdm_class=bars.bar_class,  # type: ignore[arg-type]
+            tqdm_class=bars.bar_class,
             endpoint=os.environ.get("HF_ENDPOINT") or None,
         )
     except LocalEntryNotFoundError as exc:

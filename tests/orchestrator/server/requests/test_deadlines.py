@@ -19,7 +19,7 @@ from orchestrator.server.requests.client_input import single
 from orchestrator.server.requests.sink import EventSink
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.rpc.stage_client import StageClient, chat_submit
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 
 
 @pytest.fixture(scope="module")

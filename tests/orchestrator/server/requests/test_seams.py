@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.client import Result
-from tests.helpers.stage import tiny_config
+from services.testing.configs import tiny_config
 from tests.orchestrator.conftest import Stages, orchestrator, pipeline, renderer_config
 
 ROOT = Path(__file__).resolve().parents[4]

@@ -24,7 +24,7 @@ from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
-from tests.helpers.stage import tiny_config, write_config
+from services.testing.configs import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
 from tests.orchestrator.server.stages.test_stage_loss import orchestrator_health, wait_for
 

@@ -16,8 +16,8 @@ from orchestrator.cli.processes import OrchestratorProcess
 from orchestrator.client import AsyncClient
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.telemetry import tracing
+from services.testing.configs import tiny_config
 from tests.helpers.otlp import OtlpReceiver, Received
-from tests.helpers.stage import tiny_config
 from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
 
 ORCHESTRATOR = "omni-orchestrator-traced"

@@ -19,10 +19,10 @@ from orchestrator.cli.processes import StageProcess
 from orchestrator.server.stages.monitor import StageMonitor, StageTarget
 from orchestrator.server.stages.watchdog import InitTimeout, WatchdogSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.testing.configs import stage_config, tiny_config, write_config
 from tests.helpers.http_server import FileServer
 from tests.helpers.lock_holder import lock_held
 from tests.helpers.models import tar_folder, tiny_llama_folder
-from tests.helpers.stage import stage_config, tiny_config, write_config
 
 STARTING = orchestrator_pb2.STAGE_STARTING
 READY = orchestrator_pb2.STAGE_READY

@@ -15,8 +15,8 @@ from orchestrator.client import Result
 from orchestrator.server.pipeline import parse_pipeline
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import KEEPALIVE_S
+from services.testing.configs import tiny_config, write_config
 from tests.helpers.polling import eventually
-from tests.helpers.stage import tiny_config, write_config
 from tests.orchestrator.conftest import orchestrator
 
 

@@ -30,8 +30,9 @@ from services.mesh.tensors.transport import TensorReceiver
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from services.stage.serving.tensor_io import StageTensors
+from services.testing.configs import tiny_config
 from tests.helpers.shm_blocks import blocks_of, remove_mesh
-from tests.helpers.stage import chat, collect, tiny_config
+from tests.helpers.stage import chat, collect
 from tests.mesh.test_shm import made_name
 
 

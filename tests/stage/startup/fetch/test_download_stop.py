@@ -14,8 +14,8 @@ from orchestrator.cli.processes import StageProcess
 from services.mesh.pb.omni.v1 import stage_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.stage.startup.fetch import fetch_model
+from services.testing.configs import write_config
 from tests.helpers.http_server import FileServer
-from tests.helpers.stage import write_config
 
 ROOT = Path(__file__).resolve().parents[4]
 SIZE = 8 << 20
@@ -71,7 +71,7 @@ async def test_sigterm_during_a_download_stops_the_stage_and_keeps_the_partial(
         assert code == 0 and took < GRACE_S, f"exit {code} after {took:.1f}s"
         assert 0 < kept < SIZE
         # The next start resumes where this one stopped.
-        server.rate_bps = server.hang_after = None  # type: ignore[assignment]
+        server.rate_bps = server.hang_after = None
         result = await asyncio.to_thread(
             fetch_model, server.url("model.bin"), cache, NoHook(), stall_timeout_s=10
         )

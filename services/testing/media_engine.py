@@ -1,5 +1,5 @@
 """A plug-in engine that takes text, images and audio and answers with what it got
-(``engine: "tests.helpers.media_engine:MediaEngine"``), so a test asserts on the
+(``engine: "services.testing.media_engine:MediaEngine"``), so a test asserts on the
 receiving side: each turn's role and text, and each part in order with its kind,
 media type, size and SHA-256 of its bytes (PCM: of its float32 samples, with
 dtype, shape and sample rate). The answer is that record as JSON, in one token.
@@ -22,7 +22,7 @@ from services.engines.base import (
     MediaPart,
     TokenOutput,
 )
-from tests.helpers.fake_engine import FakeEngine
+from services.testing.fake_engine import FakeEngine
 
 
 def part_record(part: str | MediaPart) -> dict[str, Any]:
@@ -86,6 +86,6 @@ class MediaEngine(TextOnlyEngine):
 
     def __init__(self, settings: EngineSettings) -> None:
         super().__init__(settings)
-        kinds = dict(settings.engine_args).get("accepts")  # type: ignore[arg-type]
+        kinds = dict(settings.engine_args).get("accepts")
         if kinds is not None:
             self.accepts = frozenset(kinds)
