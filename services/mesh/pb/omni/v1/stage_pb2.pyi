@@ -408,3 +408,13 @@ class AbortResponse(_message.Message):
     aborted: _containers.RepeatedScalarFieldContainer[str]
     not_found: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aborted: _Optional[_Iterable[str]] = ..., not_found: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    def __init__(self, held: _Optional[int] = ...) -> None: ...
