@@ -5,7 +5,8 @@ an ``ipv4:`` list, a ``dns:`` name looked up again every ``resolve_s``) or, for 
 stage that names its Pods, the ready ones the Kubernetes API shows (``kube_source``;
 DNS again where the API cannot be asked, said once), gives
 each (``replica``) its own channel, asks each one's grpc health every
-``health_poll_s`` on it, and picks the replica a new request goes to (``pick``,
+``health_poll_s`` on it (and a READY one's Load: what it holds, every client's),
+and picks the replica a new request goes to (``pick``,
 by ``routing``), waiting a while for one that takes requests.
 
 Who hears of what: ``on_lost`` when a replica goes DOWN (what it held is failed
@@ -20,9 +21,11 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
+import grpc
+
 from orchestrator.stages.health_probe import HealthProbe
 from orchestrator.stages.kube_source import KubeSettings, PodReplica, PodWatch
-from orchestrator.stages.replica import DOWN, Replica
+from orchestrator.stages.replica import DOWN, READY, Replica
 from orchestrator.stages.resolver import Lookup, Target, pinned_dialing, system_lookup
 from orchestrator.stages.routing import ReplicaChooser, Routing
 from services.mesh.pb.omni.v1 import orchestrator_pb2
@@ -282,10 +285,25 @@ class ReplicaSet:
             timeout_s=self.settings.health_timeout_s,
             metadata=replica.client.metadata,
         )
+        asks_load = True  # until it says it has no Load (a stage from before it)
         while True:
             if replica.observe(await probe.not_serving()):
                 self._state_changed(replica)
+            if replica.state == READY and asks_load:
+                asks_load = await self._ask_load(replica)
             await asyncio.sleep(self.settings.health_poll_s)
+
+    async def _ask_load(self, replica: Replica) -> bool:
+        """What ``replica`` holds now, every client's; False when it has no Load."""
+        try:
+            load = await replica.client.load(self.settings.health_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("stage %s: %s does not say its load", self.stage, replica.name)
+                return False
+            return True  # its health says what is wrong; its last word stands meanwhile
+        replica.reported(load.held)
+        return True
 
     def _state_changed(self, replica: Replica) -> None:
         logger.info(
