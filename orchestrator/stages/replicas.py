@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from orchestrator.stages.health_probe import HealthProbe
+from orchestrator.stages.health_probe import Down, HealthProbe
 from orchestrator.stages.kube_source import KubeSettings, PodReplica, PodWatch
 from orchestrator.stages.replica import DOWN, READY, Replica
 from orchestrator.stages.resolver import Lookup, Target, pinned_dialing, system_lookup
@@ -182,6 +182,12 @@ class ReplicaSet:
             for r in self.replicas.values()
         )
         return f"stage {self.stage} has no ready replica ({states})"
+
+    def refused(self, replica: Replica, why: str) -> None:
+        """``replica`` refused a request as not serving (draining, say): it is taken
+        at its word before its health says so, until its health says it serves."""
+        if replica.observe(Down(f"it refused a request: {why}")):
+            self._state_changed(replica)
 
     def released(self, replica: Replica) -> None:
         """A request on ``replica`` ended: one no longer listed leaves once idle."""
