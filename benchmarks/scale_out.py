@@ -1,11 +1,13 @@
 """Scale out: every replica of a stage serves, and requests go where there is room.
 
-    python benchmarks/scale_out.py [--replicas 8] [--requests 256] [--mix-replicas 4]
+    python benchmarks/scale_out.py [--mode spread|first-request|rolling]
+        [--replicas 8] [--requests 256] [--mix-replicas 4] [--rolling-replicas 3]
         [--runs 3] [--out FILE]
 
 Real stage processes (a tiny random-weight Llama on SmolLM2's tokenizer, one
 request at a time each: ``max_batch_size: 1``) on 127.0.0.1, 127.0.0.2, … behind
-one ``ipv4:`` address, and an in-process orchestrator:
+one ``ipv4:`` address, and an in-process orchestrator. ``--mode spread`` (the
+default), parts 1 and 2:
 
 1. ``--replicas`` replicas, ``--requests`` short requests 32 at a time: requests
    each replica served (the orchestrator's count, ListStages) per run. Targets:
@@ -14,6 +16,18 @@ one ``ipv4:`` address, and an in-process orchestrator:
    64 short ones (2 tokens) arriving every 20 ms, once with least-outstanding routing
    and once round robin, side by side in each run: p99 of the short ones' latency.
    Target: least-outstanding <= 0.6x round robin.
+
+Replicas coming and going under a steady load (4 clients, each sending its next
+request as its last one ends; ``_replica_turnover``), each replica on its own
+loopback address, all on one port:
+
+3. ``--mode first-request``: 2 replicas serve; a third starts. Seconds from its
+   READY (its InitStatus) to its first request (the orchestrator's count), on an
+   ``ipv4:`` address that lists it from the start, and on a ``dns:`` name whose
+   answer lists it once it is ready (looked up again every 5 s). Target: <= 2 s.
+4. ``--mode rolling``: ``--rolling-replicas`` replicas, each replaced in turn as a
+   rolling update does (the new one READY, then the old one SIGTERM: it drains),
+   one answer in 8 long (32 tokens). Requests failed (target: 0) and served.
 
 Figures on a shared machine are noisy: ranges over ``--runs``.
 """
@@ -29,6 +43,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks import _replica_turnover as turnover
 from benchmarks._common import table, write_json
 from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
@@ -155,21 +170,46 @@ def span(values: list[float]) -> str:
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         config = stage_file(Path(folder), args.cache_dir)
-        processes = [StageProcess(config, host=f"127.0.0.{i + 1}") for i in range(args.replicas)]
-        try:
-            addresses = await start_replicas(processes)
-            runs: list[dict[str, Any]] = []
-            for _ in range(args.runs):
-                run = {"spread": await spread(addresses, args.requests)}
-                subset = addresses[: args.mix_replicas]
-                run["least_outstanding"] = await mix(subset, "least_outstanding")
-                run["round_robin"] = await mix(subset, "round_robin")
-                lo, rr = run["least_outstanding"], run["round_robin"]
-                run["p99_ratio"] = lo["short_p99_s"] / rr["short_p99_s"]
-                runs.append(run)
-        finally:
-            await asyncio.gather(*(p.stop(2.0) for p in processes))
-    rows = [
+        if args.mode == "spread":
+            runs = await spread_runs(config, args)
+            rows, name = spread_rows(runs, args), "scale_out"
+        else:
+            slots = turnover.Slots(config, turnover.free_port())
+            try:
+                if args.mode == "first-request":
+                    runs = await first_request_runs(slots, args)
+                    rows, name = first_request_rows(runs), "scale_out_first_request"
+                else:
+                    runs = await rolling_runs(slots, args)
+                    rows, name = rolling_rows(runs, args), "scale_out_rolling"
+            finally:
+                await slots.close()
+    print(table(rows, ["measure", "runs", "target"]))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    path = write_json(name, {"args": settings, "runs": runs}, args.out)
+    print(f"\nwritten to {path}")
+
+
+async def spread_runs(config: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    processes = [StageProcess(config, host=f"127.0.0.{i + 1}") for i in range(args.replicas)]
+    try:
+        addresses = await start_replicas(processes)
+        runs: list[dict[str, Any]] = []
+        for _ in range(args.runs):
+            run = {"spread": await spread(addresses, args.requests)}
+            subset = addresses[: args.mix_replicas]
+            run["least_outstanding"] = await mix(subset, "least_outstanding")
+            run["round_robin"] = await mix(subset, "round_robin")
+            lo, rr = run["least_outstanding"], run["round_robin"]
+            run["p99_ratio"] = lo["short_p99_s"] / rr["short_p99_s"]
+            runs.append(run)
+    finally:
+        await asyncio.gather(*(p.stop(2.0) for p in processes))
+    return runs
+
+
+def spread_rows(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [
         {
             "measure": f"{args.replicas} replicas: replicas serving",
             "runs": ", ".join(str(r["spread"]["serving"]) for r in runs),
@@ -196,10 +236,70 @@ async def main(args: argparse.Namespace) -> None:
             "target": "<= 0.6",
         },
     ]
-    print(table(rows, ["measure", "runs", "target"]))
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    path = write_json("scale_out", {"args": settings, "runs": runs}, args.out)
-    print(f"\nwritten to {path}")
+
+
+async def first_request_runs(
+    slots: turnover.Slots, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    for slot in (1, 2):  # one by one: torch imported twice at once crawls on two cores
+        await slots.start(slot)
+    runs = []
+    for _ in range(args.runs):
+        runs.append({t: await turnover.first_request(slots, t) for t in ("ipv4", "dns")})
+    return runs
+
+
+def first_request_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for target, how in (("ipv4", "listed before it starts"), ("dns", "looked up every 5 s")):
+        rows.append(
+            {
+                "measure": f"{target} ({how}): READY -> first request (s)",
+                "runs": ", ".join(f"{r[target]['ready_to_first_request_s']:.2f}" for r in runs),
+                "target": "<= 2",
+            }
+        )
+    rows.append(
+        {
+            "measure": "requests failed meanwhile",
+            "runs": ", ".join(str(r["ipv4"]["failed"] + r["dns"]["failed"]) for r in runs),
+            "target": "0",
+        }
+    )
+    return rows
+
+
+async def rolling_runs(slots: turnover.Slots, args: argparse.Namespace) -> list[dict[str, Any]]:
+    count = args.rolling_replicas
+    old, new = list(range(1, count + 1)), list(range(count + 1, 2 * count + 1))
+    for slot in old:
+        await slots.start(slot)
+    runs = []
+    for _ in range(args.runs):  # each run replaces the last one's replicas
+        runs.append(await turnover.rolling(slots, old, new))
+        old, new = new, old
+    return runs
+
+
+def rolling_rows(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    count = args.rolling_replicas
+    return [
+        {
+            "measure": f"rolling replacement of {count}: requests failed",
+            "runs": ", ".join(str(r["failed"]) for r in runs),
+            "target": "0",
+        },
+        {
+            "measure": "requests served",
+            "runs": ", ".join(str(r["served"]) for r in runs),
+            "target": "",
+        },
+        {
+            "measure": "replacement took (s)",
+            "runs": span([r["seconds"] for r in runs]),
+            "target": "",
+        },
+    ]
 
 
 if __name__ == "__main__":
@@ -207,6 +307,8 @@ if __name__ == "__main__":
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--mix-replicas", type=int, default=4)
+    parser.add_argument("--mode", choices=["spread", "first-request", "rolling"], default="spread")
+    parser.add_argument("--rolling-replicas", type=int, default=3)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache-dir", default=".cache")
     parser.add_argument("--out", type=Path)

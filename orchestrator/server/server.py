@@ -29,6 +29,7 @@ from orchestrator.server.scaling.keda import SCALER, ExternalScaler
 from orchestrator.server.servicer import OrchestratorServicer
 from orchestrator.server.stages.monitor import StageMonitor, StageTarget
 from orchestrator.server.stages.replicas import ReplicaSet, ReplicaSettings
+from orchestrator.server.stages.resolver import Lookup, system_lookup
 from orchestrator.server.stages.watchdog import WatchdogSettings
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.chunks import CHUNK_BYTES
@@ -75,6 +76,7 @@ class OrchestratorServer:
         chunk_bytes: int = CHUNK_BYTES,
         security: SecuritySettings | None = None,
         peers: str = "",
+        lookup: Lookup = system_lookup,
     ) -> None:
         missing = [s.name for s in pipeline.stages if not s.address]
         if missing:
@@ -124,6 +126,7 @@ class OrchestratorServer:
                 dialing,
                 ReplicaSettings(routing=s.routing, affinity=s.affinity),
                 pods=s.pods,
+                lookup=lookup,
             )
             for s in pipeline.stages
         }

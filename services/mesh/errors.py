@@ -41,6 +41,11 @@ class Unavailable(OmniError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotServing(Unavailable):
+    """The stage serves no request now (draining, not ready, its engine dead) and
+    refused this one before any of it ran: another replica may take it."""
+
+
 class FailedPrecondition(OmniError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
@@ -86,6 +91,7 @@ def wire_error(request_id: str, exc: BaseException) -> stage_pb2.Error:
         code_name=code.name,
         message=message,
         field=field,
+        not_serving=isinstance(exc, NotServing),
     )
 
 

@@ -55,7 +55,7 @@ MAX_GRPC_BYTES = (1 << 31) - 1  # gRPC's message length limit is an int
 # InitStatus stay open: probes and operators watch a stage come up with them.
 MESH_ONLY = {
     f"/{STAGE_SERVICE}/{method}": mesh_only
-    for method in ("Generate", "Abort", "ReleaseTensors", "Describe")
+    for method in ("Generate", "Abort", "ReleaseTensors", "Describe", "Load")
 }
 
 
@@ -114,6 +114,11 @@ class StageServicer(stage_pb2_grpc.StageServicer):
         released = self._tensors.release(owner, list(request.names))
         return stage_pb2.ReleaseTensorsResponse(released=released)
 
+    async def Load(
+        self, request: stage_pb2.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> stage_pb2.StageLoad:
+        return stage_pb2.StageLoad(held=self._runtime.in_flight)
+
     async def Abort(
         self, request: stage_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> stage_pb2.AbortResponse:
@@ -156,6 +161,11 @@ def add_stage_servicer(servicer: StageServicer, server: grpc.aio.Server) -> None
             servicer.ReleaseTensors,
             request_deserializer=stage_pb2.ReleaseTensorsRequest.FromString,
             response_serializer=stage_pb2.ReleaseTensorsResponse.SerializeToString,
+        ),
+        "Load": grpc.unary_unary_rpc_method_handler(
+            servicer.Load,
+            request_deserializer=stage_pb2.LoadRequest.FromString,
+            response_serializer=stage_pb2.StageLoad.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(

@@ -6,8 +6,10 @@ every request on it) and a reader task hands each output to its request
 Stopping one request sends its Cancel on the stream, never cancels the stream.
 A stream that breaks (the replica restarted or died, a reset, UNAVAILABLE)
 fails the requests on it, each with ``StreamBroken``, except one that may move
-(``RequestStream.movable``): ``stage_mux`` posts that one to another replica. A
-retired stream takes no new requests and is half-closed after its last one.
+(``RequestStream.movable``): ``stage_mux`` posts that one to another replica. So
+does a request the replica refused as not serving (``Error.not_serving``: it
+is draining, say, and its health has not said so yet). A retired stream takes no
+new requests and is half-closed after its last one.
 """
 
 from __future__ import annotations
@@ -40,13 +42,20 @@ _CROSSING = frozenset({"cancel.request_id", "submit.input_ended"})
 class ReplicaStream:
     """One Generate call to one replica: a writer task owns its writes, a reader
     task routes its outputs. ``move`` takes a request that may go elsewhere when
-    the stream breaks (True: it went)."""
+    the stream breaks (True: it went); ``refused`` one the replica refused as not
+    serving, with why (True: it went)."""
 
-    def __init__(self, replica: Replica, move: Callable[[RequestStream, Replica], bool]) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        move: Callable[[RequestStream, Replica], bool],
+        refused: Callable[[RequestStream, Replica, str], bool],
+    ) -> None:
         self.replica = replica
         self.stage = stage = replica.stage
         client = replica.client
         self._move = move
+        self._refused = refused
         self.opened_at = time.monotonic()
         self.retired = False
         self.broken: StreamBroken | None = None
@@ -177,9 +186,21 @@ class ReplicaStream:
                 request.deliver(exc)
                 return
         if kind in _FINAL:
-            request.final = True
             del self._requests[rid]
+            if kind == "error" and self._moved_on_refusal(request, output.error):
+                return
+            request.final = True
         request.deliver(output)
+
+    def _moved_on_refusal(self, request: RequestStream, error: stage_pb2.Error) -> bool:
+        """A request the replica refused as not serving before any of it ran goes to
+        another replica if it may move (True: it went)."""
+        if not (error.not_serving and request.movable):
+            return False
+        if not self._refused(request, self.replica, error.message):
+            return False
+        self._finish_if_idle()
+        return True
 
     def fail(self, broken: StreamBroken) -> None:
         """End the stream's requests with ``broken`` (or move them) and take no more."""

@@ -8,10 +8,12 @@ stream per request per stage cost more than the messages themselves (issue 11).
 
 When a stream breaks, a request the replica had said nothing of whose only
 Submit is still in hand moves to another READY replica; the next request opens
-a new stream. A replica found DOWN fails (or moves) what it held at once, not
-when keepalive notices. A stream older than ``MAX_AGE_S`` takes no new requests
-and is half-closed after its last one (the stage's connection age ends it
-otherwise).
+a new stream. So does such a request the replica refused as not serving
+(draining before its health said so): the replica takes no new request until
+its health says it serves. A replica found DOWN fails (or moves) what it held
+at once, not when keepalive notices. A stream older than ``MAX_AGE_S`` takes no
+new requests and is half-closed after its last one (the stage's connection age
+ends it otherwise).
 """
 
 from __future__ import annotations
@@ -78,21 +80,27 @@ class StageStreams:
             self._retired.add(stream)
         self.opened[replica.stage] = self.opened.get(replica.stage, 0) + 1
         self._retired = {s for s in self._retired if s.broken is None}
-        stream = self._streams[replica] = ReplicaStream(replica, self._move)
+        stream = self._streams[replica] = ReplicaStream(replica, self._move, self._refused)
         return stream
 
     def _move(self, request: RequestStream, broken_at: Replica) -> bool:
         """A request the broken replica had said nothing of goes to another READY one."""
+        return self._elsewhere(request, broken_at, "broke before it started")
+
+    def _refused(self, request: RequestStream, replica: Replica, why: str) -> bool:
+        """``replica`` refused ``request`` as not serving: it gets no new request
+        until its health says it serves, and the request moves (True: it went)."""
+        self._replicas[replica.stage].refused(replica, why)
+        return self._elsewhere(request, replica, "refused it as not serving")
+
+    def _elsewhere(self, request: RequestStream, left: Replica, how: str) -> bool:
         if self._stopping:
             return False
-        replica = self._replicas[broken_at.stage].choose_now(exclude=(broken_at,))
+        replica = self._replicas[left.stage].choose_now(exclude=(left,))
         if replica is None:
             return False
         logger.info(
-            "request %s: %s broke before it started; moved to %s",
-            request.request_id,
-            broken_at.name,
-            replica.address,
+            "request %s: %s %s; moved to %s", request.request_id, left.name, how, replica.address
         )
         request.moved(self._stream(replica))
         return True

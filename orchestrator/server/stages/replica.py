@@ -6,7 +6,8 @@ stage's address (or its Pod: not Ready, being deleted) no longer lists it (it
 finishes what it holds, gets nothing new); DOWN when nothing answers at its
 address (what it held is failed or moved). Its load is this orchestrator's
 requests on it: in flight, and of those the ones it has said nothing of yet
-(queued).
+(queued); and what it says it holds, every client's (``held``, its Load): those
+beyond this orchestrator's are outstanding work there too (``outstanding``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Replica:
         self.in_flight = 0
         self.queued = 0  # in flight, nothing heard from it yet
         self.served = 0
+        self.held = 0  # requests it said it holds, every client's (its last Load)
+        self._others = 0  # of those, not this orchestrator's
         self.finished_at = 0.0  # when a request last ended there (time.monotonic)
         self.picked = 0  # when it was last chosen (its ReplicaChooser's count)
 
@@ -63,6 +66,18 @@ class Replica:
             self.queued -= 1
         if self.in_flight == 0 and not self.listed:
             self._on_idle(self)
+
+    def reported(self, held: int) -> None:
+        """It says it holds ``held`` requests, every client's: those beyond this
+        orchestrator's in flight now are others' (another orchestrator's), until it
+        says again."""
+        self.held = held
+        self._others = max(0, held - self.in_flight)
+
+    @property
+    def outstanding(self) -> int:
+        """The work on it now: this orchestrator's requests and others' (as it last said)."""
+        return self.in_flight + self._others
 
     def observe(self, down: Down | None) -> bool:
         """Its state after a health answer (``down``: why it does not serve, None
@@ -98,4 +113,5 @@ class Replica:
             served=self.served,
             pod=self.pod,
             node=self.node,
+            held=self.held,
         )

@@ -5,7 +5,8 @@ an ``ipv4:`` list, a ``dns:`` name looked up again every ``resolve_s``) or, for 
 stage that names its Pods, the ready ones the Kubernetes API shows (``kube_source``;
 DNS again where the API cannot be asked, said once), gives
 each (``replica``) its own channel, asks each one's grpc health every
-``health_poll_s`` on it, and picks the replica a new request goes to (``pick``,
+``health_poll_s`` on it (and a READY one's Load: what it holds, every client's),
+and picks the replica a new request goes to (``pick``,
 by ``routing``), waiting a while for one that takes requests.
 
 Who hears of what: ``on_lost`` when a replica goes DOWN (what it held is failed
@@ -20,9 +21,11 @@ import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from orchestrator.server.stages.health_probe import HealthProbe
+import grpc
+
+from orchestrator.server.stages.health_probe import Down, HealthProbe
 from orchestrator.server.stages.kube_source import KubeSettings, PodReplica, PodWatch
-from orchestrator.server.stages.replica import DOWN, Replica
+from orchestrator.server.stages.replica import DOWN, READY, Replica
 from orchestrator.server.stages.resolver import Lookup, Target, pinned_dialing, system_lookup
 from orchestrator.server.stages.routing import ReplicaChooser, Routing
 from services.mesh.pb.omni.v1 import orchestrator_pb2
@@ -180,6 +183,12 @@ class ReplicaSet:
         )
         return f"stage {self.stage} has no ready replica ({states})"
 
+    def refused(self, replica: Replica, why: str) -> None:
+        """``replica`` refused a request as not serving (draining, say): it is taken
+        at its word before its health says so, until its health says it serves."""
+        if replica.observe(Down(f"it refused a request: {why}")):
+            self._state_changed(replica)
+
     def released(self, replica: Replica) -> None:
         """A request on ``replica`` ended: one no longer listed leaves once idle."""
         if not replica.listed and replica.in_flight == 0:
@@ -282,10 +291,25 @@ class ReplicaSet:
             timeout_s=self.settings.health_timeout_s,
             metadata=replica.client.metadata,
         )
+        asks_load = True  # until it says it has no Load (a stage from before it)
         while True:
             if replica.observe(await probe.not_serving()):
                 self._state_changed(replica)
+            if replica.state == READY and asks_load:
+                asks_load = await self._ask_load(replica)
             await asyncio.sleep(self.settings.health_poll_s)
+
+    async def _ask_load(self, replica: Replica) -> bool:
+        """What ``replica`` holds now, every client's; False when it has no Load."""
+        try:
+            load = await replica.client.load(self.settings.health_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                logger.info("stage %s: %s does not say its load", self.stage, replica.name)
+                return False
+            return True  # its health says what is wrong; its last word stands meanwhile
+        replica.reported(load.held)
+        return True
 
     def _state_changed(self, replica: Replica) -> None:
         logger.info(

@@ -1,9 +1,10 @@
 """Which replica of a stage a new request goes to: the routing policy and affinity.
 
 Among the replicas that take requests (READY and still listed): the one with
-the least outstanding work (requests in flight; ties between idle ones to the one
-given a request least recently, between busy ones to the one that finished a
-request last), or each in turn (``round_robin``, for comparison). With affinity,
+the least outstanding work (this orchestrator's requests in flight, and those of
+other clients it says it holds; ties between idle ones to the one given a request
+least recently, between busy ones to the one that finished a request last), or
+each in turn (``round_robin``, for comparison). With affinity,
 a conversation's requests go to the replica its last one went to, while that
 one takes requests; the ``MAX_AFFINITY_KEYS`` most recent conversations are
 remembered. Waiting until some replica takes requests is the ReplicaSet's
@@ -65,7 +66,7 @@ class ReplicaChooser:
         # to the one that finished a request last: one held by a long answer has not,
         # and a request sent there would queue behind it.
         chosen = min(
-            ready, key=lambda r: (r.in_flight, -r.finished_at if r.in_flight else r.picked)
+            ready, key=lambda r: (r.outstanding, -r.finished_at if r.outstanding else r.picked)
         )
         chosen.picked = next(self._picks)
         return chosen

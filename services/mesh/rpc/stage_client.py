@@ -73,8 +73,9 @@ class StageClient:
     ``route_by_health`` (the orchestrator's): new Generate streams go on a second
     channel that picks only replicas whose readiness is SERVING, so a replica that
     is starting, waiting for its device or draining gets no new request, while
-    InitStatus, health, Describe, Abort and ReleaseTensors keep the plain channel,
-    which reaches a replica in any state (a draining one still frees its blocks).
+    InitStatus, health, Describe, Load, Abort and ReleaseTensors keep the plain
+    channel, which reaches a replica in any state (a draining one still frees its
+    blocks).
     """
 
     def __init__(
@@ -139,6 +140,11 @@ class StageClient:
 
     async def describe(self) -> stage_pb2.StageDescription:
         return await self.stub.Describe(stage_pb2.DescribeRequest(), metadata=self.metadata)
+
+    async def load(self, timeout_s: float | None = None) -> stage_pb2.StageLoad:
+        return await self.stub.Load(
+            stage_pb2.LoadRequest(), timeout=timeout_s, metadata=self.metadata
+        )
 
     async def abort(self, *request_ids: str) -> stage_pb2.AbortResponse:
         request = stage_pb2.AbortRequest(request_ids=request_ids)

@@ -28,7 +28,7 @@ from services.engines.base import (
 from services.engines.capabilities import HoldsInputBack, KeepsRequestState, planned
 from services.mesh.data.byte_budget import InputBudget
 from services.mesh.data.malloc import FreedMemory
-from services.mesh.errors import Cancelled, EngineDead, OmniError, Unavailable
+from services.mesh.errors import Cancelled, EngineDead, NotServing, OmniError, Unavailable
 from services.stage.config import StageConfig
 from services.stage.serving import observe
 from services.stage.serving.admission import Admission
@@ -86,11 +86,11 @@ class StageRuntime:
         """Refuse new work while the stage cannot serve it."""
         name = self.config.name
         if self.death is not None:
-            raise Unavailable(f"stage {name}: the engine died ({self.death.message})")
+            raise NotServing(f"stage {name}: the engine died ({self.death.message})")
         if self.draining:
-            raise Unavailable(f"stage {name} is draining")
+            raise NotServing(f"stage {name} is draining")
         if not self.ready:
-            raise Unavailable(f"stage {name} is not ready: {self.not_ready_reason}")
+            raise NotServing(f"stage {name} is not ready: {self.not_ready_reason}")
 
     async def start(
         self,

@@ -124,6 +124,7 @@ async def test_stage_with_mesh_token_refuses_strangers_but_not_probes(mesh: Mesh
         assert first.phase == stage_pb2.STARTING
         for call in (
             client.describe(),
+            client.load(),
             client.abort("x"),
             client.release_tensors(stage_pb2.ReleaseTensorsRequest(request_id="x")),
         ):
@@ -142,6 +143,7 @@ async def test_stage_with_mesh_token_refuses_strangers_but_not_probes(mesh: Mesh
             await client.describe()
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     async with StageClient(address, mesh_dialing(mesh.settings())) as client:
+        assert (await client.load()).held == 0  # the mesh may ask what it holds
         outputs = [o async for o in client.generate(chat_submit("s2", "hi", max_tokens=3))]
         assert outputs[-1].WhichOneof("kind") == "completed"
         assert sum(len(o.segment.token_ids) for o in outputs) == 3

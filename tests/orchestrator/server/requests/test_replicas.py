@@ -26,7 +26,7 @@ from orchestrator.server.stages.replicas import ReplicaSet, ReplicaSettings
 from orchestrator.server.stages.resolver import Target
 from services.engines.base import EngineEvent, EnginePlan
 from services.mesh.pb.omni.v1 import orchestrator_pb2
-from services.mesh.rpc.stage_client import StageClient
+from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.engines import ScriptedEngine
@@ -229,6 +229,40 @@ async def test_a_dead_replica_fails_only_what_it_held_and_a_request_it_had_not_s
                 assert again.ok, again.done
     finally:
         await killed.stop(1.0)
+
+
+async def test_a_replica_holding_another_clients_requests_gets_no_new_one(
+    tmp_path: Path, omni_cache_dir: Path
+) -> None:
+    """Replica a, listed first, holds two long requests of another client (a second
+    orchestrator, say): it says so (Load) and ListStages shows it; this orchestrator,
+    which has nothing on either replica, sends its requests to b. Both are processes."""
+    config = tmp_path / "solo.yaml"
+    config.write_text(yaml.safe_dump(scripted(omni_cache_dir)))
+    processes = [StageProcess(config, host=f"127.0.0.{host}") for host in (1, 2)]
+    try:
+        a, b = [await process.start() for process in processes]
+        async with StageClient(a) as other:
+            await other.wait_ready(timeout_s=60)
+            held = [other.generate(chat_submit(f"other-{i}", "hold")) for i in range(2)]
+            for stream in held:  # its one token: running there
+                assert (await anext(stream)).WhichOneof("kind") == "segment"
+            async with orchestrator(solo(f"ipv4:{a},{b}")) as (_server, client):
+                await all_ready(client, 2)
+
+                async def a_says_two() -> bool:
+                    return (await replica_view(client))[a].held == 2
+
+                await eventually(a_says_two, 10, message="a's load never shown")
+                results = [await client.generate("Hi").collect() for _ in range(4)]
+                assert all(r.ok for r in results), [r.done for r in results]
+                view = await replica_view(client)
+            for stream in held:
+                await stream.aclose()
+        assert (view[a].served, view[b].served) == (0, 4)
+        assert (view[a].in_flight, view[b].held) == (0, 0)
+    finally:
+        await asyncio.gather(*(process.stop(1.0) for process in processes))
 
 
 def free_port() -> int:

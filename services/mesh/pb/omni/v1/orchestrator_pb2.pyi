@@ -157,7 +157,7 @@ class StageStatus(_message.Message):
     def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "state", "in_flight", "queued", "message", "served", "pod", "node")
+    __slots__ = ("address", "state", "in_flight", "queued", "message", "served", "pod", "node", "held")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class ReplicaStatus(_message.Message):
     SERVED_FIELD_NUMBER: _ClassVar[int]
     POD_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     address: str
     state: ReplicaState
     in_flight: int
@@ -174,7 +175,8 @@ class ReplicaStatus(_message.Message):
     served: int
     pod: str
     node: str
-    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., message: _Optional[str] = ..., served: _Optional[int] = ..., pod: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    held: int
+    def __init__(self, address: _Optional[str] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., message: _Optional[str] = ..., served: _Optional[int] = ..., pod: _Optional[str] = ..., node: _Optional[str] = ..., held: _Optional[int] = ...) -> None: ...
 
 class ListStagesRequest(_message.Message):
     __slots__ = ()

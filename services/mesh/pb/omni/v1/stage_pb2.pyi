@@ -254,18 +254,20 @@ class Completed(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class Error(_message.Message):
-    __slots__ = ("request_id", "code", "code_name", "message", "field")
+    __slots__ = ("request_id", "code", "code_name", "message", "field", "not_serving")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     CODE_NAME_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     FIELD_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     code: int
     code_name: str
     message: str
     field: str
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ...) -> None: ...
+    not_serving: bool
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., code_name: _Optional[str] = ..., message: _Optional[str] = ..., field: _Optional[str] = ..., not_serving: _Optional[bool] = ...) -> None: ...
 
 class StageOutput(_message.Message):
     __slots__ = ("segment", "progress", "completed", "error", "chunk")
@@ -408,3 +410,13 @@ class AbortResponse(_message.Message):
     aborted: _containers.RepeatedScalarFieldContainer[str]
     not_found: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, aborted: _Optional[_Iterable[str]] = ..., not_found: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageLoad(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    def __init__(self, held: _Optional[int] = ...) -> None: ...

@@ -66,6 +66,11 @@ class StageStub:
                 request_serializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.SerializeToString,
                 response_deserializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.FromString,
                 _registered_method=True)
+        self.Load = channel.unary_unary(
+                '/omni.v1.Stage/Load',
+                request_serializer=omni_dot_v1_dot_stage__pb2.LoadRequest.SerializeToString,
+                response_deserializer=omni_dot_v1_dot_stage__pb2.StageLoad.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -139,6 +144,15 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Load(self, request, context):
+        """The requests it holds now, every client's: the orchestrator asks each
+        replica with its health and counts those of other clients (another
+        orchestrator's) as work there when it picks where a request goes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -166,6 +180,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.ReleaseTensors,
                     request_deserializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.FromString,
                     response_serializer=omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.SerializeToString,
+            ),
+            'Load': grpc.unary_unary_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=omni_dot_v1_dot_stage__pb2.LoadRequest.FromString,
+                    response_serializer=omni_dot_v1_dot_stage__pb2.StageLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -309,6 +328,33 @@ class Stage:
             '/omni.v1.Stage/ReleaseTensors',
             omni_dot_v1_dot_stage__pb2.ReleaseTensorsRequest.SerializeToString,
             omni_dot_v1_dot_stage__pb2.ReleaseTensorsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/omni.v1.Stage/Load',
+            omni_dot_v1_dot_stage__pb2.LoadRequest.SerializeToString,
+            omni_dot_v1_dot_stage__pb2.StageLoad.FromString,
             options,
             channel_credentials,
             insecure,
