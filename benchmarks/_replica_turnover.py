@@ -19,8 +19,8 @@ import grpc
 
 from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.server import OrchestratorServer
 from orchestrator.server.pipeline import parse_pipeline
+from orchestrator.server.server import OrchestratorServer
 from orchestrator.server.stages.resolver import Lookup, system_lookup
 from services.mesh.pb.omni.v1.orchestrator_pb2 import REPLICA_READY
 from services.mesh.rpc.stage_client import StageClient

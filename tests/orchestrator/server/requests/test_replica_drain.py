@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.cli.processes import StageProcess
 from orchestrator.client import AsyncClient
-from orchestrator.server import OrchestratorServer
+from orchestrator.server.server import OrchestratorServer
 from orchestrator.server.stages.replica import DRAINING
 from services.mesh.rpc.stage_client import StageClient
 from tests.helpers.polling import eventually
