@@ -252,7 +252,8 @@ async def test_relayed_big_messages_give_their_memory_back_wave_after_wave(up: U
         relayed = [o for o in outcomes if o.startswith("done INVALID_ARGUMENT: stage thinker")]
         # Read one at a time (a caller's quarter of the budget holds one); a message
         # that waited past the first-message deadline is refused, nothing of it read.
-        assert relayed and all(o in relayed or o.startswith("RESOURCE_EXHAUSTED") for o in outcomes)
+        others = [o for o in outcomes if o not in relayed and not o.startswith("RESOURCE_")]
+        assert relayed and not others, f"wave {wave}: {len(relayed)} relayed; others: {others}"
         assert "inputs.tensors.x" in relayed[0], relayed[0]
         # The peak: what the budget admits at once, plus the message being read
         # (gRPC's slices and their join, Python's bytes, the parsed message).
