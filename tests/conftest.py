@@ -10,6 +10,24 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# --- which tests run alone (owner: CI, .ci/run) ------------------------------------
+
+# The suite runs in two passes: everything else on two workers (pytest -n 2, each file
+# whole on one worker, so a module's mesh is started once), then these by themselves.
+# They load the whole machine on purpose (the siege, the soak), build images and run
+# containers, or compile the kernels: beside another worker they would measure it.
+ALONE = ("tests/containers/", "tests/hostile/", "tests/kernels/test_library.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(REPO).as_posix().startswith(ALONE):
+            item.add_marker(pytest.mark.alone)
+
+
+# --- end of which tests run alone --------------------------------------------------
+
+
 # --- models and caches (owner: transformers engine) ------------------------------
 
 

@@ -21,141 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import grpc
-from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.client.audio import AudioFiles
-from orchestrator.client.content import fill, needs_stream
+from orchestrator.client.content import needs_stream
+from orchestrator.client.requests import make_request, stream_inputs
+from orchestrator.client.results import Result
 from orchestrator.client.targets import CLIENT_OPTIONS, target
-from services.mesh.data import media_wire
-from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.errors import status_code
-from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2, tensor_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2, orchestrator_pb2_grpc, stage_pb2
 from services.mesh.security import PLAINTEXT, Dialing, token_metadata
 
 DEFAULT_ADDRESS = "127.0.0.1:50050"
 ORCHESTRATOR_SERVICE = "omni.v1.Orchestrator"  # its readiness in grpc health
-MAX_CHUNKED_BYTES = 16 << 30
-Params = stage_pb2.GenerationParams | Mapping[str, Any] | None
-
-
-@dataclass
-class StageResult:
-    """What one output stage produced for a request."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    tensors: dict[str, list[tensor_pb2.Tensor]] = field(default_factory=dict)
-    blobs: list[tensor_pb2.Blob] = field(default_factory=list)
-    progress: int = 0
-    completed: stage_pb2.Completed | None = None
-
-
-@dataclass
-class Result:
-    """Every event of one request, by stage, and its final status."""
-
-    stages: dict[str, StageResult] = field(default_factory=dict)
-    done: orchestrator_pb2.Done | None = None
-    # Where each output stage's audio is written as it arrives (orchestrator/client/audio.py,
-    # <audio_dir>/<request id>-<stage>.wav); None: kept in ``stages`` only.
-    audio_dir: Path | None = None
-    audio: AudioFiles | None = None
-    # Tensors and blobs too large for one message arrive as chunks before their segment.
-    _chunks: ChunkAssembler = field(default_factory=lambda: ChunkAssembler(MAX_CHUNKED_BYTES))
-
-    @property
-    def ok(self) -> bool:
-        return self.done is not None and self.done.code == 0
-
-    def add(self, event: orchestrator_pb2.GenerateEvent) -> None:
-        kind = event.WhichOneof("kind")
-        if kind == "done":
-            self.done = event.done
-            if self.audio is not None:
-                self.audio.close()
-            return
-        if kind == "chunk":
-            self._chunks.add(event.chunk)
-            return
-        stage = self.stages.setdefault(event.stage, StageResult())
-        if kind == "segment":
-            seg = event.segment
-            self._chunks.resolve(seg.tensors, "segment.tensors")
-            self._chunks.resolve_blobs(seg.blobs, "segment.blobs")
-            stage.text += seg.text_delta
-            stage.token_ids.extend(seg.token_ids)
-            for tensor in seg.tensors:
-                stage.tensors.setdefault(tensor.name, []).append(tensor)
-            stage.blobs.extend(seg.blobs)
-            if self.audio_dir is not None:
-                self.audio = self.audio or AudioFiles(self.audio_dir)
-                self.audio.add(event.stage, seg)
-        elif kind == "progress":
-            stage.progress += 1
-        elif kind == "completed":
-            stage.completed = event.completed
-
-
-def make_request(
-    prompt: str | None = None,
-    *,
-    inputs: stage_pb2.StageInputs | None = None,
-    params: Params = None,
-    stage_params: Mapping[str, Params] | None = None,
-    request_id: str = "",
-    media: Sequence[stage_pb2.ContentPart] = (),
-    stage: str = "",
-    affinity_key: str = "",
-) -> orchestrator_pb2.GenerateRequest:
-    """A GenerateRequest; a plain prompt is sent as one user chat message, with
-    ``media`` (orchestrator/client/content.py) as its first parts when given. ``stage``:
-    run that stage alone (its inputs and ``params`` are the request's).
-    ``affinity_key``: one conversation's (its stages with affinity keep it on one replica)."""
-    request = orchestrator_pb2.GenerateRequest(
-        request_id=request_id, stage=stage, affinity_key=affinity_key
-    )
-    if inputs is not None:
-        request.inputs.CopyFrom(inputs)
-    if prompt is not None or media:
-        text = () if prompt is None else (prompt,)
-        fill(request.inputs.messages.add(role="user"), *media, *text)
-    if params:
-        request.params.CopyFrom(_params(params))
-    for stage, values in (stage_params or {}).items():
-        request.stage_params[stage].CopyFrom(_params(values))
-    return request
-
-
-def stream_inputs(
-    request: orchestrator_pb2.GenerateRequest,
-) -> list[orchestrator_pb2.StreamInput]:
-    """``request`` as GenerateStream messages: its large media as TensorChunks, then
-    its one Submit (under a new id when it has none: a stream's Submit needs one).
-    The media are moved out of ``request`` (it holds chunk refs after): copying
-    them first would cost more than sending them."""
-    chunks = [orchestrator_pb2.StreamInput(chunk=c) for c in media_wire.split(request.inputs)]
-    last = orchestrator_pb2.StreamInput()
-    submit = last.submit
-    submit.request_id, submit.is_last = request.request_id or uuid.uuid4().hex, True
-    submit.inputs.CopyFrom(request.inputs)
-    submit.params.CopyFrom(request.params)
-    for stage, params in request.stage_params.items():
-        last.stage_params[stage].CopyFrom(params)
-    return [*chunks, last]
-
-
-def _params(values: Params) -> stage_pb2.GenerationParams:
-    if isinstance(values, stage_pb2.GenerationParams):
-        return values
-    return json_format.ParseDict(dict(values or {}), stage_pb2.GenerationParams())
 
 
 def _repeats(error: grpc.RpcError, done: orchestrator_pb2.Done | None) -> bool:

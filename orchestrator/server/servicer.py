@@ -193,7 +193,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> orchestrator_pb2.PauseGenerationResponse:
         metadata = context.invocation_metadata()
         if not self._peers.is_self(metadata):
-            self._router.pause()
+            self._router.generation.pause()
             if forwarded_by(metadata) is None:  # every orchestrator holds its own new requests
                 await self._peers.pause(passed_on(metadata))
         return orchestrator_pb2.PauseGenerationResponse(paused=True)
@@ -203,7 +203,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     ) -> orchestrator_pb2.ResumeGenerationResponse:
         metadata = context.invocation_metadata()
         if not self._peers.is_self(metadata):
-            self._router.resume()
+            self._router.generation.resume()
             if forwarded_by(metadata) is None:
                 await self._peers.resume(passed_on(metadata))
         return orchestrator_pb2.ResumeGenerationResponse(paused=False)

@@ -1,6 +1,6 @@
 """Requests in flight across the mesh: starts each one's flow, aborts them,
-holds new ones while generation is paused or a stage they need is not ready (a
-bounded wait: ``gate``), and fails the ones a lost stage held.
+holds new ones while generation is paused (``pause``) or a stage they need is
+not ready (a bounded wait: ``gate``), and fails the ones a lost stage held.
 
 Every request ends in exactly one Done on its sink, whatever happens: its stages'
 outcome, an abort, a lost stage, the orchestrator stopping (UNAVAILABLE).
@@ -28,6 +28,7 @@ from orchestrator.server.pipeline import PipelineConfig
 from orchestrator.server.requests import observe
 from orchestrator.server.requests.errors import NotStarted
 from orchestrator.server.requests.flow import Describe, RequestFlow
+from orchestrator.server.requests.pause import Pause
 from orchestrator.server.requests.sink import EventSink
 from orchestrator.server.requests.stage_mux import StageStreams
 from orchestrator.server.requests.topology import Topology, unoffered
@@ -91,8 +92,7 @@ class Router:
         max_pause_s: float = 300.0,
     ) -> None:
         self._topology = Topology.of(pipeline)
-        self._max_pause_s = max_pause_s
-        self._paused_at: float | None = None
+        self.generation = Pause(max_pause_s, clock)  # PauseGeneration's hold on new requests
         self._clients = clients
         self.streams = StageStreams(replicas)  # every request's streams to the replicas
         self._gate = gate
@@ -107,9 +107,6 @@ class Router:
         # Stage ids: unique to this router (several orchestrators may share a stage).
         self._tag = secrets.token_hex(4)
         self._serial = itertools.count(1)
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self.held_by_pause = 0  # requests waiting for ResumeGeneration now
         self._stopping = False
         self.completed = 0
         # Seconds upstream reads waited on each edge's high watermark ("a->b"), summed.
@@ -123,46 +120,6 @@ class Router:
     def stopping(self) -> bool:
         """``stop()`` has begun: no new request, and those in flight are ending."""
         return self._stopping
-
-    @property
-    def paused(self) -> bool:
-        return not self._resumed.is_set()
-
-    def pause(self) -> None:
-        if self._paused_at is None:
-            self._paused_at = self._clock()
-        self._resumed.clear()
-
-    def resume(self) -> None:
-        self._paused_at = None
-        self._resumed.set()
-
-    async def _wait_resumed(self) -> None:
-        """Wait while paused, but never past max_pause_s from the pause: a mesh
-        paused and forgotten answers UNAVAILABLE rather than holding requests forever."""
-        if self._paused_at is None:
-            return
-        self.held_by_pause += 1
-        try:
-            await self._wait_resume()
-        finally:
-            self.held_by_pause -= 1
-
-    async def _wait_resume(self) -> None:
-        while self._paused_at is not None:
-            left = self._paused_at + self._max_pause_s - self._clock()
-            if left <= 0:
-                raise NotStarted(
-                    "",
-                    Unavailable(
-                        f"generation is paused (for over max_pause_s={self._max_pause_s:g}s)"
-                    ),
-                )
-            try:
-                async with asyncio.timeout(left):
-                    await self._resumed.wait()
-            except TimeoutError:
-                continue
 
     def start(
         self,
@@ -223,7 +180,7 @@ class Router:
         try:
             if entry.silent or entry.stopped_by is not None:
                 raise asyncio.CancelledError  # stopped before it began: as if now
-            await self._wait_resumed()
+            await self.generation.wait()
             await self._gate.until_ready(flow.topology.order, flow.deadline)
             self._check_transforms(flow.topology)
             done = await flow.run()

@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import grpc
 
 from orchestrator.server.stages.health_probe import Down, HealthProbe
+from orchestrator.server.stages.phase_metrics import PhaseDurations
 from orchestrator.server.stages.status_feed import StatusFeed
 from orchestrator.server.stages.watchdog import Watchdog, WatchdogSettings
 from services.mesh.errors import DeadlineExceeded, InitFailed, OmniError, Unavailable
-from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
+from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.mesh.rpc.stage_client import StageClient
 from services.mesh.security import PLAINTEXT, Dialing
-from services.mesh.telemetry import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class StageMonitor:
         self._last_state = STARTING
         self._last_published = 0.0
         self._unreachable_logged = False
-        self._recorded_mono = -1.0  # the last init event recorded as a metric
+        self._phases = PhaseDurations(target.name)  # init phase durations as metrics
         # Every replica's status, shown in the stage's (``replicas.ReplicaSet``).
         self.replicas: Callable[[], list[orchestrator_pb2.ReplicaStatus]] = list
 
@@ -307,8 +307,8 @@ class StageMonitor:
                 self._down = self._refused = None
                 self.lost = False
                 self._watchdog.restart()
-                self._recorded_mono = -1.0
-            self._record_phase(event)
+                self._phases.new_process()
+            self._phases.record(event)
             before = self._key()
             self._watchdog.observe(event)
             if self._key() != before:  # replays change nothing and publish nothing
@@ -316,16 +316,6 @@ class StageMonitor:
         if self._watchdog.state == STARTING:  # the stream ended before READY or FAILED
             self._watchdog.stream_lost("InitStatus ended early: plain deadline")
             self._publish()
-
-    def _record_phase(self, event: stage_pb2.InitEvent) -> None:
-        """Init phase durations as metrics, each event once (InitStatus replays them)."""
-        if not tracing.ENABLED or event.monotonic_s <= self._recorded_mono:
-            return
-        self._recorded_mono = event.monotonic_s
-        if event.duration_ms:
-            phase = stage_pb2.InitPhase.Name(event.phase)
-            attributes = {"omni.stage": self.target.name, "omni.init.phase": phase}
-            metrics.INIT_PHASE_DURATION.record(event.duration_ms / 1e3, attributes)
 
     def _key(self) -> tuple[object, ...]:
         w = self._watchdog

@@ -62,7 +62,7 @@ async def test_pause_holds_new_requests_until_resume(stages) -> None:
     async with orchestrator(config) as (server, client):
         await client.pause()
         pending = asyncio.ensure_future(client.generate("Hi", params={"max_tokens": 2}).collect())
-        await eventually(lambda: server.router.held_by_pause == 1, 30, message="never held")
+        await eventually(lambda: server.router.generation.held == 1, 30, message="never held")
         assert not pending.done()  # held at the pause, before any stage saw it
         await client.resume()
         assert (await asyncio.wait_for(pending, 30)).ok

@@ -73,12 +73,13 @@ def window(rid: str, sequence: int, nbytes: int) -> orchestrator_pb2.StreamInput
 async def test_windows_waiting_for_a_paused_mesh_are_capped_per_stream(stages) -> None:
     config = pipeline(stages, ["thinker"], [], runtime={"max_input_bytes": 8 * MIB})
     async with orchestrator(config) as (server, client):
-        server.router.pause()  # nothing reaches the stages: windows wait in the orchestrator
+        # Nothing reaches the stages: windows wait in the orchestrator.
+        server.router.generation.pause()
         call = client.stub.GenerateStream()
         for sequence in range(3):
             await call.write(window("flood", sequence, 3 * MIB))
         events = await barrier(call, "sync")
-        server.router.resume()
+        server.router.generation.resume()
         # The request ends in its own task: before or after the barrier's answer.
         while not any(e.done.request_id == "flood" for e in events):
             events.append(await call.read())

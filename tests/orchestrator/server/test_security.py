@@ -5,58 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from orchestrator.cli.processes import StageProcess
-from orchestrator.client import AsyncClient
-from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient, chat_submit
-from services.mesh.security import Dialing, SecuritySettings, client_dialing, mesh_dialing
+from services.mesh.security import Dialing, mesh_dialing
 from services.mesh.security.certs import MeshCA
 from services.stage.config import load_stage_config
 from services.stage.server import StageServer
 from services.testing.configs import tiny_config, write_config
 from tests.helpers.grpcurl import GRPCURL
-from tests.orchestrator.conftest import Stages
-
-
-class Mesh:
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self.ca = MeshCA(folder / "pki")
-        self.orchestrator_cert = self.ca.issue("orchestrator")
-        self.mesh_token = folder / "mesh-token"
-        self.mesh_token.write_text(secrets.token_hex(24) + "\n")
-        self.tokens = {name: secrets.token_hex(20) for name in ("alice", "bob", "root")}
-        self.tokens_file = folder / "tokens.yaml"
-        entries = [{"name": n, "token": t, "admin": n == "root"} for n, t in self.tokens.items()]
-        self.tokens_file.write_text(yaml.safe_dump({"tokens": entries}))
-        self.stages = Stages(folder)
-
-    def settings(self, **extra: object) -> SecuritySettings:
-        cert = self.orchestrator_cert
-        return SecuritySettings(
-            tls_cert=cert.cert,
-            tls_key=cert.key,
-            tls_ca=cert.ca,
-            mesh_token_file=self.mesh_token,
-            tokens_file=self.tokens_file,
-            **extra,
-        )
-
-    def client(self, address: str, who: str | None) -> AsyncClient:
-        token = self.tokens[who] if who else None
-        return AsyncClient(address, client_dialing(token=token, ca=self.ca.ca))
+from tests.orchestrator.server.secure_mesh import Mesh, pipeline, serve
 
 
 @pytest.fixture(scope="module")
@@ -93,22 +60,6 @@ async def mesh(
         yield mesh
     finally:
         await mesh.stages.stop()
-
-
-def _pipeline(mesh: Mesh, stage: str):
-    address = mesh.stages.addresses[stage].replace("127.0.0.1", "localhost")
-    return parse_pipeline(
-        {"name": "secure", "stages": [{"name": stage, "address": address}]}, "secure.yaml"
-    )
-
-
-async def _serve(mesh: Mesh, stage: str, **extra: object) -> tuple[OrchestratorServer, str]:
-    """An orchestrator over one of the stages (the talker: mTLS; the thinker: token)."""
-    server = OrchestratorServer(_pipeline(mesh, stage), security=mesh.settings(**extra))
-    port = await server.start("127.0.0.1", 0)
-    async with mesh.client(f"localhost:{port}", "root") as client:
-        await client.wait_ready(timeout_s=60)
-    return server, f"localhost:{port}"
 
 
 async def test_stage_with_mesh_token_refuses_strangers_but_not_probes(mesh: Mesh) -> None:
@@ -169,7 +120,7 @@ async def test_stage_with_mtls_needs_a_mesh_certificate(mesh: Mesh) -> None:
 
 
 async def test_tokens_ownership_and_admin_pause(mesh: Mesh) -> None:
-    server, address = await _serve(mesh, "talker", max_pause_s=0.5)
+    server, address = await serve(mesh, "talker", max_pause_s=0.5)
     try:
         async with mesh.client(address, None) as anonymous:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -228,7 +179,7 @@ async def test_peers_pass_on_the_callers_token_over_tls(mesh: Mesh) -> None:
     ports = [_free_port(), _free_port()]
     peers = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
     servers = [
-        OrchestratorServer(_pipeline(mesh, "talker"), security=mesh.settings(), peers=peers)
+        OrchestratorServer(pipeline(mesh, "talker"), security=mesh.settings(), peers=peers)
         for _ in ports
     ]
     try:
@@ -252,15 +203,15 @@ async def test_peers_pass_on_the_callers_token_over_tls(mesh: Mesh) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await alice_b.pause()
             assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert not servers[0].router.paused
+            assert not servers[0].router.generation.paused
             reply = await alice_b.abort("alice-9")
             assert list(reply.aborted) == ["alice-9"]
             rest = [e async for e in stream]
             assert rest[-1].done.code_name == "CANCELLED"
             await root_b.pause()
-            assert all(server.router.paused for server in servers)
+            assert all(server.router.generation.paused for server in servers)
             await root_b.resume()
-            assert not any(server.router.paused for server in servers)
+            assert not any(server.router.generation.paused for server in servers)
     finally:
         for server in servers:
             await server.stop(1.0)
@@ -273,7 +224,7 @@ def _free_port() -> int:
 
 
 async def test_grpcurl_with_cacert_and_bearer_token(mesh: Mesh) -> None:
-    server, address = await _serve(mesh, "thinker")
+    server, address = await serve(mesh, "thinker")
     try:
 
         async def grpcurl(*args: str) -> tuple[int, str, str]:
@@ -321,7 +272,7 @@ async def test_probe_ports_serve_plaintext_health_and_nothing_else(
     }
     stage = StageServer(load_stage_config(write_config(mesh.folder / "probed.yaml", config)))
     port = await stage.start("127.0.0.1", 0, health_port=0)
-    orchestrator = OrchestratorServer(_pipeline(mesh, "talker"), security=mesh.settings())
+    orchestrator = OrchestratorServer(pipeline(mesh, "talker"), security=mesh.settings())
     await orchestrator.start("127.0.0.1", 0, health_port=0)
     try:
         assert await stage.wait_ready()
