@@ -63,18 +63,18 @@ async def test_a_dns_name_reaches_every_address_it_has_now(
     peers = Peers(f"dns:///{NAME}:{port}", lookup=lookup)
     try:
         assert await peers.pause(()) == 2
-        assert all(server.router.paused for server in servers)
+        assert all(server.router.generation.paused for server in servers)
         assert await peers.abort(["nobody"], ()) == []
         # 127.0.0.2's Pod is replaced: the name no longer has it, its channel goes.
         answers.append(["127.0.0.1"])
         assert await peers.resume(()) == 1
-        assert [s.router.paused for s in servers] == [False, True]
+        assert [s.router.generation.paused for s in servers] == [False, True]
         assert peers.dialled == [f"127.0.0.1:{port}"]
         # A name with no address now, or a lookup failing, reaches no one: nothing held.
         answers.append([])
         assert await peers.resume(()) == 0
         answers.append(None)
         assert await peers.pause(()) == 0
-        assert [s.router.paused for s in servers] == [False, True]
+        assert [s.router.generation.paused for s in servers] == [False, True]
     finally:
         await peers.close()
