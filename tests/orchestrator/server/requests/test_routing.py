@@ -103,8 +103,10 @@ async def test_hidden_states_go_by_shared_memory_not_through_the_orchestrator(st
         assert result.ok, result.done
         assert "image" in result.stages["renderer"].tensors
         # 48 rows of 64 float32 = 12 KiB of hidden states; what crossed the
-        # orchestrator from the thinker is the refs and token ids only.
-        assert server.router.recent_bytes["shm"]["thinker"] < 3 * 1024
+        # orchestrator from the thinker is the refs and token ids only: about 3 KiB,
+        # more or less with how many messages the tokens were grouped into (timing).
+        # Half the hidden states' size is far above that and far below them as bytes.
+        assert server.router.recent_bytes["shm"]["thinker"] < 48 * 64 * 4 // 2
         # Released by the orchestrator once the request is over.
         await eventually(lambda: dev_shm() <= before, 5, message=lambda: f"{dev_shm()} blocks")
 
