@@ -165,7 +165,7 @@ async def first_request(slots: Slots, target: str) -> dict[str, Any]:
     (its InitStatus) to its first request. ``target``: ``ipv4`` lists slot 3 from
     the start (not answering yet); ``dns`` is a name whose answer (this
     benchmark's lookup) lists slot 3 once it is ready, as a headless Service
-    lists a Pod once Ready, looked up again every ``resolve_s`` (5 s)."""
+    lists a Pod once Ready, looked up again every ``resolve_s`` (1 s)."""
     listed = [1, 2]
 
     async def lookup(host: str, port: int) -> list[str]:

@@ -24,7 +24,7 @@ loopback address, all on one port:
 3. ``--mode first-request``: 2 replicas serve; a third starts. Seconds from its
    READY (its InitStatus) to its first request (the orchestrator's count), on an
    ``ipv4:`` address that lists it from the start, and on a ``dns:`` name whose
-   answer lists it once it is ready (looked up again every 5 s). Target: <= 2 s.
+   answer lists it once it is ready (looked up again every second). Target: <= 2 s.
 4. ``--mode rolling``: ``--rolling-replicas`` replicas, each replaced in turn as a
    rolling update does (the new one READY, then the old one SIGTERM: it drains),
    one answer in 8 long (32 tokens). Requests failed (target: 0) and served.
@@ -251,7 +251,7 @@ async def first_request_runs(
 
 def first_request_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for target, how in (("ipv4", "listed before it starts"), ("dns", "looked up every 5 s")):
+    for target, how in (("ipv4", "listed before it starts"), ("dns", "looked up every second")):
         rows.append(
             {
                 "measure": f"{target} ({how}): READY -> first request (s)",

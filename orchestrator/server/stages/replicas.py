@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 class ReplicaSettings:
     routing: Routing = "least_outstanding"
     affinity: bool = False  # a conversation's requests to the replica that had its last
-    resolve_s: float = 5.0  # a dns: name is looked up again this often
+    # a dns: name is looked up again this often: a headless Service lists a Pod once it
+    # is Ready, so this bounds how long a new replica waits for its first request
+    resolve_s: float = 1.0
     health_poll_s: float = 0.5
     health_timeout_s: float = 1.0
     pick_wait_s: float = 10.0  # a request waits this long for a READY replica
