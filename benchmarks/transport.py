@@ -77,6 +77,7 @@ def run(sizes: list[int], repeats: int, tmp: Path, sweep: list[int]) -> list[dic
         "mp.Queue pickle": bench.mp_queue,
         "torch.mp Queue": bench.torch_mp,
         "zmq + msgpack": bench.zeromq,
+        "zmq + msgpack (tcp)": bench.zeromq_tcp,
     }
     if bench.cuda is not None:
         ways["cuda_ipc"] = bench.cuda_ipc
@@ -152,6 +153,7 @@ RATIOS = [
     ("shm_fresh_block_64MiB_vs_memcpy_warm", "shm fresh block", "memcpy (warm dst)"),
     ("shm_pool_64MiB_vs_mp_queue", "shm pool", "mp.Queue pickle"),
     ("mesh_bytes_64MiB_vs_zmq", "mesh bytes", "zmq + msgpack"),
+    ("mesh_bytes_64MiB_vs_zmq_tcp", "mesh bytes", "zmq + msgpack (tcp)"),
     ("mesh_bytes_64MiB_vs_mp_queue", "mesh bytes", "mp.Queue pickle"),
 ]
 

@@ -66,8 +66,10 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
     threading.Thread(target=serve_grpc, args=(port, loop_ready), daemon=True).start()
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
     sock.bind(zmq_addr)
+    tcp: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
+    tcp_port = tcp.bind_to_random_port("tcp://127.0.0.1")
     loop_ready.wait()
-    conn.send(port[0])
+    conn.send((port[0], tcp_port))
     while (command := conn.recv()) is not None:
         kind, payload = command
         if kind in ("shm", "ref"):
@@ -88,8 +90,9 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
         elif kind == "torch.mp":
             tensor = tmq.get()
             touch(tensor)
-        elif kind == "zmq":
-            header, frame = sock.recv_multipart(copy=False)
+        elif kind in ("zmq", "zmq_tcp"):
+            on = sock if kind == "zmq" else tcp
+            header, frame = on.recv_multipart(copy=False)
             meta = msgpack.unpackb(header.bytes)
             flat = torch.frombuffer(frame.buffer, dtype=torch.uint8)  # zero copy, read-only
             tensor = flat.view(codec.DTYPES[meta["dtype"]]).reshape(meta["shape"])
@@ -154,9 +157,11 @@ class Bench:
             target=consumer, args=(child, self.queue, self.tmq, addr, self.mesh), daemon=True
         )
         self.proc.start()
-        grpc_port = self.conn.recv()
+        grpc_port, tcp_port = self.conn.recv()
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
         self.sock.connect(addr)
+        self.tcp: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PAIR)
+        self.tcp.connect(f"tcp://127.0.0.1:{tcp_port}")
         self.channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=OPTIONS)
         self.put = self.channel.unary_unary(SINK)
         self.put_chunked = self.channel.stream_unary(
@@ -181,6 +186,7 @@ class Bench:
         sweep(self.mesh)
         self.channel.close()
         self.sock.close(linger=0)
+        self.tcp.close(linger=0)
 
     def _ask(self, kind: str, payload: bytes = b"") -> float:
         self.conn.send((kind, payload))
@@ -287,9 +293,18 @@ class Bench:
         return self.conn.recv() - start
 
     def zeromq(self, src: torch.Tensor) -> float:
-        self.conn.send(("zmq", b""))
+        """ZeroMQ over a Unix socket: what two processes on one node would use."""
+        return self._zeromq(src, "zmq", self.sock)
+
+    def zeromq_tcp(self, src: torch.Tensor) -> float:
+        """ZeroMQ over TCP (loopback here): what stages on two nodes would use, the
+        like-for-like peer of the mesh's bytes path."""
+        return self._zeromq(src, "zmq_tcp", self.tcp)
+
+    def _zeromq(self, src: torch.Tensor, kind: str, sock: zmq.Socket[bytes]) -> float:
+        self.conn.send((kind, b""))
         start = time.perf_counter()
         header = msgpack.packb({"dtype": "float32", "shape": list(src.shape)})
         frame = src.view(torch.uint8).numpy().data
-        self.sock.send_multipart([header, frame], copy=False)
+        sock.send_multipart([header, frame], copy=False)
         return self.conn.recv() - start
