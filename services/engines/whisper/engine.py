@@ -31,6 +31,7 @@ from services.engines.base import (
 )
 from services.engines.defaults import DefaultLayers, resolve
 from services.engines.request_checks import MESSAGES, TEXT, refuse, refuse_unknown_tensors
+from services.engines.whisper import fitted
 from services.engines.whisper.audio import samples, user_audio
 from services.engines.whisper.config import WhisperArgs
 from services.mesh.errors import InitFailed
@@ -78,10 +79,11 @@ class WhisperEngine:
             device_index=index,
             compute_type=self.args.compute_type,
             cpu_threads=self.args.threads,
-            num_workers=1,
+            num_workers=self.args.workers,
         )
         size = (model_path / "model.bin").stat().st_size
-        what = f"whisper {model_path.name} ({self.args.compute_type}, {device})"
+        at_once = self.args.workers
+        what = f"whisper {model_path.name} ({self.args.compute_type}, {device}, {at_once} at once)"
         return ModelInfo(model_bytes=size, description=what)
 
     def warmup(self) -> None:
@@ -142,6 +144,14 @@ class WhisperEngine:
     def _segments(
         self, clip: np.ndarray, language: str | None, prompt: str | None
     ) -> Iterator[Any]:
+        """Whisper's segments of ``clip``, decoded one by one as they are read (in
+        the caller's thread): a short clip in a window fitted to it, where its
+        answer looks right (fitted.py), else in Whisper's 30 s windows."""
+        if self.args.fitted_window and fitted.fits(clip):
+            heard = fitted.hear(self._model, clip, language, prompt, self.args.beam_size)
+            if heard is not None:
+                yield heard
+                return
         segments, _ = self._model.transcribe(
             clip,
             language=language,
@@ -150,4 +160,4 @@ class WhisperEngine:
             condition_on_previous_text=False,
             vad_filter=False,
         )
-        return iter(segments)
+        yield from segments

@@ -39,7 +39,9 @@ def recogniser_config(cache_dir: str, **engine_args: object) -> dict[str, object
 
 @pytest.fixture(scope="module")
 async def recogniser(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[StageClient]:
-    config = recogniser_config(str(tmp_path_factory.mktemp("cache")))
+    # Two CTranslate2 workers, as the default pipeline's: requests sent together are
+    # heard side by side, and each must still get its own clip's words.
+    config = recogniser_config(str(tmp_path_factory.mktemp("cache")), workers=2)
     server = StageServer(parse_stage_config(config))
     port = await server.start("127.0.0.1", 0)
     async with StageClient(f"127.0.0.1:{port}") as client:
