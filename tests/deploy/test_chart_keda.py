@@ -209,8 +209,8 @@ def test_each_scales_its_stage_on_what_the_orchestrator_reads_from_its_trigger()
         assert [c["name"] for c in pod["containers"]] == [read.stage]
         assert "replicas" not in deployments[name]["spec"]  # the HPA's, kept on upgrade
         found[read.stage] = (spec["minReplicaCount"], spec["maxReplicaCount"], read.target)
-    # The thinker's target defaults to what it runs at once (its max_batch_size: 2).
-    assert found == {"thinker": (1, 4, 2.0), "speaker": (2, 6, 2.5)}
+    # The thinker's target defaults to what it runs at once (its max_batch_size: 4).
+    assert found == {"thinker": (1, 4, 4.0), "speaker": (2, 6, 2.5)}
     assert deployments["omni-renderer"]["spec"]["replicas"] == 1  # not listed: unchanged
 
 
