@@ -13,22 +13,9 @@ import pytest
 from orchestrator.server.peers import Peers
 from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
+from tests.helpers.ports import shared_port
 
 NAME = "omni-orchestrator-peers.mesh.svc.cluster.local"
-
-
-def shared_port() -> int:
-    """A port free on both loopback addresses."""
-    for _ in range(20):
-        with socket.socket() as one, socket.socket() as two:
-            one.bind(("127.0.0.1", 0))
-            port = int(one.getsockname()[1])
-            try:
-                two.bind(("127.0.0.2", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no port free on both 127.0.0.1 and 127.0.0.2")
 
 
 @pytest.fixture

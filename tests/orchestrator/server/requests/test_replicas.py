@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -31,6 +30,7 @@ from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.engines import ScriptedEngine
 from tests.helpers.polling import eventually
+from tests.helpers.ports import shared_port
 from tests.orchestrator.conftest import orchestrator
 
 
@@ -265,12 +265,6 @@ async def test_a_replica_holding_another_clients_requests_gets_no_new_one(
         await asyncio.gather(*(process.stop(1.0) for process in processes))
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 async def test_a_dns_name_is_looked_up_again_and_replicas_come_and_go(
     omni_cache_dir: Path,
 ) -> None:
@@ -280,7 +274,7 @@ async def test_a_dns_name_is_looked_up_again_and_replicas_come_and_go(
         assert host == "omni-solo.test"
         return answers[-1]
 
-    port = free_port()
+    port = shared_port()  # its replicas are on 127.0.0.1 and 127.0.0.2
     async with replicas(omni_cache_dir, 2, port=port):
         settings = ReplicaSettings(resolve_s=0.05, health_poll_s=0.05)
         found = ReplicaSet(

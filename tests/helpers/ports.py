@@ -1,0 +1,27 @@
+"""A port free on several loopback addresses at once, for replicas that share one
+port on 127.0.0.1, 127.0.0.2, … (as a Service's Pods share theirs). A port free on
+127.0.0.1 alone may be another test's on 127.0.0.2: each address hands out its
+ephemeral ports on its own, and gRPC listeners share a port (SO_REUSEPORT) with
+whoever else asks for it, so the collision would not even fail the bind."""
+
+from __future__ import annotations
+
+import socket
+from contextlib import ExitStack
+
+LOOPBACKS = ("127.0.0.1", "127.0.0.2")
+
+
+def shared_port(hosts: tuple[str, ...] = LOOPBACKS, tries: int = 50) -> int:
+    for _ in range(tries):
+        with ExitStack() as probes:
+            first = probes.enter_context(socket.socket())
+            first.bind((hosts[0], 0))
+            port = int(first.getsockname()[1])
+            try:
+                for host in hosts[1:]:
+                    probes.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no port free on all of {', '.join(hosts)}")
