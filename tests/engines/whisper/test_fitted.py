@@ -15,6 +15,7 @@ from hibari import Hibari
 
 from services.engines.base import EngineSettings
 from services.engines.whisper import fitted
+from services.engines.whisper.audio import _resample
 from services.engines.whisper.engine import WhisperEngine
 from tests.engines.whisper.wer import wer
 
@@ -36,14 +37,9 @@ def engine() -> Any:
     made.close()
 
 
-def at_16k(samples: np.ndarray, rate: int = 24000) -> np.ndarray:
-    at = np.arange(round(len(samples) * 16000 / rate)) * rate / 16000
-    return np.interp(at, np.arange(len(samples)), samples).astype(np.float32)
-
-
 @pytest.fixture(scope="module")
 def spoken() -> np.ndarray:
-    return at_16k(Hibari()(SAID, seed=0))
+    return _resample(Hibari()(SAID, seed=0), 24000)  # as the engine reads 24 kHz audio
 
 
 def full_window(engine: Any, clip: np.ndarray) -> str:
