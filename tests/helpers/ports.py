@@ -1,4 +1,5 @@
-"""A port free on several loopback addresses at once, for replicas that share one
+"""Free ports for test servers. ``free_port``: one on 127.0.0.1. ``shared_port``: a
+port free on several loopback addresses at once, for replicas that share one
 port on 127.0.0.1, 127.0.0.2, … (as a Service's Pods share theirs). A port free on
 127.0.0.1 alone may be another test's on 127.0.0.2: each address hands out its
 ephemeral ports on its own, and gRPC listeners share a port (SO_REUSEPORT) with
@@ -10,6 +11,12 @@ import socket
 from contextlib import ExitStack
 
 LOOPBACKS = ("127.0.0.1", "127.0.0.2")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def shared_port(hosts: tuple[str, ...] = LOOPBACKS, tries: int = 50) -> int:

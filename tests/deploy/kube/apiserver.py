@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from services.mesh.security.certs import MeshCA
+from tests.helpers.ports import free_port
 
 VERSION = "1.20.2"
 BUILD_WAIT_S = 20 * 60  # CI builds it in the background while it installs the rest
@@ -65,12 +65,6 @@ def _building(folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return True
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from services.mesh.rpc.stage_client import StageClient
 from services.testing.configs import stage_config, write_config
 from tests.engines.speech.conftest import speaker_config
 from tests.gateway.conftest import Mesh, mesh_over
+from tests.helpers.ports import free_port
 from tests.orchestrator.cli.test_up import read_until
 
 EDGE = {"from": "thinker", "to": "speaker", "window": 4, "first_window": 2, "transform": "tokens"}
@@ -31,12 +31,6 @@ LIMITS = {
     "--max-audio-buffer-bytes": str(1 << 20),
     "--max-unread-bytes": str(1 << 20),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class MeteredStages:

@@ -8,7 +8,6 @@ both keeps working on B."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -25,6 +24,7 @@ from services.mesh.pb.externalscaler.externalscaler_pb2_grpc import ExternalScal
 from services.mesh.pb.omni.v1 import orchestrator_pb2
 from services.testing.configs import tiny_config
 from tests.helpers.polling import eventually
+from tests.helpers.ports import free_port
 from tests.orchestrator.conftest import Stages
 
 LONG = {"max_tokens": 5000}  # runs until stopped, on this tiny model (seconds at least)
@@ -44,12 +44,6 @@ async def stage(
         yield stages.addresses["thinker"]
     finally:
         await stages.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class Pair:

@@ -13,7 +13,7 @@ from orchestrator.server.requests.gate import StageGate
 from orchestrator.server.scaling.demand import Demand, StageDemand
 from orchestrator.server.stages.replicas import NoReplica, ReplicaSet, ReplicaSettings
 from services.mesh.pb.omni.v1 import orchestrator_pb2
-from tests.orchestrator.server.requests.test_replicas import free_port
+from tests.helpers.ports import free_port
 
 
 class Ready:

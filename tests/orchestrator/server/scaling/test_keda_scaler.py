@@ -32,7 +32,8 @@ from services.stage.config import parse_stage_config
 from services.stage.server import StageServer
 from tests.helpers.grpcurl import grpcurl
 from tests.helpers.polling import eventually
-from tests.orchestrator.server.requests.test_replicas import free_port, scripted
+from tests.helpers.ports import free_port
+from tests.orchestrator.server.requests.test_replicas import scripted
 
 METRIC = "omni-solo-requests"
 

@@ -12,7 +12,8 @@ from orchestrator.server.pipeline import parse_pipeline
 from orchestrator.server.server import OrchestratorServer
 from orchestrator.server.stages.kube_source import PodReplica, ready_replicas
 from tests.helpers.polling import eventually
-from tests.orchestrator.server.requests.test_replicas import free_port, replicas
+from tests.helpers.ports import free_port
+from tests.orchestrator.server.requests.test_replicas import replicas
 
 
 def pod(name: str, ip: str = "10.0.0.1", ready: str = "True", **meta: str) -> dict[str, object]:
