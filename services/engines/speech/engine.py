@@ -45,6 +45,7 @@ from services.engines.request_checks import (
     refuse,
     refuse_unknown_tensors,
 )
+from services.engines.speech import tokens
 from services.engines.speech.config import MAX_SPEED, MIN_SPEED, SpeechArgs
 from services.engines.speech.text import Decoder, Sentences, TokenText
 from services.engines.speech.voice import Voice
@@ -90,6 +91,7 @@ class SpeechEngine:
         self._decoder: Decoder | None = None
         self._requests: OrderedDict[str, _Spoken] = OrderedDict()
         self._files: dict[str, Path] = {}
+        self._cache_dir = settings.cache_dir
 
     @property
     def voices(self) -> list[str]:
@@ -102,6 +104,13 @@ class SpeechEngine:
 
     def use_files(self, paths: dict[str, Path]) -> None:
         self._files = dict(paths)
+
+    def preparation(self, model_path: Path) -> str | None:
+        """``capabilities.PreparesModel``: a GGUF's tokenizer, written once (tokens.py)."""
+        return tokens.pending(model_path, self._cache_dir)
+
+    def prepare(self, model_path: Path) -> None:
+        tokens.write(model_path, self._cache_dir)
 
     def load(self, model_path: Path | None) -> ModelInfo:
         """The voices, and the tokenizer ``model_path`` names (a .gguf file or a folder)."""
@@ -120,10 +129,10 @@ class SpeechEngine:
             for name in self.args.voice_names
         }
         if model_path is not None:
-            self._decoder = _tokenizer(model_path)
+            self._decoder = tokens.decoder(model_path, self._cache_dir)
         what = f"hibari voices {', '.join(self._voices)}"
-        tokens = f", tokens decoded with {model_path.name}" if model_path else ""
-        return ModelInfo(model_bytes=0, description=what + tokens)
+        decoded = f", tokens decoded with {model_path.name}" if model_path else ""
+        return ModelInfo(model_bytes=0, description=what + decoded)
 
     def warmup(self) -> None:
         for voice in self._voices.values():
@@ -226,24 +235,3 @@ class SpeechEngine:
         while len(self._requests) > self.args.max_streams:
             dropped, _ = self._requests.popitem(last=False)
             logger.warning("speech: dropped the held text of request %s (max_streams)", dropped)
-
-
-class _HfDecoder:
-    def __init__(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
-
-    def decode(self, token_ids: Any) -> str:
-        text: str = self._tokenizer.decode(
-            list(token_ids), skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-        return text
-
-
-def _tokenizer(model_path: Path) -> Decoder:
-    from transformers import AutoTokenizer
-
-    if model_path.is_file() and model_path.suffix == ".gguf":
-        tok = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
-    else:
-        tok = AutoTokenizer.from_pretrained(model_path)
-    return _HfDecoder(tok)

@@ -7,7 +7,6 @@ later load reads that folder (under a second).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -28,6 +27,7 @@ from transformers import (
 
 from services import kernels
 from services.engines.base import EngineSettings, KvGeometry, ModelInfo
+from services.engines.gguf_cache import converted_target
 from services.engines.transformers.config import TransformersArgs
 from services.engines.transformers.weights.blocks import BlockLinear
 from services.engines.transformers.weights.gguf_match import gguf_block_linears
@@ -36,10 +36,6 @@ from services.mesh.errors import InitFailed
 
 logger = logging.getLogger(__name__)
 
-# Part of a converted folder's cache key: raised whenever the folder's layout
-# changes, so folders written by an older converter are converted again.
-# 2: tied weights under their source name, ``architectures`` in config.json.
-CONVERSION_FORMAT = 2
 # Which GGUF blocks each linear runs on (weights/gguf_match.py), kept beside the converted
 # weights; the number changes whenever the layout's format does.
 BLOCKS_LAYOUT = "gguf-blocks-2.safetensors"  # 2: float16 scales and mins
@@ -190,20 +186,12 @@ def model_info(model: PreTrainedModel, description: str = "") -> ModelInfo:
     return ModelInfo(model_bytes=model_bytes, kv=kv, description=description)
 
 
-def _converted_target(gguf: Path, cache_dir: Path) -> tuple[Path, Path]:
-    real = gguf.resolve()
-    stat = real.stat()
-    key = f"{CONVERSION_FORMAT}\0{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    digest = hashlib.sha256(key.encode()).hexdigest()
-    return real, cache_dir / "converted" / f"{digest[:16]}-{real.stem}"
-
-
 def conversion_pending(model_path: Path, cache_dir: Path) -> str | None:
     """What loading ``model_path`` must do first, once: None if nothing (not a GGUF,
     or converted already)."""
     if model_path.suffix != ".gguf" or not model_path.is_file():
         return None
-    _real, target = _converted_target(model_path, cache_dir)
+    _real, target = converted_target(model_path, cache_dir)
     if (target / "config.json").is_file():
         return None
     return f"converting {model_path.name} to safetensors (once per file)"
@@ -216,7 +204,7 @@ def converted_folder(gguf: Path, cache_dir: Path) -> Path:
     is converted again. Stages racing on the same file each convert into a private
     temp folder and rename it into place; the loser keeps the winner's folder.
     """
-    real, target = _converted_target(gguf, cache_dir)
+    real, target = converted_target(gguf, cache_dir)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
