@@ -80,6 +80,11 @@ class ScriptedEngine(FakeEngine):
                 yield ProgressOutput(packet + 1, packets)  # sent now, as a vocoder's is
             yield FinishOutput("done")
             return
+        if prompt.startswith("hold "):  # a long answer under way: N tokens, then held
+            for token in range(int(prompt.split()[1])):
+                await asyncio.sleep(0)
+                yield TokenOutput(token_ids=(token,), text=f"{token} ")
+            await asyncio.Event().wait()  # until cancelled
         yield TokenOutput(token_ids=(0,), text="0 ")
         if prompt == "die":
             self.dead = True

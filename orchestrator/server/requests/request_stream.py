@@ -7,7 +7,8 @@ flow grants them back as it takes what came, so a request whose consumer is
 slow pauses on the stage alone while the others on the stream go on, and what
 waits here for it stays bounded. Until the replica has said something of a
 request whose only Submit is still in hand (``replay``), the request may move
-to another replica if the stream breaks (``stage_mux``).
+to another replica if the stream breaks (``stage_mux``). What it has sent so far
+weighs on its replica's load (``Replica.beyond``) while it runs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
+from orchestrator.server.stages.replica import beyond
 from services.mesh.data.chunk_wire import EncodedChunk
 from services.mesh.errors import OmniError
 from services.mesh.pb.omni.v1 import stage_pb2
@@ -39,6 +41,7 @@ class RequestStream:
         self._sent = False
         self._closed = False
         self._heard = False  # the replica has sent something for it
+        self._outputs = 0  # tokens, windows and steps it has sent (its weight: beyond)
         # Its one whole Submit, posted before anything else was sent: until the
         # replica says something of it, the request may move to another replica.
         self.replay: stage_pb2.StageInput | None = None
@@ -109,7 +112,21 @@ class RequestStream:
             self._heard = True
             self.replay = None
             self._stream.replica.queued -= 1
+        if isinstance(item, stage_pb2.StageOutput):
+            self._count(item)
         self._queue.put_nowait(item)
+
+    def _count(self, output: stage_pb2.StageOutput) -> None:
+        kind = output.WhichOneof("kind")
+        if kind == "segment":
+            outputs = len(output.segment.token_ids) or 1
+        elif kind == "progress":
+            outputs = 1
+        else:
+            return
+        before = beyond(self._outputs)
+        self._outputs += outputs
+        self._stream.replica.beyond += beyond(self._outputs) - before
 
     def close(self) -> None:
         """The request is done with this stage: if the stage has not ended it,
@@ -118,5 +135,6 @@ class RequestStream:
             return
         self._closed = True
         self.replay = None
+        self._stream.replica.beyond -= beyond(self._outputs)
         self._stream.replica.gave_back(self._heard)
         self._stream.leave(self, cancel=self._sent and not self.final)

@@ -7,7 +7,11 @@ finishes what it holds, gets nothing new); DOWN when nothing answers at its
 address (what it held is failed or moved). Its load is this orchestrator's
 requests on it: in flight, and of those the ones it has said nothing of yet
 (queued); and what it says it holds, every client's (``held``, its Load): those
-beyond this orchestrator's are outstanding work there too (``outstanding``).
+beyond this orchestrator's are outstanding work there too (``outstanding``). A
+request counts as one until it has sent ``LONG_AFTER`` outputs (tokens, audio
+windows, steps), then as one more for each ``LONG_AFTER`` beyond: a request that
+has run long is likely to run on, and one new request is not worth one that
+will hold the replica for hundreds of tokens yet (``beyond``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ STARTING = orchestrator_pb2.REPLICA_STARTING
 READY = orchestrator_pb2.REPLICA_READY
 DRAINING = orchestrator_pb2.REPLICA_DRAINING
 DOWN = orchestrator_pb2.REPLICA_DOWN
+LONG_AFTER = 16  # outputs after which a request counts as more than one
+
+
+def beyond(outputs: int) -> int:
+    """The outputs of a request that has sent ``outputs`` that count beyond its one."""
+    return max(0, outputs - LONG_AFTER)
 
 
 class Replica:
@@ -49,6 +59,7 @@ class Replica:
         self.served = 0
         self.held = 0  # requests it said it holds, every client's (its last Load)
         self._others = 0  # of those, not this orchestrator's
+        self.beyond = 0  # its requests' outputs beyond LONG_AFTER each, summed
         self.finished_at = 0.0  # when a request last ended there (time.monotonic)
         self.picked = 0  # when it was last chosen (its ReplicaChooser's count)
 
@@ -75,9 +86,10 @@ class Replica:
         self._others = max(0, held - self.in_flight)
 
     @property
-    def outstanding(self) -> int:
-        """The work on it now: this orchestrator's requests and others' (as it last said)."""
-        return self.in_flight + self._others
+    def outstanding(self) -> float:
+        """The work on it now: this orchestrator's requests (long ones more) and
+        others' (as it last said)."""
+        return self.in_flight + self._others + self.beyond / LONG_AFTER
 
     def observe(self, down: Down | None) -> bool:
         """Its state after a health answer (``down``: why it does not serve, None

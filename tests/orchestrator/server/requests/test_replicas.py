@@ -151,6 +151,36 @@ async def test_least_outstanding_routing_spreads_long_requests(
                 await stream.collect()
 
 
+async def test_a_request_that_has_run_long_weighs_more_than_one_just_begun(
+    omni_cache_dir: Path,
+) -> None:
+    """Replica a holds one answer 64 tokens long and going on; b holds two that
+    have said one token each. Counted by requests, a has room (1 < 2); counted
+    by work, the long answer is worth four (``LONG_AFTER``): the next request
+    goes to b, and each replica's engine says which it ran."""
+    async with replicas(omni_cache_dir, 2) as servers:
+        async with orchestrator(solo(ipv4(servers))) as (server, client):
+            await all_ready(client, 2)
+            long = client.generate("hold 64", request_id="long").__aiter__()
+            tokens = 0
+            while tokens < 64:
+                event = await long.__anext__()
+                tokens += len(event.segment.token_ids)
+            held = [client.generate("hold", request_id=f"held{n}") for n in range(2)]
+            await eventually(lambda: server.router.in_flight == 3, 5)
+            view = await replica_view(client)
+            (a,) = [address for address, r in view.items() if r.in_flight == 1]
+            (b,) = [address for address, r in view.items() if r.in_flight == 2]
+            short = await client.generate("Hi", request_id="short").collect()
+            assert short.ok, short.done
+            await client.abort("long", "held0", "held1")
+            await asyncio.gather(*(stream.collect() for stream in held))
+            async for _event in long:
+                pass
+        assert any(r.endswith("-short") for r in servers[b].engine.released)
+        assert not any(r.endswith("-short") for r in servers[a].engine.released)
+
+
 @pytest.mark.parametrize("affinity", [True, False])
 async def test_a_conversation_stays_on_its_replica_on_a_stage_with_affinity(
     omni_cache_dir: Path, affinity: bool
