@@ -15,6 +15,7 @@ as gguf-py does, so a dequantised weight is bit for bit the float32 the plain pa
 loads.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,11 @@ NOT_BUILT = "\n*** omni-mesh: the CPU kernels were NOT built ({why}).\n*** {rebu
 
 
 def kernels() -> dict:
+    if os.environ.get("OMNI_KERNELS") == "in-tree":
+        # An editable install beside another venv's (.ci/vllm-env.sh in CI, with the
+        # same torch): the kernels that install builds in place are this one's too.
+        print("omni-mesh: the CPU kernels are the source tree's own build (OMNI_KERNELS)")
+        return {}
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension

