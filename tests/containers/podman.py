@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -239,3 +240,22 @@ def _pod_logs(pod: str) -> str:
 def container_of(pod: str, container: str) -> str:
     """podman's name for a container of a played pod."""
     return f"{pod}-{container}"
+
+
+def main() -> int:
+    """Build this tree's images ahead of the container tests, which then reuse them:
+    ``python -m tests.containers.podman`` (.ci/run does, in the background)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    why = unavailable()
+    if why is not None:
+        print(f"no images built: {why}")
+        return 0
+    logs = Path(tempfile.mkdtemp(prefix="omni-images-"))
+    cpu = cpu_image(logs)
+    print(cpu)
+    print(vllm_cpu_image(cpu, logs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
