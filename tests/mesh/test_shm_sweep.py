@@ -252,7 +252,11 @@ def test_a_producer_in_another_pid_namespace_is_never_swept(mesh: str) -> None:
         assert len(blocks_of(mesh)) == 4
         msg = tensor_pb2.Tensor.FromString(bytes.fromhex(refs[2]))
         assert open_tensor(msg, mesh_id=mesh, request_id="req", field="t").sum().item() == 3 * 4096
-        producer.send_signal(signal.SIGKILL)
+        # Kill the producer itself (pid 1 of its namespace), not unshare: killing
+        # unshare only sends its child a SIGKILL that may land after the sweep runs.
+        # unshare reaps its child before it exits, so once it has, the producer is gone.
+        (inner,) = Path(f"/proc/{producer.pid}/task/{producer.pid}/children").read_text().split()
+        os.kill(int(inner), signal.SIGKILL)
         producer.wait()
         assert swept_from(namespace, mesh) == 4  # gone: a sweep anywhere takes its blocks
         assert blocks_of(mesh) == []
