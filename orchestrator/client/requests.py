@@ -26,13 +26,15 @@ def make_request(
     media: Sequence[stage_pb2.ContentPart] = (),
     stage: str = "",
     affinity_key: str = "",
+    outputs: Sequence[str] = (),
 ) -> orchestrator_pb2.GenerateRequest:
     """A GenerateRequest; a plain prompt is sent as one user chat message, with
     ``media`` (orchestrator/client/content.py) as its first parts when given. ``stage``:
     run that stage alone (its inputs and ``params`` are the request's).
-    ``affinity_key``: one conversation's (its stages with affinity keep it on one replica)."""
+    ``affinity_key``: one conversation's (its stages with affinity keep it on one replica).
+    ``outputs``: the pipeline outputs wanted (only the stages they need run; empty: all)."""
     request = orchestrator_pb2.GenerateRequest(
-        request_id=request_id, stage=stage, affinity_key=affinity_key
+        request_id=request_id, stage=stage, affinity_key=affinity_key, outputs=outputs
     )
     if inputs is not None:
         request.inputs.CopyFrom(inputs)
@@ -61,6 +63,8 @@ def stream_inputs(
     submit.params.CopyFrom(request.params)
     for stage, params in request.stage_params.items():
         last.stage_params[stage].CopyFrom(params)
+    last.affinity_key, last.stage = request.affinity_key, request.stage
+    last.outputs.extend(request.outputs)
     return [*chunks, last]
 
 

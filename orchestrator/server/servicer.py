@@ -75,6 +75,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 timeout_s=context.time_remaining(),
                 alone=request.stage,
                 affinity=request.affinity_key,
+                outputs=request.outputs,
             )
         except OmniError as exc:
             if self._going_away(exc.code):
@@ -158,11 +159,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _described(self, status: orchestrator_pb2.StageStatus) -> orchestrator_pb2.StageStatus:
         """``status`` with what the stage's Describe said of it, once it has answered."""
-        description = self._server.descriptions.get(status.name)
-        if description is None:
-            return status
         described = orchestrator_pb2.StageStatus()
         described.CopyFrom(status)
+        described.output = status.name in self._server.pipeline.outputs
+        description = self._server.descriptions.get(status.name)
+        if description is None:
+            return described
         described.engine = description.engine
         described.output_tensors.extend(description.output_tensors)
         described.accepts.extend(description.accepts)

@@ -63,7 +63,10 @@ def check_stage_params(params: Params, stages: Collection[str], field: str) -> N
             )
 
 
-def check_alone(request: orchestrator_pb2.GenerateRequest, stages: Collection[str]) -> None:
+def check_alone(
+    request: orchestrator_pb2.GenerateRequest | orchestrator_pb2.StreamInput,
+    stages: Collection[str],
+) -> None:
     """A request for one stage alone names a known stage and gives its params in
     ``params`` (there are no other stages to give any to)."""
     if not request.stage:
@@ -73,8 +76,10 @@ def check_alone(request: orchestrator_pb2.GenerateRequest, stages: Collection[st
             f"stage: unknown stage {request.stage!r} (stages: {', '.join(stages)})", field="stage"
         )
     if request.stage_params:
+        streamed = isinstance(request, orchestrator_pb2.StreamInput)
+        params = "submit.params" if streamed else "params"
         raise InvalidArgument(
-            "stage_params: a request for one stage alone takes its params in params",
+            f"stage_params: a request for one stage alone takes its params in {params}",
             field="stage_params",
         )
 
@@ -137,7 +142,7 @@ class _StreamReader:
     async def read(self, message: orchestrator_pb2.StreamInput) -> None:
         kind = message.WhichOneof("kind")
         if kind == "submit":
-            await self._submit(message.submit, message.stage_params, message.affinity_key)
+            await self._submit(message)
         elif kind == "chunk":
             try:
                 self._chunks.add(message.chunk)
@@ -155,7 +160,10 @@ class _StreamReader:
             error = InvalidArgument("input: expected submit, chunk or cancel", field="input")
             await self._sink.put(refusal("", error))
 
-    async def _submit(self, submit: stage_pb2.Submit, params: Params, affinity: str = "") -> None:
+    async def _submit(self, message: orchestrator_pb2.StreamInput) -> None:
+        """A Submit: its request's first starts it (with the message's stage_params,
+        affinity_key, outputs and stage); a later one is its next window."""
+        submit = message.submit
         rid = submit.request_id
         started = rid in self.open
         try:
@@ -166,22 +174,26 @@ class _StreamReader:
                     "(is_last); it ends here",
                     field="submit.request_id",
                 )
+            if not started:
+                check_alone(message, self._stages)
             refuse_refs(submit.inputs, "submit.inputs")
-            self._router.refuse_kinds(submit.inputs, "submit.inputs")
+            self._router.refuse_kinds(submit.inputs, "submit.inputs", alone=message.stage)
             self._chunks.resolve(submit.inputs.tensors, "submit.inputs.tensors")
             media_wire.resolve(self._chunks, submit.inputs, "submit.inputs")
             if not started:
-                check_stage_params(params, self._stages, "stage_params")
+                check_stage_params(message.stage_params, self._stages, "stage_params")
                 feed: Feed = asyncio.Queue()
                 self._router.start(
                     rid,
                     _drain(feed, self._account),
-                    dict(params),
+                    dict(message.stage_params),
                     self._sink,
                     owner=self._owner,
                     timeout_s=self._timeout_s,
                     id_field="submit.request_id",
-                    affinity=affinity,
+                    alone=message.stage,
+                    affinity=message.affinity_key,
+                    outputs=message.outputs,
                 )
                 self.feeds[rid] = feed
                 self.open.add(rid)

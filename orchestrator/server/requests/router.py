@@ -133,12 +133,16 @@ class Router:
         id_field: str = "request_id",
         alone: str = "",
         affinity: str = "",
+        outputs: Sequence[str] = (),
+        outputs_field: str = "outputs",
     ) -> None:
         """Start a request for ``owner``; its events and then its Done go to ``sink``.
         ``timeout_s``: the client's deadline, enforced per request and passed on to the stages;
         ``id_field``: where the client's message holds the id (named if refused);
         ``alone``: a stage that runs the request by itself (a known one), "" for the pipeline;
-        ``affinity``: its conversation's key (stages with affinity keep it on one replica)."""
+        ``affinity``: its conversation's key (stages with affinity keep it on one replica);
+        ``outputs``: the outputs the client wants (empty: all; only what they need runs),
+        named as ``outputs_field`` when refused."""
         key = (owner.name, request_id)
         if self._stopping:
             raise Unavailable("the orchestrator is stopping: it takes no new requests")
@@ -147,10 +151,12 @@ class Router:
             raise InvalidArgument(
                 f"{id_field}: {request_id!r} is already in flight", field=id_field
             )
+        topology = self._topology.alone(alone) if alone else self._topology
+        topology = topology.serving(outputs, outputs_field)
         prefix = f"{self._tag}{next(self._serial):x}-"
         flow = RequestFlow(
             request_id,
-            self._topology.alone(alone) if alone else self._topology,
+            topology,
             self._clients,
             self.streams,
             sink,

@@ -1,13 +1,15 @@
 """The pipeline's graph as requests walk it: derived once from the pipeline file
-(requests look it up on every message), or one stage alone; and whether an edge's
-transform is one its consuming stage offers (from that stage's Describe)."""
+(requests look it up on every message), one stage alone, or the part of it a
+request's chosen outputs need; and whether an edge's transform is one its
+consuming stage offers (from that stage's Describe)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from orchestrator.server.pipeline import Edge, PipelineConfig
+from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2
 
 
@@ -34,6 +36,41 @@ class Topology:
     def alone(self, stage: str) -> Topology:
         """``stage`` as a pipeline of its own: its entry, its only stage and output."""
         return Topology(stage, (stage,), frozenset({stage}), {stage: ()}, {stage: None})
+
+    def serving(self, wanted: Sequence[str], field: str = "outputs") -> Topology:
+        """The part of the graph that ``wanted`` (some of its outputs; empty: all)
+        needs: those outputs and every stage on the way to one. The others do not
+        run, nor does any producer make what only they would take. An unknown or
+        repeated name is refused, naming ``field``."""
+        if not wanted:
+            return self
+        known = [s for s in self.order if s in self.outputs]
+        for i, name in enumerate(wanted):
+            if name not in self.outputs:
+                raise InvalidArgument(
+                    f"{field}[{i}]: {name!r} is not one of the pipeline's outputs "
+                    f"({', '.join(known)})",
+                    field=f"{field}[{i}]",
+                )
+            if name in wanted[:i]:
+                at = f"{field}[{i}]"
+                raise InvalidArgument(f"{at}: {name!r} is named twice", field=at)
+        keep: set[str] = set()
+        for name in wanted:
+            step: str | None = name
+            while step is not None and step not in keep:  # back up the one path in
+                keep.add(step)
+                edge = self.incoming[step]
+                step = edge.from_ if edge is not None else None
+        if keep == set(self.order) and set(wanted) == self.outputs:
+            return self
+        return Topology(
+            self.entry,
+            tuple(s for s in self.order if s in keep),
+            frozenset(wanted),
+            {s: tuple(e for e in self.children[s] if e.to in keep) for s in keep},
+            {s: self.incoming[s] for s in keep},
+        )
 
 
 def transform_needs(

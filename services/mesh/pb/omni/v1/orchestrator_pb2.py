@@ -27,7 +27,7 @@ from . import stage_pb2 as omni_dot_v1_dot_stage__pb2
 from . import tensor_pb2 as omni_dot_v1_dot_tensor__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/v1/orchestrator.proto\x12\x07omni.v1\x1a\x13omni/v1/stage.proto\x1a\x14omni/v1/tensor.proto\"\xab\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omni.v1.StageInputs\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.omni.v1.GenerationParams\x12?\n\x0cstage_params\x18\x04 \x03(\x0b\x32).omni.v1.GenerateRequest.StageParamsEntry\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x06 \x01(\t\x1aM\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omni.v1.GenerationParams:\x02\x38\x01\"\xa4\x02\n\x0bStreamInput\x12!\n\x06submit\x18\x01 \x01(\x0b\x32\x0f.omni.v1.SubmitH\x00\x12!\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x0f.omni.v1.CancelH\x00\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x12;\n\x0cstage_params\x18\x04 \x03(\x0b\x32%.omni.v1.StreamInput.StageParamsEntry\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x05 \x01(\t\x1aM\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omni.v1.GenerationParams:\x02\x38\x01\x42\x06\n\x04kind\"|\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x11\n\tcode_name\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\r\n\x05\x66ield\x18\x07 \x01(\t\"\xee\x01\n\rGenerateEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12#\n\x07segment\x18\x02 \x01(\x0b\x32\x10.omni.v1.SegmentH\x00\x12%\n\x08progress\x18\x03 \x01(\x0b\x32\x11.omni.v1.ProgressH\x00\x12\'\n\tcompleted\x18\x04 \x01(\x0b\x32\x12.omni.v1.CompletedH\x00\x12\x1d\n\x04\x64one\x18\x06 \x01(\x0b\x32\r.omni.v1.DoneH\x00\x12%\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kindJ\x04\x08\x05\x10\x06R\x05\x65rror\"\x9f\x03\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.omni.v1.StageState\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12\x11\n\tcounted_s\x18\x05 \x01(\x01\x12\x10\n\x08paused_s\x18\x06 \x01(\x01\x12\x10\n\x08\x62udget_s\x18\x07 \x01(\x01\x12\x15\n\rbudget_left_s\x18\x08 \x01(\x01\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x12\n\nbytes_done\x18\n \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x0b \x01(\x03\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x0e\n\x06source\x18\r \x01(\t\x12\x0e\n\x06\x65ngine\x18\x0e \x01(\t\x12\x16\n\x0eoutput_tensors\x18\x0f \x03(\t\x12\x0f\n\x07\x61\x63\x63\x65pts\x18\x10 \x03(\t\x12\x0e\n\x06voices\x18\x11 \x03(\t\x12\x0f\n\x07\x63ompute\x18\x12 \x01(\t\x12(\n\x08replicas\x18\x13 \x03(\x0b\x32\x16.omni.v1.ReplicaStatus\"\xb3\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.omni.v1.ReplicaState\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0e\n\x06queued\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0e\n\x06served\x18\x06 \x01(\x03\x12\x0b\n\x03pod\x18\x07 \x01(\t\x12\x0c\n\x04node\x18\x08 \x01(\t\x12\x0c\n\x04held\x18\t \x01(\x05\"\x13\n\x11ListStagesRequest\"L\n\x12ListStagesResponse\x12$\n\x06stages\x18\x01 \x03(\x0b\x32\x14.omni.v1.StageStatus\x12\x10\n\x08pipeline\x18\x02 \x01(\t\"\x14\n\x12WatchStagesRequest\"\x18\n\x16PauseGenerationRequest\")\n\x17PauseGenerationResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x19\n\x17ResumeGenerationRequest\"*\n\x18ResumeGenerationResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08*p\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTAGE_STARTING\x10\x01\x12\x0f\n\x0bSTAGE_READY\x10\x02\x12\x10\n\x0cSTAGE_FAILED\x10\x03\x12\x0e\n\nSTAGE_DOWN\x10\x04*~\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10REPLICA_STARTING\x10\x01\x12\x11\n\rREPLICA_READY\x10\x02\x12\x14\n\x10REPLICA_DRAINING\x10\x03\x12\x10\n\x0cREPLICA_DOWN\x10\x04\x32\x84\x04\n\x0cOrchestrator\x12>\n\x08Generate\x12\x18.omni.v1.GenerateRequest\x1a\x16.omni.v1.GenerateEvent0\x01\x12\x42\n\x0eGenerateStream\x12\x14.omni.v1.StreamInput\x1a\x16.omni.v1.GenerateEvent(\x01\x30\x01\x12\x36\n\x05\x41\x62ort\x12\x15.omni.v1.AbortRequest\x1a\x16.omni.v1.AbortResponse\x12\x45\n\nListStages\x12\x1a.omni.v1.ListStagesRequest\x1a\x1b.omni.v1.ListStagesResponse\x12\x42\n\x0bWatchStages\x12\x1b.omni.v1.WatchStagesRequest\x1a\x14.omni.v1.StageStatus0\x01\x12T\n\x0fPauseGeneration\x12\x1f.omni.v1.PauseGenerationRequest\x1a .omni.v1.PauseGenerationResponse\x12W\n\x10ResumeGeneration\x12 .omni.v1.ResumeGenerationRequest\x1a!.omni.v1.ResumeGenerationResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aomni/v1/orchestrator.proto\x12\x07omni.v1\x1a\x13omni/v1/stage.proto\x1a\x14omni/v1/tensor.proto\"\xbc\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x06inputs\x18\x02 \x01(\x0b\x32\x14.omni.v1.StageInputs\x12)\n\x06params\x18\x03 \x01(\x0b\x32\x19.omni.v1.GenerationParams\x12?\n\x0cstage_params\x18\x04 \x03(\x0b\x32).omni.v1.GenerateRequest.StageParamsEntry\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x06 \x01(\t\x12\x0f\n\x07outputs\x18\x07 \x03(\t\x1aM\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omni.v1.GenerationParams:\x02\x38\x01\"\xc4\x02\n\x0bStreamInput\x12!\n\x06submit\x18\x01 \x01(\x0b\x32\x0f.omni.v1.SubmitH\x00\x12!\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x0f.omni.v1.CancelH\x00\x12%\n\x05\x63hunk\x18\x03 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x12;\n\x0cstage_params\x18\x04 \x03(\x0b\x32%.omni.v1.StreamInput.StageParamsEntry\x12\x14\n\x0c\x61\x66\x66inity_key\x18\x05 \x01(\t\x12\x0f\n\x07outputs\x18\x06 \x03(\t\x12\r\n\x05stage\x18\x07 \x01(\t\x1aM\n\x10StageParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12(\n\x05value\x18\x02 \x01(\x0b\x32\x19.omni.v1.GenerationParams:\x02\x38\x01\x42\x06\n\x04kind\"|\n\x04\x44one\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x11\n\tcode_name\x18\x03 \x01(\t\x12\x0f\n\x07message\x18\x04 \x01(\t\x12\r\n\x05stage\x18\x05 \x01(\t\x12\x10\n\x08total_ms\x18\x06 \x01(\x01\x12\r\n\x05\x66ield\x18\x07 \x01(\t\"\xee\x01\n\rGenerateEvent\x12\r\n\x05stage\x18\x01 \x01(\t\x12#\n\x07segment\x18\x02 \x01(\x0b\x32\x10.omni.v1.SegmentH\x00\x12%\n\x08progress\x18\x03 \x01(\x0b\x32\x11.omni.v1.ProgressH\x00\x12\'\n\tcompleted\x18\x04 \x01(\x0b\x32\x12.omni.v1.CompletedH\x00\x12\x1d\n\x04\x64one\x18\x06 \x01(\x0b\x32\r.omni.v1.DoneH\x00\x12%\n\x05\x63hunk\x18\x07 \x01(\x0b\x32\x14.omni.v1.TensorChunkH\x00\x42\x06\n\x04kindJ\x04\x08\x05\x10\x06R\x05\x65rror\"\xaf\x03\n\x0bStageStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\"\n\x05state\x18\x03 \x01(\x0e\x32\x13.omni.v1.StageState\x12!\n\x05phase\x18\x04 \x01(\x0e\x32\x12.omni.v1.InitPhase\x12\x11\n\tcounted_s\x18\x05 \x01(\x01\x12\x10\n\x08paused_s\x18\x06 \x01(\x01\x12\x10\n\x08\x62udget_s\x18\x07 \x01(\x01\x12\x15\n\rbudget_left_s\x18\x08 \x01(\x01\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x12\n\nbytes_done\x18\n \x01(\x03\x12\x13\n\x0b\x62ytes_total\x18\x0b \x01(\x03\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x0e\n\x06source\x18\r \x01(\t\x12\x0e\n\x06\x65ngine\x18\x0e \x01(\t\x12\x16\n\x0eoutput_tensors\x18\x0f \x03(\t\x12\x0f\n\x07\x61\x63\x63\x65pts\x18\x10 \x03(\t\x12\x0e\n\x06voices\x18\x11 \x03(\t\x12\x0f\n\x07\x63ompute\x18\x12 \x01(\t\x12(\n\x08replicas\x18\x13 \x03(\x0b\x32\x16.omni.v1.ReplicaStatus\x12\x0e\n\x06output\x18\x14 \x01(\x08\"\xb3\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x05state\x18\x02 \x01(\x0e\x32\x15.omni.v1.ReplicaState\x12\x11\n\tin_flight\x18\x03 \x01(\x05\x12\x0e\n\x06queued\x18\x04 \x01(\x05\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x0e\n\x06served\x18\x06 \x01(\x03\x12\x0b\n\x03pod\x18\x07 \x01(\t\x12\x0c\n\x04node\x18\x08 \x01(\t\x12\x0c\n\x04held\x18\t \x01(\x05\"\x13\n\x11ListStagesRequest\"L\n\x12ListStagesResponse\x12$\n\x06stages\x18\x01 \x03(\x0b\x32\x14.omni.v1.StageStatus\x12\x10\n\x08pipeline\x18\x02 \x01(\t\"\x14\n\x12WatchStagesRequest\"\x18\n\x16PauseGenerationRequest\")\n\x17PauseGenerationResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08\"\x19\n\x17ResumeGenerationRequest\"*\n\x18ResumeGenerationResponse\x12\x0e\n\x06paused\x18\x01 \x01(\x08*p\n\nStageState\x12\x1b\n\x17STAGE_STATE_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTAGE_STARTING\x10\x01\x12\x0f\n\x0bSTAGE_READY\x10\x02\x12\x10\n\x0cSTAGE_FAILED\x10\x03\x12\x0e\n\nSTAGE_DOWN\x10\x04*~\n\x0cReplicaState\x12\x1d\n\x19REPLICA_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10REPLICA_STARTING\x10\x01\x12\x11\n\rREPLICA_READY\x10\x02\x12\x14\n\x10REPLICA_DRAINING\x10\x03\x12\x10\n\x0cREPLICA_DOWN\x10\x04\x32\x84\x04\n\x0cOrchestrator\x12>\n\x08Generate\x12\x18.omni.v1.GenerateRequest\x1a\x16.omni.v1.GenerateEvent0\x01\x12\x42\n\x0eGenerateStream\x12\x14.omni.v1.StreamInput\x1a\x16.omni.v1.GenerateEvent(\x01\x30\x01\x12\x36\n\x05\x41\x62ort\x12\x15.omni.v1.AbortRequest\x1a\x16.omni.v1.AbortResponse\x12\x45\n\nListStages\x12\x1a.omni.v1.ListStagesRequest\x1a\x1b.omni.v1.ListStagesResponse\x12\x42\n\x0bWatchStages\x12\x1b.omni.v1.WatchStagesRequest\x1a\x14.omni.v1.StageStatus0\x01\x12T\n\x0fPauseGeneration\x12\x1f.omni.v1.PauseGenerationRequest\x1a .omni.v1.PauseGenerationResponse\x12W\n\x10ResumeGeneration\x12 .omni.v1.ResumeGenerationRequest\x1a!.omni.v1.ResumeGenerationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,40 +38,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_options = b'8\001'
   _globals['_STREAMINPUT_STAGEPARAMSENTRY']._loaded_options = None
   _globals['_STREAMINPUT_STAGEPARAMSENTRY']._serialized_options = b'8\001'
-  _globals['_STAGESTATE']._serialized_start=1907
-  _globals['_STAGESTATE']._serialized_end=2019
-  _globals['_REPLICASTATE']._serialized_start=2021
-  _globals['_REPLICASTATE']._serialized_end=2147
+  _globals['_STAGESTATE']._serialized_start=1972
+  _globals['_STAGESTATE']._serialized_end=2084
+  _globals['_REPLICASTATE']._serialized_start=2086
+  _globals['_REPLICASTATE']._serialized_end=2212
   _globals['_GENERATEREQUEST']._serialized_start=83
-  _globals['_GENERATEREQUEST']._serialized_end=382
-  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_start=305
-  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_end=382
-  _globals['_STREAMINPUT']._serialized_start=385
-  _globals['_STREAMINPUT']._serialized_end=677
-  _globals['_STREAMINPUT_STAGEPARAMSENTRY']._serialized_start=305
-  _globals['_STREAMINPUT_STAGEPARAMSENTRY']._serialized_end=382
-  _globals['_DONE']._serialized_start=679
-  _globals['_DONE']._serialized_end=803
-  _globals['_GENERATEEVENT']._serialized_start=806
-  _globals['_GENERATEEVENT']._serialized_end=1044
-  _globals['_STAGESTATUS']._serialized_start=1047
-  _globals['_STAGESTATUS']._serialized_end=1462
-  _globals['_REPLICASTATUS']._serialized_start=1465
-  _globals['_REPLICASTATUS']._serialized_end=1644
-  _globals['_LISTSTAGESREQUEST']._serialized_start=1646
-  _globals['_LISTSTAGESREQUEST']._serialized_end=1665
-  _globals['_LISTSTAGESRESPONSE']._serialized_start=1667
-  _globals['_LISTSTAGESRESPONSE']._serialized_end=1743
-  _globals['_WATCHSTAGESREQUEST']._serialized_start=1745
-  _globals['_WATCHSTAGESREQUEST']._serialized_end=1765
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1767
-  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1791
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1793
-  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1834
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1836
-  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1861
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1863
-  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1905
-  _globals['_ORCHESTRATOR']._serialized_start=2150
-  _globals['_ORCHESTRATOR']._serialized_end=2666
+  _globals['_GENERATEREQUEST']._serialized_end=399
+  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_start=322
+  _globals['_GENERATEREQUEST_STAGEPARAMSENTRY']._serialized_end=399
+  _globals['_STREAMINPUT']._serialized_start=402
+  _globals['_STREAMINPUT']._serialized_end=726
+  _globals['_STREAMINPUT_STAGEPARAMSENTRY']._serialized_start=322
+  _globals['_STREAMINPUT_STAGEPARAMSENTRY']._serialized_end=399
+  _globals['_DONE']._serialized_start=728
+  _globals['_DONE']._serialized_end=852
+  _globals['_GENERATEEVENT']._serialized_start=855
+  _globals['_GENERATEEVENT']._serialized_end=1093
+  _globals['_STAGESTATUS']._serialized_start=1096
+  _globals['_STAGESTATUS']._serialized_end=1527
+  _globals['_REPLICASTATUS']._serialized_start=1530
+  _globals['_REPLICASTATUS']._serialized_end=1709
+  _globals['_LISTSTAGESREQUEST']._serialized_start=1711
+  _globals['_LISTSTAGESREQUEST']._serialized_end=1730
+  _globals['_LISTSTAGESRESPONSE']._serialized_start=1732
+  _globals['_LISTSTAGESRESPONSE']._serialized_end=1808
+  _globals['_WATCHSTAGESREQUEST']._serialized_start=1810
+  _globals['_WATCHSTAGESREQUEST']._serialized_end=1830
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_start=1832
+  _globals['_PAUSEGENERATIONREQUEST']._serialized_end=1856
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_start=1858
+  _globals['_PAUSEGENERATIONRESPONSE']._serialized_end=1899
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_start=1901
+  _globals['_RESUMEGENERATIONREQUEST']._serialized_end=1926
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_start=1928
+  _globals['_RESUMEGENERATIONRESPONSE']._serialized_end=1970
+  _globals['_ORCHESTRATOR']._serialized_start=2215
+  _globals['_ORCHESTRATOR']._serialized_end=2731
 # @@protoc_insertion_point(module_scope)

@@ -37,7 +37,7 @@ REPLICA_DRAINING: ReplicaState
 REPLICA_DOWN: ReplicaState
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage", "affinity_key")
+    __slots__ = ("request_id", "inputs", "params", "stage_params", "stage", "affinity_key", "outputs")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,16 +51,18 @@ class GenerateRequest(_message.Message):
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     inputs: _stage_pb2.StageInputs
     params: _stage_pb2.GenerationParams
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
     stage: str
     affinity_key: str
-    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ..., affinity_key: _Optional[str] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., inputs: _Optional[_Union[_stage_pb2.StageInputs, _Mapping]] = ..., params: _Optional[_Union[_stage_pb2.GenerationParams, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., stage: _Optional[str] = ..., affinity_key: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StreamInput(_message.Message):
-    __slots__ = ("submit", "cancel", "chunk", "stage_params", "affinity_key")
+    __slots__ = ("submit", "cancel", "chunk", "stage_params", "affinity_key", "outputs", "stage")
     class StageParamsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,12 +75,16 @@ class StreamInput(_message.Message):
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     STAGE_PARAMS_FIELD_NUMBER: _ClassVar[int]
     AFFINITY_KEY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
     submit: _stage_pb2.Submit
     cancel: _stage_pb2.Cancel
     chunk: _tensor_pb2.TensorChunk
     stage_params: _containers.MessageMap[str, _stage_pb2.GenerationParams]
     affinity_key: str
-    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., affinity_key: _Optional[str] = ...) -> None: ...
+    outputs: _containers.RepeatedScalarFieldContainer[str]
+    stage: str
+    def __init__(self, submit: _Optional[_Union[_stage_pb2.Submit, _Mapping]] = ..., cancel: _Optional[_Union[_stage_pb2.Cancel, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ..., stage_params: _Optional[_Mapping[str, _stage_pb2.GenerationParams]] = ..., affinity_key: _Optional[str] = ..., outputs: _Optional[_Iterable[str]] = ..., stage: _Optional[str] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("request_id", "code", "code_name", "message", "stage", "total_ms", "field")
@@ -115,7 +121,7 @@ class GenerateEvent(_message.Message):
     def __init__(self, stage: _Optional[str] = ..., segment: _Optional[_Union[_stage_pb2.Segment, _Mapping]] = ..., progress: _Optional[_Union[_stage_pb2.Progress, _Mapping]] = ..., completed: _Optional[_Union[_stage_pb2.Completed, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., chunk: _Optional[_Union[_tensor_pb2.TensorChunk, _Mapping]] = ...) -> None: ...
 
 class StageStatus(_message.Message):
-    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "voices", "compute", "replicas")
+    __slots__ = ("name", "address", "state", "phase", "counted_s", "paused_s", "budget_s", "budget_left_s", "paused", "bytes_done", "bytes_total", "message", "source", "engine", "output_tensors", "accepts", "voices", "compute", "replicas", "output")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +141,7 @@ class StageStatus(_message.Message):
     VOICES_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     state: StageState
@@ -154,7 +161,8 @@ class StageStatus(_message.Message):
     voices: _containers.RepeatedScalarFieldContainer[str]
     compute: str
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    output: bool
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[_Union[StageState, str]] = ..., phase: _Optional[_Union[_stage_pb2.InitPhase, str]] = ..., counted_s: _Optional[float] = ..., paused_s: _Optional[float] = ..., budget_s: _Optional[float] = ..., budget_left_s: _Optional[float] = ..., paused: _Optional[bool] = ..., bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ..., message: _Optional[str] = ..., source: _Optional[str] = ..., engine: _Optional[str] = ..., output_tensors: _Optional[_Iterable[str]] = ..., accepts: _Optional[_Iterable[str]] = ..., voices: _Optional[_Iterable[str]] = ..., compute: _Optional[str] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., output: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("address", "state", "in_flight", "queued", "message", "served", "pod", "node", "held")
