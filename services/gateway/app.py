@@ -107,6 +107,7 @@ def create_app(config: GatewayConfig) -> FastAPI:
         generate, fields = chat.generate_request(body)
         await transcribe.spoken_parts_as_text(gateway.client, token, pipeline, generate)
         speech = chat_speech(body, pipeline, generate, fields, gateway.voices)
+        generate.outputs.extend(pipeline.outputs(audio=speech is not None))
         events = gateway.client.send(generate, token=token)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -127,8 +128,10 @@ def create_app(config: GatewayConfig) -> FastAPI:
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
         gateway, body, token = await _intake(request, ImageRequest)
-        stage = images.image_stage(await gateway.catalog.model(body.model, token))
+        pipeline = await gateway.catalog.model(body.model, token)
+        stage = images.image_stage(pipeline)
         generate, fields = images.generate_request(body, stage)
+        generate.outputs.extend(pipeline.outputs(image=True))
         result = Result()
         await _gather(request, gateway.client.send(generate, token=token), result, fields)
         return JSONResponse(images.images_response(result, stage))

@@ -46,6 +46,21 @@ class Pipeline:
         """The first stage that outputs audio (a speech stage), if any."""
         return next((s.name for s in self.stages if "audio" in s.output_tensors), None)
 
+    def outputs(self, *, audio: bool = False, image: bool = False) -> list[str]:
+        """What a request for text (and ``audio``, ``image``) names as its outputs
+        (GenerateRequest.outputs): every pipeline output but an image stage and a
+        speech stage not asked for, so they do not run for nothing. Empty, the
+        default of every output, when that leaves out none (or the orchestrator
+        does not say which stages are outputs)."""
+        every = [s for s in self.stages if s.output]
+        wanted = [
+            s.name
+            for s in every
+            if (image or "image" not in s.output_tensors)
+            and (audio or "audio" not in s.output_tensors)
+        ]
+        return wanted if 0 < len(wanted) < len(every) else []
+
     @property
     def recogniser(self) -> str | None:
         """The stage that turns speech into text for an entry stage that takes

@@ -301,3 +301,21 @@ async def test_generate_for_one_stage_alone(speaking: Mesh) -> None:
 
 def _text(text: str) -> stage_pb2.StageInputs:
     return stage_pb2.StageInputs(text=text)
+
+
+async def test_a_text_answer_does_not_run_the_speaker(speaking: Mesh) -> None:
+    # The gateway names the outputs it will use: the speaker runs only for audio.
+    # What the orchestrator read from each stage, by the completion's id, says which ran.
+    ran = speaking.server.router.recent_bytes
+    for modalities in (["text"], ["text", "audio"]):
+        audio = {"audio": {"voice": "heart", "format": "wav"}} if "audio" in modalities else {}
+        completion = await async_sdk(speaking).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            modalities=modalities,  # type: ignore[arg-type]
+            **audio,  # type: ignore[arg-type]
+            **GREEDY,  # type: ignore[arg-type]
+        )
+        speaks = "audio" in modalities
+        assert set(ran[completion.id]) == ({"thinker", "speaker"} if speaks else {"thinker"})
+        assert (completion.choices[0].message.audio is not None) == speaks

@@ -50,6 +50,7 @@ def plan_response(session: Session, params: ce.ResponseParams) -> Plan:
         )
 
     request = orchestrator_pb2.GenerateRequest(request_id=response_id())
+    request.outputs.extend(pipeline.outputs(audio=stage is not None))  # never an image
     if instructions:
         request.inputs.messages.add(role="system", content=instructions)
     hears = "audio" in pipeline.entry.accepts

@@ -49,6 +49,7 @@ async def test_a_text_item_is_answered_in_audio_as_chat_completions_answer_it(
     assert expected.choices[0].finish_reason == "length"
     assert turn.status == "incomplete", turn.done
     assert turn.done is not None
+    assert set(speaking.server.router.recent_bytes[turn.done["id"]]) == {"thinker", "speaker"}
     details = turn.done["status_details"]
     assert (details["type"], details["reason"]) == ("incomplete", "max_output_tokens")
     assert turn.transcript == audio.transcript
@@ -84,6 +85,8 @@ async def test_three_turns_the_third_response_sees_the_first_two(speaking: Mesh)
             turn = await respond(connection)
             assert turn.text and not turn.pcm, turn.events[-1]
             assert turn.done is not None
+            # Text alone: the speaker does not run (the gateway names its outputs).
+            assert set(speaking.server.router.recent_bytes[turn.done["id"]]) == {"thinker"}
             counted.append(turn.done["usage"]["input_tokens"])
             history += [
                 {"role": "user", "content": question},
