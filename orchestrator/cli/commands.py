@@ -131,9 +131,11 @@ async def generate(
     dialing: Dialing = PLAINTEXT,
     timeout_s: float | None = None,
     media: Sequence[stage_pb2.ContentPart] = (),
+    outputs: Sequence[str] = (),
 ) -> int:
     """omni generate: stream the output stages' text; save tensors and images.
-    ``media``: images and audio sent with the prompt (orchestrator/client/content.py)."""
+    ``media``: images and audio sent with the prompt (orchestrator/client/content.py);
+    ``outputs``: the output stages wanted (empty: all)."""
     request_id = request_id or uuid.uuid4().hex[:12]
     params: dict[str, object] = {}
     if max_tokens is not None:
@@ -142,7 +144,9 @@ async def generate(
         params["seed"] = seed
     result = Result(audio_dir=out)  # <out>/<id>-<stage>.wav grows as speech arrives
     try:
-        await _stream(address, prompt, params, request_id, result, dialing, timeout_s, media)
+        await _stream(
+            address, prompt, params, request_id, result, dialing, timeout_s, media, outputs
+        )
     except grpc.aio.AioRpcError as exc:
         print(f"omni generate: {address}: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -169,13 +173,19 @@ async def _stream(
     dialing: Dialing,
     timeout_s: float | None,
     media: Sequence[stage_pb2.ContentPart] = (),
+    outputs: Sequence[str] = (),
 ) -> None:
     """Print the output stages' text as it streams (status lines to stderr)."""
     async with AsyncClient(address, dialing) as client:
         media = await _heard(client, media, timeout_s)
         line = ""  # what the terminal line being written shows: "text:STAGE" or "progress"
         events = client.generate(
-            prompt, params=params, request_id=request_id, timeout_s=timeout_s, media=media
+            prompt,
+            params=params,
+            request_id=request_id,
+            timeout_s=timeout_s,
+            media=media,
+            outputs=outputs,
         )
         async for event in events:
             result.add(event)

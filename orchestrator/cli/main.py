@@ -138,6 +138,14 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, help="for the entry stage")
     _media_flags(gen)
     gen.add_argument("--seed", type=int, help="for every stage")
+    gen.add_argument(
+        "--output",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="only this output stage's answer (repeatable): the stages no output asked "
+        "for do not run (default: every output)",
+    )
     gen.add_argument("--request-id", default="")
     gen.add_argument("--timeout", type=float, help="seconds; the deadline reaches the stages")
     gen.add_argument(
@@ -251,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             dialing=dialing,
             timeout_s=args.timeout,
             media=media,
+            outputs=args.output,
         )
     )
 

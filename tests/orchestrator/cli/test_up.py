@@ -127,8 +127,12 @@ async def test_up_generates_recovers_from_a_crash_and_cleans_up(
             if line.startswith("[recogniser] ")
         )
         assert wer(question, heard) <= 0.2, heard
-        typed = await omni_generate(address, tmp_path / "typed", heard)
+        # Typed, asking for the text and the speech only: the renderer does not run.
+        wanted = ("--output", "thinker", "--output", "speaker")
+        typed = await omni_generate(address, tmp_path / "typed", heard, *wanted)
         assert spoken[0] == typed[0] and spoken[0].strip()
+        saved = sorted(p.name.split("-", 1)[1] for p in (tmp_path / "typed").iterdir())
+        assert saved == ["speaker.wav"], saved
 
         # A stage that crashes fails its in-flight request at once, naming it,
         # and comes back (restarted by omni up on the same port).
