@@ -70,11 +70,21 @@ class HealthProbe:
                 return Down(f"not serving (health {name})")
             await asyncio.sleep(CONFIRM_POLL_S)
 
-    async def until_down(self) -> Down:
-        """Poll until the stage is not SERVING or unreachable; returns why."""
+    async def until_down(self, confirm_s: float = 0.0) -> Down:
+        """Poll until the stage is not SERVING or unreachable; returns why. An
+        unreachable answer is asked again for up to ``confirm_s`` before it counts:
+        on a channel over several replicas one Check can go to a replica that just
+        died while the others serve on (the channel picks another once it has seen
+        the connection go), and the stage is not gone for that."""
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self._poll_s)
-            if down := await self.not_serving():
+            down = await self.not_serving()
+            deadline = loop.time() + confirm_s
+            while down is not None and down.gone and loop.time() < deadline:
+                await asyncio.sleep(CONFIRM_POLL_S)
+                down = await self.not_serving()
+            if down is not None:
                 return down
 
     async def until_serving_twice(self, starting: Callable[[], bool]) -> None:

@@ -48,6 +48,11 @@ DOWN = orchestrator_pb2.STAGE_DOWN
 COUNTDOWN_S = 1.0  # changes() publishes at least this often while STARTING
 # A stage publishes READY a moment before it flips its health to SERVING.
 CONFIRM_S = 2.0
+# A READY stage's health channel found nothing at its address is asked again for
+# up to this long before the stage counts as gone and every request it holds
+# fails: over several replicas that Check may have gone to the one replica that
+# just died (the requests it held fail by their own streams, naming it).
+GONE_CONFIRM_S = 1.0
 StateName = orchestrator_pb2.StageState.Name
 
 
@@ -268,7 +273,7 @@ class StageMonitor:
         if self._down is not None:
             self._down, self.lost = None, False
             self._publish()
-        self._go_down(await health.until_down())
+        self._go_down(await health.until_down(GONE_CONFIRM_S))
         return True
 
     async def _follow_init_or_a_serving_replica(
