@@ -12,9 +12,13 @@ system-wide monotonic clock both processes share. Transports:
   the tensor in (``ShmProducer.allocate``: the generation itself is not timed,
   only share, ref, open and read); ``shm fresh block`` is a new file per tensor
   (no pool, as before the pool).
-- ``mesh bytes``, the path to a consumer on another node: a stage's encode and
-  chunk cutting, one real gRPC stream, the consuming stage's chunk assembly and
-  decode, at ``chunks.CHUNK_BYTES`` (``--chunk-sweep`` adds one row per size).
+- ``mesh pull``, the path to a consumer on another node: the stage's encode holds
+  the tensor on its data port (a PullRef), the consuming stage's decode pulls it
+  over TCP straight into the tensor (``services/mesh/data/pull.py``).
+- ``mesh bytes``, the path there before the pull, still taken under
+  ``pull_min_bytes`` or with pulls off: a stage's encode and chunk cutting, one
+  real gRPC stream, the consuming stage's chunk assembly and decode, at
+  ``chunks.CHUNK_BYTES`` (``--chunk-sweep`` adds one row per size).
 - raw gRPC (one Tensor message to a grpc.aio server), cuda_ipc (with a GPU only),
   multiprocessing.Queue with a pickled tensor, torch.multiprocessing's own queue
   (tensor storage moved to shared memory), ZeroMQ with a msgpack header and a
@@ -28,7 +32,8 @@ system-wide monotonic clock both processes share. Transports:
 Both processes set malloc up as the mesh's processes do (``keep_freed_memory``),
 so every transport gets the same allocator. Transports take turns within each
 round so drift on a shared machine hits all. Targets at 64 MiB: shm pool in
-place >= 0.8x warm memcpy; shm >= 3x mp.Queue; mesh bytes >= 1.0x zmq + msgpack.
+place >= 0.8x warm memcpy; shm >= 3x mp.Queue; mesh pull >= 1.0x zmq + msgpack
+over TCP (two nodes' like-for-like peer).
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ def run(sizes: list[int], repeats: int, tmp: Path, sweep: list[int]) -> list[dic
         "shm pool": bench.shm_pool,
         "shm fresh block": bench.shm_handoff,
         "mesh bytes": bench.mesh_bytes,
+        "mesh pull": bench.mesh_pull,
         **{f"mesh bytes @ {label(c)}": at_chunk_size(bench, c) for c in sweep},
         "raw gRPC": bench.raw_grpc,
         "mp.Queue pickle": bench.mp_queue,
@@ -155,6 +161,8 @@ RATIOS = [
     ("mesh_bytes_64MiB_vs_zmq", "mesh bytes", "zmq + msgpack"),
     ("mesh_bytes_64MiB_vs_zmq_tcp", "mesh bytes", "zmq + msgpack (tcp)"),
     ("mesh_bytes_64MiB_vs_mp_queue", "mesh bytes", "mp.Queue pickle"),
+    ("mesh_pull_64MiB_vs_zmq_tcp", "mesh pull", "zmq + msgpack (tcp)"),
+    ("mesh_pull_64MiB_vs_mesh_bytes", "mesh pull", "mesh bytes"),
 ]
 
 
@@ -187,7 +195,7 @@ def main() -> int:
         print(f"{key}: {value:.2f}")
     print(
         "targets at 64 MiB: shm pool in place >= 0.8x warm memcpy, shm >= 3x mp.Queue, "
-        "mesh bytes >= 1.0x zmq + msgpack; ref flat in size"
+        "mesh pull >= 1.0x zmq + msgpack (tcp); ref flat in size"
     )
     path = write_json(
         "transport",

@@ -27,6 +27,8 @@ from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, EncodedChunk, serializer
 from services.mesh.data.chunks import CHUNK_BYTES, ChunkAssembler
 from services.mesh.data.malloc import keep_freed_memory
+from services.mesh.data.node import node_identity
+from services.mesh.data.pull import PullServer
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep
@@ -78,6 +80,12 @@ def consumer(conn: Connection, queue: Any, tmq: Any, zmq_addr: str, mesh: str) -
             tensor = open_tensor(msg, mesh_id=mesh, request_id=owner, field="t")
             if kind == "shm":
                 touch(tensor)
+        elif kind == "pull":
+            # What a stage does with a Submit whose tensor came as a PullRef.
+            submit = stage_pb2.Submit.FromString(payload)
+            receiver = TensorReceiver(MESH_OF_BYTES, allow_refs=True)
+            tensor = decode(submit.inputs, receiver, request_id="bench").tensors["t"]
+            touch(tensor)
         elif kind == "cuda_ipc":
             from services.mesh.tensors.cuda_ipc import open_cuda
 
@@ -177,12 +185,21 @@ class Bench:
             self.cuda = CudaIpcProducer()
         self.refs: dict[int, bytes] = {}
         self.warm: dict[int, torch.Tensor] = {}
+        self.pull = PullServer()
+        self.puller = TensorSender(
+            MESH_OF_BYTES, TransportPolicy(), shm=None, cuda=None, pull=self.pull
+        )
+        # A consumer on another node, as the stage reads it from the orchestrator.
+        self.elsewhere = tensor_pb2.NodeIdentity()
+        self.elsewhere.CopyFrom(node_identity())
+        self.elsewhere.k8s_node_name, self.elsewhere.boot_id = "node-b", "another-boot"
 
     def close(self) -> None:
         self.conn.send(None)
         self.proc.join(10)
         self.shm.close()
         self.pool.close()
+        self.pull.close()
         sweep(self.mesh)
         self.channel.close()
         self.sock.close(linger=0)
@@ -239,6 +256,18 @@ class Bench:
 
         reply = self.put_chunked(messages())
         return float(struct.unpack("d", reply)[0]) - start
+
+    def mesh_pull(self, src: torch.Tensor) -> float:
+        """The mesh's path to a consumer on another node since the pull: the stage's
+        encode holds the tensor on its data port (``PullRef``), the ref goes over,
+        and the consuming stage's decode pulls the bytes over TCP into its tensor."""
+        start = time.perf_counter()
+        submit = stage_pb2.Submit(request_id="bench", is_last=True)
+        submit.inputs.tensors.append(self.puller.encode(src, "t", "bench", self.elsewhere))
+        assert submit.inputs.tensors[0].WhichOneof("data") == "pull"
+        finished = self._ask("pull", submit.SerializeToString())
+        self.puller.release("bench")
+        return finished - start
 
     def shm_handoff(self, src: torch.Tensor) -> float:
         start = time.perf_counter()

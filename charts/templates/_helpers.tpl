@@ -95,6 +95,11 @@ orchestrator's Pod watch; "" without one. */}}
 {{- end -}}
 
 {{/* The stage file (services/stage/config.py) of one stage. */}}
+{{/* A stage's data port, where stages on other nodes pull its large tensors. */}}
+{{- define "omni.dataPort" -}}
+{{- add (.stage.port | int) (.offset | int) -}}
+{{- end -}}
+
 {{- define "omni.stageFile" -}}
 {{- $stage := .stage -}}
 {{- $file := deepCopy ($stage.settings | default dict) -}}
@@ -131,6 +136,10 @@ one the chart generates (auth.meshToken), else none ("": stages take any caller)
   valueFrom:
     fieldRef:
       fieldPath: spec.nodeName
+- name: OMNI_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
 - name: HOME
   value: /tmp
 - name: PYTHONUNBUFFERED

@@ -158,7 +158,7 @@ class OrchestratorServer:
         # Stages the pipeline cannot use as they are (an edge's transform they do
         # not offer), with why: a configuration error, not the stage's failure.
         self.misconfigured: dict[str, str] = {}
-        refs = RefReader(mesh or mesh_id())
+        refs = RefReader(mesh or mesh_id(), token=dialing.token)
         self.gate = StageGate(self.monitors, self.descriptions, runtime.ready_wait_s)
         self.router = Router(
             pipeline,

@@ -145,6 +145,14 @@ NODE_NAME = Variable(
     fallback="NODE_NAME",
     shown="`$NODE_NAME`, else empty",
 )
+ADVERTISE_HOST = Variable(
+    "OMNI_ADVERTISE_HOST",
+    _text,
+    "",
+    "stage",
+    "the address other stages pull this stage's tensors from (the chart sets the Pod's IP)",
+    shown="the bind host, or this host name's address when it binds every address",
+)
 PROMETHEUS_PORT = Variable[int | None](
     "OMNI_PROMETHEUS_PORT",
     _port,
@@ -288,6 +296,7 @@ VARIABLES: tuple[Variable[Any], ...] = (
     PARENT_PID,
     MESH_ID,
     NODE_NAME,
+    ADVERTISE_HOST,
     PROMETHEUS_PORT,
     PROMETHEUS_HOST,
     TLS_CERT,

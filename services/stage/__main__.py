@@ -46,9 +46,18 @@ def _environment() -> None:
         raise ConfigError(str(exc)) from None
 
 
-async def serve(config_path: str, host: str, port: int, health_port: int | None = None) -> int:
+async def serve(
+    config_path: str,
+    host: str,
+    port: int,
+    health_port: int | None = None,
+    data_port: int | None = None,
+) -> int:
     _environment()
     config = load_stage_config(config_path)
+    if data_port is not None:
+        runtime = config.runtime.model_copy(update={"data_port": data_port})
+        config = config.model_copy(update={"runtime": runtime})
     try:
         server = StageServer(config)
     except (ValueError, InitFailed) as exc:  # the engine refused its settings
@@ -91,12 +100,20 @@ def main(argv: list[str] | None = None) -> int:
         type=port_number,
         help="also serve grpc.health.v1 alone, plaintext, on this port (probes under TLS)",
     )
+    serve_cmd.add_argument(
+        "--data-port",
+        type=port_number,
+        help="where stages on other nodes pull this stage's large tensors "
+        "(default: the stage file's runtime.data_port; 0 there picks a free one)",
+    )
     args = parser.parse_args(argv)
     die_with_parent()
     configure_logging()
     keep_freed_memory()  # tensors in and out reuse warm buffers
     try:
-        return asyncio.run(serve(args.config, args.host, args.port, args.health_port))
+        return asyncio.run(
+            serve(args.config, args.host, args.port, args.health_port, args.data_port)
+        )
     except ConfigError as exc:
         print(f"omni stage: {exc}", file=sys.stderr)
         return 2

@@ -55,6 +55,12 @@ class Runtime(Frozen):
     # Windows one request may have buffered before its last (each costs objects too).
     max_input_windows: int = Field(4096, ge=1)
     chunk_bytes: int = Field(CHUNK_BYTES, ge=1024)  # inline tensors above this go as chunks
+    # Tensors from pull_min_bytes up that shared memory cannot carry (a consumer on
+    # another node) are pulled by their consumer from this stage's data port
+    # (services/mesh/data/pull.py) rather than sent through the orchestrator.
+    pull: bool = True
+    pull_min_bytes: int = Field(1 << 20, ge=0)
+    data_port: int = Field(0, ge=0, le=65535)  # 0: any free port
     # Connections, streams, idle and first-message limits of the stage's server
     # (services/mesh/rpc/limits.py), as the pipeline file's runtime.connections.
     connections: ConnectionLimits = ConnectionLimits()

@@ -227,7 +227,7 @@ class StageServer:
         await self._set_health(ready=False, alive=True)
         await server.start(host, health_port)
         self.health_port = server.health_port
-        self.tensors.start()
+        self.tensors.start(host)
         logger.info("stage %s listening on %s:%d", self.config.name, host, self.port)
         self._startup = asyncio.create_task(self._bring_up(), name="stage-startup")
         return self.port

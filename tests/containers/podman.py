@@ -157,8 +157,9 @@ def podman_compatible(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     - containerPorts of host-network Pods: podman turns them into port mappings and
       then refuses them on the host network; there they only name the port anyway;
-    - env from the fieldRef spec.nodeName, which podman does not support: this
-      machine's hostname, the only node;
+    - env from the fieldRefs spec.nodeName and status.podIP, which podman does not
+      support: this machine's hostname, the only node, and 127.0.0.1 (every Pod is
+      on its network);
     - a PersistentVolumeClaim whose volume exists already (podman will not create it
       twice): left out, and the volume, the model cache of an earlier run, is reused.
     """
@@ -177,6 +178,9 @@ def podman_compatible(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     if field == "spec.nodeName":
                         del env["valueFrom"]
                         env["value"] = socket.gethostname()
+                    elif field == "status.podIP":  # the host network's Pods: this host
+                        del env["valueFrom"]
+                        env["value"] = "127.0.0.1"
         out.append(doc)
     return out
 

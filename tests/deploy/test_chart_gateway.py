@@ -65,9 +65,9 @@ def test_it_dials_the_orchestrators_service_and_is_served_by_its_own() -> None:
     assert gateway["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
     assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
-    # The stages' NetworkPolicy still admits the orchestrator alone.
+    # The stages' NetworkPolicy still admits the orchestrator alone to their gRPC ports.
     policy = by_kind(docs, "NetworkPolicy")["omni-stages"]
-    (rule,) = policy["spec"]["ingress"]
+    rule, _data = policy["spec"]["ingress"]
     assert rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == (
         "orchestrator"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.chart import render
+from tests.deploy.chart import merge, render
 from tests.deploy.manifests import GROUP, TLS, VARIANTS, by_kind, containers, pod_specs
 
 
@@ -66,10 +66,24 @@ def test_network_policy_lets_only_the_orchestrator_reach_stages() -> None:
         is_stage = labels["app.kubernetes.io/component"] == "stage"
         assert selected == is_stage, deployment["metadata"]["name"]
     assert policy["policyTypes"] == ["Ingress"]
-    (rule,) = policy["ingress"]
+    rule, data = policy["ingress"]
     (peer,) = rule["from"]
     orchestrator = by_kind(docs, "Deployment")["omni-orchestrator"]
     assert (
         peer["podSelector"]["matchLabels"] == orchestrator["spec"]["template"]["metadata"]["labels"]
     )
     assert sorted(p["port"] for p in rule["ports"]) == [50051, 50052, 50055, 50056]
+    # Data ports: any Pod of the release (a stage on another node pulls from them).
+    (release,) = data["from"]
+    assert (
+        release["podSelector"]["matchLabels"].items() <= peer["podSelector"]["matchLabels"].items()
+    )
+    assert "app.kubernetes.io/component" not in release["podSelector"]["matchLabels"]
+    assert sorted(p["port"] for p in data["ports"]) == [52051, 52052, 52055, 52056]
+    # Under TLS the stages open no data port: neither the rule nor the port is there.
+    tls = render(merge(GROUP, TLS))
+    (only,) = by_kind(tls, "NetworkPolicy")["omni-stages"]["spec"]["ingress"]
+    assert only["from"] == rule["from"]
+    for deployment in by_kind(tls, "Deployment").values():
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            assert not any(p["name"].startswith("data-") for p in container.get("ports", []))

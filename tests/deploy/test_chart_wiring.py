@@ -49,11 +49,15 @@ def test_stage_addresses_are_the_rendered_services(variant: str) -> None:
             for c in deployment["spec"]["template"]["spec"]["containers"]
             if c["name"] == stage.name
         ]
-        # The gRPC port, and the plaintext health-only port the probes dial.
-        health = str(int(port) + 1000)
-        assert [p["containerPort"] for p in container["ports"]] == [int(port), int(health)]
+        # The gRPC port, the plaintext health-only port the probes dial, and the
+        # data port stages on other nodes pull large tensors from.
+        health, data = str(int(port) + 1000), str(int(port) + 2000)
+        ports = [p["containerPort"] for p in container["ports"]]
+        assert ports == [int(port), int(health), int(data)]
         assert flag(container, "--port") == port and flag(container, "--host") == "0.0.0.0"
-        assert flag(container, "--health-port") == health
+        assert flag(container, "--health-port") == health and flag(container, "--data-port") == data
+        advertised = {e["name"]: e for e in container["env"]}["OMNI_ADVERTISE_HOST"]
+        assert advertised["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert flag(container, "--config") == f"/etc/omni/stages/{stage.name}.yaml"
         # The stage file it reads is valid for the stage service itself.
         parse_stage_config(yaml.safe_load(stage_files[f"{stage.name}.yaml"]), stage.name)

@@ -13,6 +13,7 @@ from services.mesh import errors
 from services.mesh.data import media_wire
 from services.mesh.data.byte_budget import InputBudget, StreamAccount
 from services.mesh.data.chunks import ChunkAssembler
+from services.mesh.data.ref_reader import REFS
 from services.mesh.errors import InvalidArgument, NotFound, OmniError, ResourceExhausted
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.request_ids import check_request_id
@@ -22,10 +23,11 @@ Params = Mapping[str, stage_pb2.GenerationParams]
 
 
 def refuse_refs(inputs: stage_pb2.StageInputs, field: str = "inputs") -> None:
-    """Clients send bytes: a shared-memory or CUDA IPC ref names memory of a mesh
-    process, and only the mesh's own stages may hand those to each other."""
+    """Clients send bytes: a shared-memory, CUDA IPC or pull ref names memory of a
+    mesh process, and only the mesh's own stages may hand those to each other (a
+    pull ref from a client would also send a stage to any address it names)."""
     for index, tensor in enumerate(inputs.tensors):
-        if tensor.WhichOneof("data") in ("shm", "cuda_ipc"):
+        if tensor.WhichOneof("data") in REFS:
             name = f"{field}.tensors[{index}]"
             raise InvalidArgument(
                 f"{name}: tensor refs are only accepted from inside the mesh; send bytes",
@@ -33,7 +35,7 @@ def refuse_refs(inputs: stage_pb2.StageInputs, field: str = "inputs") -> None:
             )
     for item in media_wire.media_fields(inputs, field):
         if item.media.WhichOneof("payload") == "pcm":
-            if item.media.pcm.WhichOneof("data") in ("shm", "cuda_ipc"):
+            if item.media.pcm.WhichOneof("data") in REFS:
                 name = f"{item.where}.pcm"
                 raise InvalidArgument(
                     f"{name}: tensor refs are only accepted from inside the mesh; send bytes",

@@ -36,7 +36,7 @@ from orchestrator.server.requests.windows import Window
 from services.mesh import errors
 from services.mesh.data import chunks, media_wire
 from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK
-from services.mesh.data.ref_reader import RefReader
+from services.mesh.data.ref_reader import REFS, RefReader
 from services.mesh.errors import DeadlineExceeded, OmniError
 from services.mesh.pb.omni.v1 import orchestrator_pb2, stage_pb2
 from services.mesh.rpc.stage_client import StageClient
@@ -49,7 +49,6 @@ Describe = Callable[[str], stage_pb2.StageDescription | None]
 Sent = tuple[stage_pb2.Submit, Window | None]
 # What a producer is asked for when its consumer's transform needs it.
 _ASK_FOR = {"hidden_states": "return_hidden_states"}
-_SHARED = ("shm", "cuda_ipc")  # tensor data that names a block of the producing stage
 
 
 class RequestFlow:
@@ -289,7 +288,7 @@ class RequestFlow:
                 message = f"stage {stage}: {error.code_name}: {said}"
                 raise StageFailed(stage, code, message, error.field)
             if kind == "segment" and stage in self._may_share:
-                if any(t.WhichOneof("data") in _SHARED for t in output.segment.tensors):
+                if any(t.WhichOneof("data") in REFS for t in output.segment.tensors):
                     self._refs_from.add(stage)
             if is_output:
                 await self._to_client(stage, output)
@@ -311,10 +310,13 @@ class RequestFlow:
             tensors = event.segment.tensors
             self.audio.segment(stage, event.segment)
             for index, tensor in enumerate(tensors):
-                if tensor.WhichOneof("data") in ("shm", "cuda_ipc") and self._refs:
-                    # Clients get bytes: a ref names memory of a mesh process.
+                if tensor.WhichOneof("data") in REFS and self._refs:
+                    # Clients get bytes: a ref names memory of a mesh process (a
+                    # pull waits on the network: off the event loop).
                     where = f"segment.tensors[{index}]"
-                    tensors[index].CopyFrom(self._refs.read(tensor, where, self.stage_id))
+                    read = self._refs.read
+                    data = await asyncio.to_thread(read, tensor, where, self.stage_id)
+                    tensors[index].CopyFrom(data)
             blobs = event.segment.blobs
             for chunk in [
                 *chunks.split(tensors, threshold=self._chunk_bytes),

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.mesh.data import wire as codec
+from services.mesh.data.ref_reader import REFS
 from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 
@@ -101,7 +102,7 @@ def _row_bytes(tensor: tensor_pb2.Tensor, rows: int) -> int:
     where = f"segment.tensors.{tensor.name}"
     nbytes = codec.nbytes_of(tensor, where)
     kind = tensor.WhichOneof("data")
-    if kind in ("shm", "cuda_ipc"):
+    if kind in REFS:
         ref = getattr(tensor, kind)
         if ref.nbytes != nbytes:
             raise InvalidArgument(
@@ -121,15 +122,16 @@ def _row_bytes(tensor: tensor_pb2.Tensor, rows: int) -> int:
 def _rows(tensor: tensor_pb2.Tensor, row_bytes: int, start: int, count: int) -> tensor_pb2.Tensor:
     shape = [count, *tensor.shape[1:]]
     kind = tensor.WhichOneof("data")
-    if kind in ("shm", "cuda_ipc"):
+    if kind in REFS:
         # A ref's rows are a narrower view of the same block: no bytes move.
         piece = tensor_pb2.Tensor()
         piece.CopyFrom(tensor)
         del piece.shape[:]
         piece.shape.extend(shape)
-        if kind == "shm":
-            piece.shm.offset += start * row_bytes
-            piece.shm.nbytes = count * row_bytes
+        if kind in ("shm", "pull"):
+            ref = piece.shm if kind == "shm" else piece.pull
+            ref.offset += start * row_bytes
+            ref.nbytes = count * row_bytes
         else:  # the storage offset identifies the allocation; views move view_offset
             piece.cuda_ipc.view_offset += start * row_bytes
             piece.cuda_ipc.nbytes = count * row_bytes

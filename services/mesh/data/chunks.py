@@ -162,7 +162,7 @@ def unsent(data: memoryview, threshold: int = CHUNK_BYTES) -> Unsent:
 Buffer = bytearray | mmap.mmap
 
 
-def _destination(total: int) -> Buffer:
+def destination(total: int) -> Buffer:
     if total < _HUGE_BYTES:
         return bytearray(total)
     buffer = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -239,7 +239,7 @@ class ChunkAssembler:
                 while len(self._refused) > _REFUSED_KEPT:
                     self._refused.popitem(last=False)
                 raise
-            pending = _Pending(chunk.total, _destination(chunk.total))
+            pending = _Pending(chunk.total, destination(chunk.total))
             self._pending[chunk.chunk_id] = pending
         elif chunk.offset != pending.received:
             raise InvalidArgument(

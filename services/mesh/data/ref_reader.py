@@ -1,21 +1,29 @@
 """Tensor refs as bytes, for a process that hands them on to a client (the
-orchestrator): shm refs are read without torch; a CUDA IPC ref needs torch and
-a GPU, so only then is the tensor data plane (and torch) imported."""
+orchestrator): shm refs are read and pull refs pulled without torch; a CUDA IPC
+ref needs torch and a GPU, so only then is the tensor data plane (and torch)
+imported. A pull waits on the network: call ``read`` off the event loop."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from services.mesh.data.pull import pull
 from services.mesh.data.shm_dir import SHM_ROOT
 from services.mesh.data.shm_refs import read_bytes
+from services.mesh.data.wire import nbytes_of
 from services.mesh.environment import check_mesh_id
+from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
+
+REFS = ("shm", "cuda_ipc", "pull")  # tensor data that names memory of a mesh process
 
 
 class RefReader:
-    def __init__(self, mesh_id: str, root: Path = SHM_ROOT) -> None:
+    def __init__(self, mesh_id: str, root: Path = SHM_ROOT, token: str | None = None) -> None:
+        """``token``: the mesh token a pull carries to a stage's data port."""
         self.mesh_id = check_mesh_id(mesh_id)
         self.root = root
+        self.token = token
 
     def read(self, msg: tensor_pb2.Tensor, field: str, request_id: str) -> tensor_pb2.Tensor:
         """``msg``, an output of request ``request_id``, with its ref replaced by the
@@ -24,6 +32,17 @@ class RefReader:
         if kind == "shm":
             return read_bytes(
                 msg, mesh_id=self.mesh_id, request_id=request_id, field=field, root=self.root
+            )
+        if kind == "pull":
+            expected = nbytes_of(msg, field)
+            if msg.pull.nbytes != expected:
+                raise InvalidArgument(
+                    f"{field}.pull.nbytes: {msg.pull.nbytes}, but the shape needs {expected}",
+                    field=f"{field}.pull.nbytes",
+                )
+            data = pull(msg.pull, field=field, request_id=request_id, token=self.token)
+            return tensor_pb2.Tensor(
+                name=msg.name, dtype=msg.dtype, shape=msg.shape, raw=bytes(data)
             )
         if kind == "cuda_ipc":
             from services.mesh.tensors import codec

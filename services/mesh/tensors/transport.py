@@ -5,6 +5,10 @@
     shm       a CPU tensor (or a GPU tensor the consumer cannot map, copied to
               host) on the same node and IPC namespace: one copy, or none for a
               tensor generated in a pooled block (``ShmProducer.allocate``)
+    pull      a tensor of ``pull_min_bytes`` or more that neither can carry
+              (another node, another IPC namespace, shared memory off or full):
+              held where it is, the consumer reads it from this stage's data
+              port (``services.mesh.data.pull``), not through the orchestrator
     raw       anything else, and anything under ``inline_max_bytes``, where a
               ref's bookkeeping costs more than the bytes
 
@@ -25,6 +29,8 @@ import torch
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.data.node import node_identity, same_ipc, same_node, shared_gpu
+from services.mesh.data.pull import PullServer, key_name, pull
+from services.mesh.data.wire import nbytes_of
 from services.mesh.environment import check_mesh_id
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -34,7 +40,11 @@ from services.mesh.tensors.shm import SHM_ROOT, ShmProducer, open_tensor
 
 logger = logging.getLogger(__name__)
 
-RAW, SHM, CUDA_IPC = "raw", "shm", "cuda_ipc"
+RAW, SHM, CUDA_IPC, PULL = "raw", "shm", "cuda_ipc", "pull"
+# Why a tensor would go as bytes on the streams when it need not: a pull serves it.
+_PULLED_INSTEAD = frozenset(
+    {"other node", "other ipc namespace", "shm disabled", "shm full", "gpu not visible to consumer"}
+)
 # Reasons that are the best a tensor can get; every other reason is a fallback.
 _BEST = frozenset({"small", "same gpu", "same ipc namespace"})
 # Chunked tensors encoded and not yet sent; more means a caller never sent them.
@@ -46,6 +56,9 @@ class TransportPolicy:
     inline_max_bytes: int = 64 << 10
     shm: bool = True
     cuda_ipc: bool = True
+    pull: bool = True
+    # Under this a tensor rides its stream: a pull's connection costs more than the bytes.
+    pull_min_bytes: int = 1 << 20
 
 
 def choose(
@@ -100,6 +113,8 @@ def release_name(msg: tensor_pb2.Tensor) -> str:
     kind = msg.WhichOneof("data")
     if kind == SHM:
         return msg.shm.name
+    if kind == PULL:
+        return key_name(msg.pull.key)
     if kind == CUDA_IPC:
         return ref_name(msg.cuda_ipc)
     return ""
@@ -125,6 +140,7 @@ class TensorSender:
         shm: ShmProducer | None,
         cuda: CudaIpcProducer | None,
         chunk_bytes: int | None = None,
+        pull: PullServer | None = None,
     ) -> None:
         """``chunk_bytes``: raw tensors larger than this are encoded ``chunked``, their
         bytes left in place until ``take_unsent`` cuts them (None: always inline)."""
@@ -137,9 +153,11 @@ class TensorSender:
             policy,
             shm=policy.shm and shm is not None,
             cuda_ipc=policy.cuda_ipc and cuda is not None,
+            pull=policy.pull and pull is not None,
         )
         self._shm = shm
         self._cuda = cuda
+        self._pull = pull
         self._chunk_bytes = chunk_bytes
         self._unsent: dict[str, chunks.Unsent] = {}
         self._lock = threading.Lock()
@@ -177,11 +195,29 @@ class TensorSender:
                     msg = self._shm.put(tensor, owner)
                 except ResourceExhausted:
                     kind, reason = RAW, "shm full"
+        nbytes = tensor.numel() * tensor.element_size()
+        if msg is None and reason in _PULLED_INSTEAD and self._pull is not None:
+            if self.policy.pull and nbytes >= self.policy.pull_min_bytes:
+                msg = self._held(tensor, owner)
+                kind = PULL if msg is not None else RAW
         if msg is None:
             msg = self._inline(tensor, name)
         msg.name = name
-        self._count(kind, reason, tensor.numel() * tensor.element_size(), name, owner)
+        self._count(kind, reason, nbytes, name, owner)
         return msg
+
+    def _held(self, tensor: torch.Tensor, owner: str) -> tensor_pb2.Tensor | None:
+        """``tensor`` held on the data port for its consumer to pull (None: too much held)."""
+        assert self._pull is not None
+        flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+        data = flat.reshape(-1).view(torch.uint8).numpy().data
+        try:
+            ref = self._pull.hold(data, owner, keep=flat)
+        except ResourceExhausted:
+            return None
+        ref.producer.CopyFrom(node_identity())
+        wire = codec.dtype_name(tensor.dtype)
+        return tensor_pb2.Tensor(dtype=wire, shape=list(tensor.shape), pull=ref)
 
     def _inline(self, tensor: torch.Tensor, name: str) -> tensor_pb2.Tensor:
         nbytes = tensor.numel() * tensor.element_size()
@@ -217,6 +253,8 @@ class TensorSender:
             freed += self._shm.release(owner, names)
         if self._cuda is not None:
             freed += self._cuda.release(owner, names)
+        if self._pull is not None:
+            freed += self._pull.release(owner, names)
         return freed
 
     def _count(self, kind: str, reason: str, nbytes: int, name: str, owner: str) -> None:
@@ -242,10 +280,19 @@ class TensorSender:
 class TensorReceiver:
     """Decodes tensors of any transport; refs only from inside the mesh."""
 
-    def __init__(self, mesh_id: str, *, allow_refs: bool, root: Path = SHM_ROOT) -> None:
+    def __init__(
+        self,
+        mesh_id: str,
+        *,
+        allow_refs: bool,
+        root: Path = SHM_ROOT,
+        token: str | None = None,
+    ) -> None:
+        """``token``: the mesh token a pull carries to the producer's data port."""
         self.mesh_id = check_mesh_id(mesh_id)
         self.allow_refs = allow_refs
         self.root = root
+        self.token = token
 
     def decode(
         self,
@@ -259,7 +306,7 @@ class TensorReceiver:
         must have been made for that request); a ``chunked`` one is taken from
         ``chunks``, where its TensorChunk messages were assembled, without another copy."""
         kind = msg.WhichOneof("data")
-        if kind in (SHM, CUDA_IPC) and not self.allow_refs:
+        if kind in (SHM, CUDA_IPC, PULL) and not self.allow_refs:
             raise InvalidArgument(
                 f"{field}: tensor refs are only accepted from inside the mesh", field=field
             )
@@ -269,6 +316,16 @@ class TensorReceiver:
             )
         if kind == CUDA_IPC:
             return open_cuda(msg, field=field)
+        if kind == PULL:
+            expected = nbytes_of(msg, field)
+            if msg.pull.nbytes != expected:
+                raise InvalidArgument(
+                    f"{field}.pull.nbytes: {msg.pull.nbytes}, but dtype {msg.dtype} and shape "
+                    f"{list(msg.shape)} need {expected}",
+                    field=f"{field}.pull.nbytes",
+                )
+            buffer = pull(msg.pull, field=field, request_id=request_id, token=self.token)
+            return codec.from_buffer(msg, buffer, field)
         if kind == "chunked" and chunks is not None:
             return codec.from_buffer(msg, chunks.take(msg.chunked, field), field)
         if kind == "chunked":

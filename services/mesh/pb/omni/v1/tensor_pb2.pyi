@@ -61,6 +61,20 @@ class CudaIpcRef(_message.Message):
     view_offset: int
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ..., storage_nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ..., view_offset: _Optional[int] = ...) -> None: ...
 
+class PullRef(_message.Message):
+    __slots__ = ("address", "key", "nbytes", "producer", "offset")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PRODUCER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    key: bytes
+    nbytes: int
+    producer: NodeIdentity
+    offset: int
+    def __init__(self, address: _Optional[str] = ..., key: _Optional[bytes] = ..., nbytes: _Optional[int] = ..., producer: _Optional[_Union[NodeIdentity, _Mapping]] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class ChunkRef(_message.Message):
     __slots__ = ("chunk_id", "nbytes")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
@@ -82,7 +96,7 @@ class TensorChunk(_message.Message):
     def __init__(self, chunk_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total: _Optional[int] = ...) -> None: ...
 
 class Tensor(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "raw", "shm", "cuda_ipc", "chunked")
+    __slots__ = ("name", "dtype", "shape", "raw", "shm", "cuda_ipc", "chunked", "pull")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +104,7 @@ class Tensor(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     CHUNKED_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -97,7 +112,8 @@ class Tensor(_message.Message):
     shm: ShmRef
     cuda_ipc: CudaIpcRef
     chunked: ChunkRef
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRef, _Mapping]] = ..., chunked: _Optional[_Union[ChunkRef, _Mapping]] = ...) -> None: ...
+    pull: PullRef
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., raw: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRef, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcRef, _Mapping]] = ..., chunked: _Optional[_Union[ChunkRef, _Mapping]] = ..., pull: _Optional[_Union[PullRef, _Mapping]] = ...) -> None: ...
 
 class Blob(_message.Message):
     __slots__ = ("name", "media_type", "data", "chunked")
