@@ -202,3 +202,22 @@ def test_a_server_bound_to_every_address_must_be_told_what_to_advertise() -> Non
         PullServer(bind="0.0.0.0")
     with PullServer(bind="0.0.0.0", advertise="127.0.0.1") as server:
         assert server.address.startswith("127.0.0.1:")
+
+
+def test_pulls_in_a_row_share_a_connection_and_one_the_producer_closed_is_redialled(
+    sender: TensorSender, server: PullServer
+) -> None:
+    sources = [torch.full((BIG,), float(i)) for i in range(3)]
+    msgs = [sender.encode(s, "t", "r", ELSEWHERE) for s in sources]
+    for msg, source in zip(msgs[:2], sources[:2], strict=True):
+        assert torch.equal(receiver().decode(msg, "t", request_id="r"), source)
+    assert server.connections == 1 and server.served == 2
+    # The producer drops the kept connection (as after its idle time): the next
+    # pull finds it closed before any answer and goes again on a new one.
+    with server._lock:
+        kept = list(server._open)
+    for conn in kept:
+        conn.shutdown(socket.SHUT_RDWR)
+    time.sleep(0.1)
+    assert torch.equal(receiver().decode(msgs[2], "t", request_id="r"), sources[2])
+    assert server.connections == 2 and server.served == 3

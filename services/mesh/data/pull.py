@@ -10,7 +10,9 @@ connection straight into the tensor's memory, as Mooncake's and NIXL's
 transfer engines do for KV caches: the kernel's two copies, like ZeroMQ's, and
 the orchestrator carries only the ref.
 
-The wire, one pull per connection, integers big-endian::
+The wire, integers big-endian; a connection carries one pull after another (the
+consumer keeps a few open per producer for a moment, so a pull costs one round
+trip, not a new connection and a new thread on the producer)::
 
     consumer → producer   b"OMNIPULL1" | u16 n | mesh token (n bytes, may be 0)
                           | u16 m | request id (m bytes) | key (16 bytes)
@@ -54,6 +56,11 @@ _IO_TIMEOUT_S = 30.0
 _MAX_FIELD = 1024  # a token or request id longer than this is not one of ours
 # Connections served at once; more wait in the listen backlog.
 _MAX_SERVING = 32
+# A producer closes a connection idle this long; a consumer reuses one only if it
+# was idle for less than _REUSE_S, so the producer never closes one in use.
+_IDLE_S = 10.0
+_REUSE_S = 5.0
+_KEPT_PER_PRODUCER = 4  # idle connections a consumer keeps to one producer
 
 
 @dataclass
@@ -97,8 +104,10 @@ class PullServer:
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(_MAX_SERVING)
+        self._open: set[socket.socket] = set()
         self._closed = False
         self.served = 0  # pulls answered with bytes
+        self.connections = 0  # connections accepted
         self._thread = threading.Thread(target=self._accept, name="pull-server", daemon=True)
         self._thread.start()
 
@@ -158,6 +167,10 @@ class PullServer:
         with self._lock:
             self._held.clear()
             self._held_bytes = 0
+            still = list(self._open)
+        for conn in still:  # kept-alive connections: their threads end now
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def __enter__(self) -> PullServer:
         return self
@@ -172,56 +185,83 @@ class PullServer:
             except OSError:
                 return  # closed
             self._slots.acquire()
+            with self._lock:
+                self.connections += 1
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._open.add(conn)
         try:
             with conn:
-                conn.settimeout(_IO_TIMEOUT_S)
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                try:
-                    view = self._lookup(conn)
-                except _Refused as exc:
-                    reason = str(exc).encode()
-                    conn.sendall(_HEAD.pack(_REFUSED, len(reason)) + reason)
-                    return
-                conn.sendall(_HEAD.pack(_OK, view.nbytes))
-                conn.sendall(view)
-                with self._lock:
-                    self.served += 1
+                while not self._closed and self._answer(conn):
+                    pass
         except OSError as exc:  # the consumer went away: its side reports it
             logger.info("pull: connection ended early: %s", exc)
         finally:
+            with self._lock:
+                self._open.discard(conn)
             self._slots.release()
 
-    def _lookup(self, conn: socket.socket) -> memoryview:
-        if _read(conn, len(MAGIC)) != MAGIC:
-            raise _Refused("not an omni pull (expected OMNIPULL1)")
+    def _answer(self, conn: socket.socket) -> bool:
+        """Serve the connection's next pull; False when it is over (closed by the
+        consumer, idle past _IDLE_S, or out of step after a malformed request)."""
+        conn.settimeout(_IDLE_S)
+        try:
+            first = conn.recv(1)
+        except TimeoutError:
+            return False
+        if not first:
+            return False
+        conn.settimeout(_IO_TIMEOUT_S)
+        try:
+            view = self._lookup(conn, first)
+        except _Refused as exc:
+            reason = str(exc).encode()
+            conn.sendall(_HEAD.pack(_REFUSED, len(reason)) + reason)
+            return exc.in_step
+        conn.sendall(_HEAD.pack(_OK, view.nbytes))
+        conn.sendall(view)
+        with self._lock:
+            self.served += 1
+        return True
+
+    def _lookup(self, conn: socket.socket, first: bytes) -> memoryview:
+        if first + _read(conn, len(MAGIC) - 1) != MAGIC:
+            raise _Refused("not an omni pull (expected OMNIPULL1)", in_step=False)
         token = _read(conn, _field_len(conn))
         request_id = _read(conn, _field_len(conn)).decode(errors="replace")
         key = _read(conn, KEY_BYTES)
         offset, nbytes = _RANGE.unpack(_read(conn, _RANGE.size))
         if self._token and not hmac.compare_digest(token, self._token):
-            raise _Refused("the mesh token is missing or wrong")
+            raise _Refused("the mesh token is missing or wrong", in_step=False)
         with self._lock:
             held = self._held.get(key)
         if held is None:
-            raise _Refused("gone (released, expired, or never held here)")
+            raise _Refused("gone (released, expired, or never held here)", in_step=True)
         if held.owner != request_id:
-            raise _Refused(f"held for another request, not {request_id!r}")
+            raise _Refused(f"held for another request, not {request_id!r}", in_step=True)
         if offset + nbytes > held.view.nbytes:
-            raise _Refused(f"bytes {offset}-{offset + nbytes} of {held.view.nbytes} held")
+            raise _Refused(
+                f"bytes {offset}-{offset + nbytes} of {held.view.nbytes} held", in_step=True
+            )
         return held.view[offset : offset + nbytes]
 
 
 class _Refused(Exception):
-    pass
+    """A pull answered with why not; ``in_step``: the whole request was read, so
+    the connection can carry the next one."""
+
+    def __init__(self, reason: str, *, in_step: bool) -> None:
+        super().__init__(reason)
+        self.in_step = in_step
 
 
 def _field_len(conn: socket.socket) -> int:
     (n,) = struct.unpack(">H", _read(conn, 2))
     if n > _MAX_FIELD:
-        raise _Refused(f"a field of {n} bytes (at most {_MAX_FIELD})")
+        raise _Refused(f"a field of {n} bytes (at most {_MAX_FIELD})", in_step=False)
     return n
 
 
@@ -230,7 +270,7 @@ def _read(conn: socket.socket, n: int) -> bytes:
     while len(data) < n:
         got = conn.recv(n - len(data))
         if not got:
-            raise _Refused("connection ended mid-request")
+            raise _Refused("connection ended mid-request", in_step=False)
         data += got
     return bytes(data)
 
@@ -239,6 +279,22 @@ def pull(
     ref: tensor_pb2.PullRef, *, field: str, request_id: str, token: str | None = None
 ) -> Buffer:
     """The bytes ``ref`` names, read from its producer into fresh memory."""
+    buffer = destination(ref.nbytes)
+    pull_into(ref, memoryview(buffer), field=field, request_id=request_id, token=token)
+    return buffer
+
+
+def pull_into(
+    ref: tensor_pb2.PullRef,
+    into: memoryview,
+    *,
+    field: str,
+    request_id: str,
+    token: str | None = None,
+) -> None:
+    """The bytes ``ref`` names, read from its producer into ``into`` (``ref.nbytes``
+    long: a tensor's own memory, say, which malloc hands back warm where a fresh
+    mapping faults every page in as the bytes land)."""
     where = f"{field}.pull"
     host, _, port = ref.address.rpartition(":")
     if not host or not port.isdigit() or len(ref.key) != KEY_BYTES:
@@ -247,6 +303,8 @@ def pull(
             f"{ref.address!r} and {len(ref.key)} bytes",
             field=where,
         )
+    if into.nbytes != ref.nbytes:
+        raise ValueError(f"pull_into: {into.nbytes} bytes to fill, the ref holds {ref.nbytes}")
     secret, rid = (token or "").encode(), request_id.encode()
     hello = b"".join(
         (
@@ -259,26 +317,90 @@ def pull(
             _RANGE.pack(ref.offset, ref.nbytes),
         )
     )
+    address = (host.strip("[]"), int(port))
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=_IO_TIMEOUT_S) as conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(hello)
-            status, n = _HEAD.unpack(_recv_exact(conn, _HEAD.size, where, ref.address))
-            if status != _OK:
-                said = _recv_exact(conn, min(n, 4096), where, ref.address).decode(errors="replace")
-                raise FailedPrecondition(
-                    f"{where}: {ref.address} refused the pull: {said}", field=where
-                )
-            if n != ref.nbytes:
-                raise FailedPrecondition(
-                    f"{where}: {ref.address} holds {n} bytes, the ref says {ref.nbytes}",
-                    field=where,
-                )
-            buffer = destination(n)
-            _recv_into(conn, memoryview(buffer), where, ref.address)
-            return buffer
+        conn, reused = _connection(address)
+        try:
+            try:
+                _exchange(conn, hello, into.cast("B"), where, ref)
+            except _Stale:
+                if not reused:
+                    raise
+                conn.close()  # the producer closed it meanwhile: once more, on a new one
+                conn = _dial(address)
+                _exchange(conn, hello, into.cast("B"), where, ref)
+        except BaseException:
+            conn.close()
+            raise
     except (ConnectionError, TimeoutError, socket.gaierror) as exc:
         raise Unavailable(f"{where}: cannot pull from {ref.address}: {exc}", field=where) from None
+    except _Stale:
+        raise Unavailable(
+            f"{where}: cannot pull from {ref.address}: it closed the connection", field=where
+        ) from None
+    _keep(address, conn)
+
+
+def _exchange(
+    conn: socket.socket, hello: bytes, into: memoryview, where: str, ref: tensor_pb2.PullRef
+) -> None:
+    """One pull on ``conn``; _Stale when it ended before any answer (a kept
+    connection the producer had closed). A refusal leaves the connection in step."""
+    conn.sendall(hello)
+    head = bytearray(_HEAD.size)
+    try:
+        got = conn.recv_into(head, _HEAD.size, socket.MSG_WAITALL)
+    except ConnectionResetError:
+        raise _Stale from None
+    if got == 0:
+        raise _Stale
+    if got < _HEAD.size:
+        _recv_into(conn, memoryview(head)[got:], where, ref.address)
+    status, n = _HEAD.unpack(head)
+    if status != _OK:
+        said = _recv_exact(conn, min(n, 4096), where, ref.address).decode(errors="replace")
+        raise FailedPrecondition(f"{where}: {ref.address} refused the pull: {said}", field=where)
+    if n != ref.nbytes:
+        raise FailedPrecondition(
+            f"{where}: {ref.address} holds {n} bytes, the ref says {ref.nbytes}", field=where
+        )
+    _recv_into(conn, into, where, ref.address)
+
+
+class _Stale(Exception):
+    pass
+
+
+_kept: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
+_kept_lock = threading.Lock()
+
+
+def _connection(address: tuple[str, int]) -> tuple[socket.socket, bool]:
+    """A kept connection to ``address`` idle for less than _REUSE_S, else a new one."""
+    now = time.monotonic()
+    with _kept_lock:
+        idle = _kept.get(address, [])
+        while idle:
+            conn, since = idle.pop()
+            if now - since < _REUSE_S:
+                return conn, True
+            conn.close()
+    return _dial(address), False
+
+
+def _keep(address: tuple[str, int], conn: socket.socket) -> None:
+    with _kept_lock:
+        idle = _kept.setdefault(address, [])
+        if len(idle) < _KEPT_PER_PRODUCER:
+            idle.append((conn, time.monotonic()))
+            return
+    conn.close()
+
+
+def _dial(address: tuple[str, int]) -> socket.socket:
+    conn = socket.create_connection(address, timeout=_IO_TIMEOUT_S)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 def _recv_exact(conn: socket.socket, n: int, where: str, address: str) -> bytes:
@@ -290,7 +412,9 @@ def _recv_exact(conn: socket.socket, n: int, where: str, address: str) -> bytes:
 def _recv_into(conn: socket.socket, view: memoryview, where: str, address: str) -> None:
     got = 0
     while got < view.nbytes:
-        n = conn.recv_into(view[got:])
+        # MSG_WAITALL: the kernel fills the rest in one call rather than returning
+        # each time a socket buffer's worth arrived (hundreds of wake-ups for 64 MiB).
+        n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
         if n == 0:
             raise Unavailable(
                 f"{where}: {address} closed after {got} of {view.nbytes} bytes", field=where

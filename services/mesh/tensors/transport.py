@@ -29,7 +29,7 @@ import torch
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.data.node import node_identity, same_ipc, same_node, shared_gpu
-from services.mesh.data.pull import PullServer, key_name, pull
+from services.mesh.data.pull import PullServer, key_name, pull_into
 from services.mesh.data.wire import nbytes_of
 from services.mesh.environment import check_mesh_id
 from services.mesh.errors import InvalidArgument, ResourceExhausted
@@ -324,8 +324,12 @@ class TensorReceiver:
                     f"{list(msg.shape)} need {expected}",
                     field=f"{field}.pull.nbytes",
                 )
-            buffer = pull(msg.pull, field=field, request_id=request_id, token=self.token)
-            return codec.from_buffer(msg, buffer, field)
+            # Into memory torch allocates: malloc's warm pages (``keep_freed_memory``),
+            # not a fresh mapping that faults in every page as the bytes land.
+            flat = torch.empty(expected, dtype=torch.uint8)
+            into = flat.numpy().data
+            pull_into(msg.pull, into, field=field, request_id=request_id, token=self.token)
+            return flat.view(codec.DTYPES[msg.dtype]).reshape(tuple(msg.shape))
         if kind == "chunked" and chunks is not None:
             return codec.from_buffer(msg, chunks.take(msg.chunked, field), field)
         if kind == "chunked":
