@@ -5,6 +5,7 @@ the stage views, the sync client and the message limit."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import grpc
@@ -82,6 +83,19 @@ async def test_bad_requests_are_refused_by_name_with_one_done(stages) -> None:
         assert refused.done.code_name == "INVALID_ARGUMENT"
         assert refused.done.field == "inputs.tensors[0]"
         assert "tensor refs are only accepted from inside the mesh" in refused.done.message
+        # Nor a pull ref: it would send a stage to dial whatever address it names.
+        with socket.create_server(("127.0.0.1", 0)) as bait:
+            bait.settimeout(0.5)
+            pull = stage_pb2.StageInputs(text="x")
+            tensor = pull.tensors.add(name="prompt_embeds", dtype="uint8", shape=[4])
+            address = f"127.0.0.1:{bait.getsockname()[1]}"
+            tensor.pull.CopyFrom(tensor_pb2.PullRef(address=address, key=b"k" * 16, nbytes=4))
+            refused = await client.generate(inputs=pull).collect()
+            assert refused.done.code_name == "INVALID_ARGUMENT"
+            assert refused.done.field == "inputs.tensors[0]"
+            assert "tensor refs are only accepted from inside the mesh" in refused.done.message
+            with pytest.raises(TimeoutError):
+                bait.accept()  # nobody dialled it
         # A per-stage error ends the request with the stage's code, naming stage and field.
         result = await client.generate("Hi", params={"max_tokens": -3}).collect()
         assert result.done.code_name == "INVALID_ARGUMENT" and result.done.stage == "thinker"
