@@ -78,3 +78,29 @@ def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
     assert done.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_data_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                OMNI,
+                "stage",
+                "serve",
+                "--config",
+                str(REPO / "examples/stages/chat.yaml"),
+                "--port",
+                "0",
+                "--data-port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert done.returncode == 1
+    assert f"cannot open the data port (runtime.data_port {port}) on 127.0.0.1" in done.stderr
+    assert "Traceback" not in done.stderr

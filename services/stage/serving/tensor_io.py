@@ -153,16 +153,23 @@ def _pull_server(
     if security.tls:
         logger.info("a TLS mesh: tensors for other nodes go on the (TLS) streams, not pulled")
         return None
+    host = host.strip("[]")
     advertise = environment.ADVERTISE_HOST.get()
     if not advertise and host in ("0.0.0.0", "::", ""):
         advertise = socket.gethostbyname(socket.gethostname())
-    return PullServer(
-        bind=host,
-        advertise=advertise,
-        port=runtime.data_port,
-        token=token,
-        ttl_s=runtime.shm_ttl_s,
-    )
+    try:
+        return PullServer(
+            bind=host,
+            advertise=advertise,
+            port=runtime.data_port,
+            token=token,
+            ttl_s=runtime.shm_ttl_s,
+        )
+    except OSError as exc:
+        raise OSError(
+            f"cannot open the data port (runtime.data_port {runtime.data_port}) on {host}: "
+            f"{exc.strerror or exc}"
+        ) from None
 
 
 def _shm_producer(mesh: str, runtime: Runtime) -> ShmProducer | None:
