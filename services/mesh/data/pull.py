@@ -54,8 +54,9 @@ _RANGE = struct.Struct(">QQ")
 # How long a connection may take to say what it wants, and a pull to make progress.
 _IO_TIMEOUT_S = 30.0
 _MAX_FIELD = 1024  # a token or request id longer than this is not one of ours
-# Connections served at once; more wait in the listen backlog.
-_MAX_SERVING = 32
+# Connections served at once (a consumer keeps up to _KEPT_PER_PRODUCER open for
+# a moment after its pulls); more wait in the listen backlog.
+_MAX_SERVING = 128
 # A producer closes a connection idle this long; a consumer reuses one only if it
 # was idle for less than _REUSE_S, so the producer never closes one in use.
 _IDLE_S = 10.0
