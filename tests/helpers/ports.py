@@ -7,8 +7,10 @@ whoever else asks for it, so the collision would not even fail the bind."""
 
 from __future__ import annotations
 
+import re
 import socket
 from contextlib import ExitStack
+from pathlib import Path
 
 LOOPBACKS = ("127.0.0.1", "127.0.0.2")
 
@@ -32,3 +34,15 @@ def shared_port(hosts: tuple[str, ...] = LOOPBACKS, tries: int = 50) -> int:
                 continue
             return port
     raise RuntimeError(f"no port free on all of {', '.join(hosts)}")
+
+
+def stage_port(run_dir: Path, stage: str) -> int:
+    """The gRPC port of ``omni up``'s stage ``stage``, as its log (``RUN/<stage>.log``)
+    says: the stage process also listens on its data port (services/mesh/data/pull.py),
+    so its listening sockets alone do not tell which is which."""
+    said = re.search(
+        rf"stage {re.escape(stage)} listening on \S+:(\d+)", (run_dir / f"{stage}.log").read_text()
+    )
+    if said is None:
+        raise RuntimeError(f"{run_dir / f'{stage}.log'} does not say where stage {stage} listens")
+    return int(said.group(1))

@@ -44,6 +44,7 @@ from services.testing.configs import tiny_config, write_config
 from services.testing.idle_flood import IdleFlood
 from tests.helpers import memory
 from tests.helpers.polling import eventually
+from tests.helpers.ports import stage_port
 from tests.orchestrator.cli.test_up import read_until
 
 OMNI = str(Path(sys.executable).parent / "omni")
@@ -118,7 +119,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path) -> 
         assert process.stdout is not None
         ready = await read_until(process.stdout, "ready in", 240)
         (child,) = psutil.Process(process.pid).children(recursive=True)
-        port = next(c.laddr.port for c in child.net_connections() if c.status == "LISTEN")
+        port = stage_port(folder / "run", "thinker")
         yield Up(process.pid, ready.rsplit(" ", 1)[1], f"127.0.0.1:{port}", tokens, child.pid)
     finally:
         if process.returncode is None:

@@ -26,6 +26,7 @@ from services.mesh.data.node import node_identity
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.security import Dialing, client_dialing
 from services.testing.configs import tiny_config, write_config
+from tests.helpers.ports import stage_port
 from tests.orchestrator.cli.test_up import read_until, shm_blocks
 
 OMNI = str(Path(sys.executable).parent / "omni")
@@ -102,9 +103,7 @@ async def test_sigkill_of_up_leaves_no_process_port_or_block(
     pipeline = tiny_pipeline(tmp_path, omni_cache_dir)
     async with omni_up(str(pipeline), "--run-dir", str(tmp_path / "run1")) as (up, address):
         (stage,) = psutil.Process(up.pid).children(recursive=True)
-        stage_address = next(
-            f"127.0.0.1:{c.laddr.port}" for c in stage.net_connections() if c.status == "LISTEN"
-        )
+        stage_address = f"127.0.0.1:{stage_port(tmp_path / 'run1', 'thinker')}"
         # Mid-request: a long generation through the orchestrator, and hidden
         # states the stage holds in shared blocks for a consumer on this node.
         async with AsyncClient(address) as client, StageClient(stage_address) as direct:
@@ -131,7 +130,7 @@ async def test_up_with_tls_runs_the_mesh_with_mtls_and_tokens(
 ) -> None:
     pipeline = tiny_pipeline(tmp_path, omni_cache_dir)
     run = tmp_path / "run"
-    async with omni_up(str(pipeline), "--run-dir", str(run), "--tls") as (up, address):
+    async with omni_up(str(pipeline), "--run-dir", str(run), "--tls") as (_up, address):
         pki = run / "pki"
         assert (pki.stat().st_mode & 0o777) == 0o700
         token = (pki / "admin.token").read_text().strip()
@@ -148,8 +147,7 @@ async def test_up_with_tls_runs_the_mesh_with_mtls_and_tokens(
                 await plaintext.list_stages()
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
         # A stage without the mesh's client certificate refuses the handshake.
-        (stage,) = psutil.Process(up.pid).children(recursive=True)
-        port = next(c.laddr.port for c in stage.net_connections() if c.status == "LISTEN")
+        port = stage_port(run, "thinker")
         stranger = Dialing(grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes()))
         async with StageClient(f"127.0.0.1:{port}", stranger) as client:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
