@@ -28,7 +28,7 @@ from services.mesh.data.chunk_wire import STAGE_INPUT_CHUNK, ChunkFrame, Encoded
 from services.mesh.data.chunks import CHUNK_BYTES, ChunkAssembler
 from services.mesh.data.malloc import keep_freed_memory
 from services.mesh.data.node import node_identity
-from services.mesh.data.pull import PullServer
+from services.mesh.data.pull_server import PullServer
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.tensors import codec
 from services.mesh.tensors.shm import ShmProducer, open_tensor, sweep

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.mesh.data.pull import MAGIC, PullServer, key_name, pull
+from services.mesh.data.pull import MAGIC, key_name, pull
+from services.mesh.data.pull_server import PullServer
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import FailedPrecondition, InvalidArgument, Unavailable
 from services.mesh.pb.omni.v1 import tensor_pb2

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.mesh.data.pull import pull
+from services.mesh.data.pull import checked_size, pull
 from services.mesh.data.shm_dir import SHM_ROOT
 from services.mesh.data.shm_refs import read_bytes
-from services.mesh.data.wire import nbytes_of
 from services.mesh.environment import check_mesh_id
-from services.mesh.errors import InvalidArgument
 from services.mesh.pb.omni.v1 import tensor_pb2
 
 REFS = ("shm", "cuda_ipc", "pull")  # tensor data that names memory of a mesh process
@@ -34,12 +32,7 @@ class RefReader:
                 msg, mesh_id=self.mesh_id, request_id=request_id, field=field, root=self.root
             )
         if kind == "pull":
-            expected = nbytes_of(msg, field)
-            if msg.pull.nbytes != expected:
-                raise InvalidArgument(
-                    f"{field}.pull.nbytes: {msg.pull.nbytes}, but the shape needs {expected}",
-                    field=f"{field}.pull.nbytes",
-                )
+            checked_size(msg, field)
             data = pull(msg.pull, field=field, request_id=request_id, token=self.token)
             return tensor_pb2.Tensor(
                 name=msg.name, dtype=msg.dtype, shape=msg.shape, raw=bytes(data)

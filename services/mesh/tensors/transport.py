@@ -29,8 +29,8 @@ import torch
 from services.mesh.data import chunks
 from services.mesh.data.chunks import ChunkAssembler
 from services.mesh.data.node import node_identity, same_ipc, same_node, shared_gpu
-from services.mesh.data.pull import PullServer, key_name, pull_into
-from services.mesh.data.wire import nbytes_of
+from services.mesh.data.pull import checked_size, key_name, pull_into
+from services.mesh.data.pull_server import PullServer
 from services.mesh.environment import check_mesh_id
 from services.mesh.errors import InvalidArgument, ResourceExhausted
 from services.mesh.pb.omni.v1 import tensor_pb2
@@ -317,16 +317,9 @@ class TensorReceiver:
         if kind == CUDA_IPC:
             return open_cuda(msg, field=field)
         if kind == PULL:
-            expected = nbytes_of(msg, field)
-            if msg.pull.nbytes != expected:
-                raise InvalidArgument(
-                    f"{field}.pull.nbytes: {msg.pull.nbytes}, but dtype {msg.dtype} and shape "
-                    f"{list(msg.shape)} need {expected}",
-                    field=f"{field}.pull.nbytes",
-                )
             # Into memory torch allocates: malloc's warm pages (``keep_freed_memory``),
             # not a fresh mapping that faults in every page as the bytes land.
-            flat = torch.empty(expected, dtype=torch.uint8)
+            flat = torch.empty(checked_size(msg, field), dtype=torch.uint8)
             into = flat.numpy().data
             pull_into(msg.pull, into, field=field, request_id=request_id, token=self.token)
             return flat.view(codec.DTYPES[msg.dtype]).reshape(tuple(msg.shape))

@@ -20,7 +20,7 @@ from services.mesh import environment
 from services.mesh.data import chunks
 from services.mesh.data.chunk_wire import STAGE_OUTPUT_CHUNK, EncodedChunk
 from services.mesh.data.node import mesh_id
-from services.mesh.data.pull import PullServer
+from services.mesh.data.pull_server import PullServer
 from services.mesh.errors import FailedPrecondition, ResourceExhausted
 from services.mesh.pb.omni.v1 import stage_pb2, tensor_pb2
 from services.mesh.security import SecuritySettings, read_secret
