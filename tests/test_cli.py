@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from services.testing.configs import tiny_config, write_config
 
 # The console script next to this interpreter: the one `pip install -e .` made.
@@ -56,51 +58,25 @@ def test_generate_without_a_running_mesh_says_so(tmp_path: Path) -> None:
     assert "Traceback" not in done.stderr
 
 
-def test_a_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [
+        ("--port", "cannot listen on 127.0.0.1:{port}"),
+        ("--data-port", "cannot open the data port (runtime.data_port {port}) on 127.0.0.1"),
+    ],
+)
+def test_a_port_in_use_is_named_not_a_traceback(flag: str, named: str) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
+        config = str(REPO / "examples/stages/chat.yaml")
         done = subprocess.run(
-            [
-                OMNI,
-                "stage",
-                "serve",
-                "--config",
-                str(REPO / "examples/stages/chat.yaml"),
-                "--port",
-                str(port),
-            ],
+            [OMNI, "stage", "serve", "--config", config, "--port", "0", flag, str(port)],
             capture_output=True,
             text=True,
             timeout=120,
         )
     assert done.returncode == 1
-    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
-    assert "Traceback" not in done.stderr
-
-
-def test_a_data_port_in_use_is_named_not_a_traceback(tmp_path: Path) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        done = subprocess.run(
-            [
-                OMNI,
-                "stage",
-                "serve",
-                "--config",
-                str(REPO / "examples/stages/chat.yaml"),
-                "--port",
-                "0",
-                "--data-port",
-                str(port),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert done.returncode == 1
-    assert f"cannot open the data port (runtime.data_port {port}) on 127.0.0.1" in done.stderr
+    assert named.format(port=port) in done.stderr
     assert "Traceback" not in done.stderr

@@ -34,6 +34,18 @@ def renderer_config(cache_dir: Path, **runtime: Any) -> dict[str, Any]:
     }
 
 
+def segmented_thinker(cache_dir: Path, **runtime: Any) -> dict[str, Any]:
+    """The tiny thinker whose hidden states leave in full segments of 4 rows of
+    RENDER_DIM float32 (1 KiB), the first included, each over ``inline_max_bytes``
+    1024: every one goes by the transport the stages' placement picks."""
+    return tiny_config(
+        "thinker",
+        cache_dir,
+        runtime={"torch_threads": 1, "inline_max_bytes": 1024, **runtime},
+        segmenting={"first_segment_tokens": 4},
+    )
+
+
 class Stages:
     """Stage processes by name, started together and stopped on every path."""
 
@@ -66,14 +78,8 @@ async def stages(
     try:
         await stages.start(
             {
-                # Hidden states above 1 KiB go by shared memory to a consumer on this node;
-                # every segment is a full one of 4 rows (1 KiB), the first included.
-                "thinker": tiny_config(
-                    "thinker",
-                    omni_cache_dir,
-                    runtime={**runtime, "inline_max_bytes": 1024},
-                    segmenting={"first_segment_tokens": 4},
-                ),
+                # Hidden states go by shared memory to a consumer on this node.
+                "thinker": segmented_thinker(omni_cache_dir, **runtime),
                 "talker": tiny_config("talker", omni_cache_dir, runtime=runtime),
                 "renderer": renderer_config(omni_cache_dir),
             }

@@ -12,7 +12,6 @@ import torch
 
 from services.engines.video.source import pattern_frames
 from services.mesh.tensors import codec
-from services.testing.configs import tiny_config
 from tests.orchestrator.conftest import (
     RENDER_DIM,
     THINK_TO_RENDER,
@@ -20,6 +19,7 @@ from tests.orchestrator.conftest import (
     orchestrator,
     pipeline,
     renderer_config,
+    segmented_thinker,
 )
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -34,17 +34,11 @@ async def nodes(
     """Node a: the thinker and a renderer beside it; node b: another renderer."""
     a = Stages(tmp_path_factory.mktemp("node-a"), env={"OMNI_NODE_NAME": "node-a"})
     b = Stages(tmp_path_factory.mktemp("node-b"), env={"OMNI_NODE_NAME": "node-b"})
-    runtime = {"torch_threads": 1, "inline_max_bytes": 1024, "pull_min_bytes": 1024}
     try:
         await a.start(
             {
-                # Segments of 4 rows of 64 float32: 1 KiB each, every one over both limits.
-                "thinker": tiny_config(
-                    "thinker",
-                    omni_cache_dir,
-                    runtime=runtime,
-                    segmenting={"first_segment_tokens": 4},
-                ),
+                # 1 KiB segments, each over pull_min_bytes too: pulled by node b.
+                "thinker": segmented_thinker(omni_cache_dir, pull_min_bytes=1024),
                 "renderer": renderer_config(omni_cache_dir),
             }
         )
@@ -55,7 +49,7 @@ async def nodes(
         await b.stop()
 
 
-def across(a: Stages, b: Stages, renderer: Stages):
+def across(a: Stages, renderer: Stages):
     both = Stages(a.folder)
     both.addresses = {"thinker": a.addresses["thinker"], "renderer": renderer.addresses["renderer"]}
     return pipeline(both, ["thinker", "renderer"], THINK_TO_RENDER, outputs=["thinker", "renderer"])
@@ -65,7 +59,7 @@ async def test_hidden_states_reach_another_node_by_pull_and_the_client_gets_byte
     a, b = nodes
     images, states = {}, {}
     for where, renderer in (("same node", a), ("other node", b)):
-        async with orchestrator(across(a, b, renderer)) as (server, client):
+        async with orchestrator(across(a, renderer)) as (server, client):
             generate = client.generate(
                 "Draw a river.",
                 params=PARAMS,

@@ -16,9 +16,8 @@ from orchestrator.cli.processes import OrchestratorProcess
 from orchestrator.client import AsyncClient
 from services.mesh.rpc.stage_client import StageClient, chat_submit
 from services.mesh.telemetry import tracing
-from services.testing.configs import tiny_config
 from tests.helpers.otlp import OtlpReceiver, Received
-from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config
+from tests.orchestrator.conftest import RENDER_DIM, Stages, renderer_config, segmented_thinker
 
 ORCHESTRATOR = "omni-orchestrator-traced"
 SPOKEN_BY = "omni-orchestrator-spoken"  # the orchestrator of pipeline "spoken"
@@ -49,16 +48,10 @@ async def test_a_request_is_one_trace_and_its_metrics_match_what_happened(
         stages = Stages(tmp_path, env=receiver.env())
         process = None
         try:
-            runtime = {"torch_threads": 1, "inline_max_bytes": 1024}
             await stages.start(
                 {
                     # Full segments of 4 rows (1 KiB), the first included: all by shm.
-                    "thinker": tiny_config(
-                        "thinker",
-                        omni_cache_dir,
-                        runtime=runtime,
-                        segmenting={"first_segment_tokens": 4},
-                    ),
+                    "thinker": segmented_thinker(omni_cache_dir),
                     "renderer": renderer_config(omni_cache_dir),
                 }
             )
