@@ -42,7 +42,6 @@ class _Held:
     view: memoryview
     owner: str
     born: float
-    keep: object  # what owns the memory (a tensor): alive while held
 
 
 class PullServer:
@@ -89,8 +88,9 @@ class PullServer:
         with self._lock:
             return [key_name(k) for k in self._held]
 
-    def hold(self, data: memoryview, owner: str, keep: object) -> tensor_pb2.PullRef:
-        """Hold ``data`` (bytes, C order) for request ``owner`` until released; the ref
+    def hold(self, data: memoryview, owner: str) -> tensor_pb2.PullRef:
+        """Hold ``data`` (bytes, C order; the view keeps its memory alive) for request
+        ``owner`` until released; the ref
         a consumer pulls it with. ResourceExhausted past ``max_held_bytes``."""
         view = data.cast("B")
         key = os.urandom(KEY_BYTES)
@@ -101,7 +101,7 @@ class PullServer:
                     f"{self.max_held_bytes}",
                     field="pull",
                 )
-            self._held[key] = _Held(view, owner, time.monotonic(), keep)
+            self._held[key] = _Held(view, owner, time.monotonic())
             self._held_bytes += view.nbytes
         return tensor_pb2.PullRef(address=self.address, key=key, nbytes=view.nbytes)
 

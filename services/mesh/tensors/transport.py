@@ -209,10 +209,8 @@ class TensorSender:
     def _held(self, tensor: torch.Tensor, owner: str) -> tensor_pb2.Tensor | None:
         """``tensor`` held on the data port for its consumer to pull (None: too much held)."""
         assert self._pull is not None
-        flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-        data = flat.reshape(-1).view(torch.uint8).numpy().data
         try:
-            ref = self._pull.hold(data, owner, keep=flat)
+            ref = self._pull.hold(_bytes_in_place(tensor), owner)
         except ResourceExhausted:
             return None
         ref.producer.CopyFrom(node_identity())
@@ -223,11 +221,8 @@ class TensorSender:
         nbytes = tensor.numel() * tensor.element_size()
         if self._chunk_bytes is None or nbytes <= self._chunk_bytes:
             return codec.to_proto(tensor, name)
-        # Left in its own memory (a copy only if it is not contiguous on the CPU);
-        # the emitted tensor is the stage's from now on, as with a shared block.
-        flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
-        data = flat.reshape(-1).view(torch.uint8).numpy().data
-        pending = chunks.unsent(data, self._chunk_bytes)
+        # The emitted tensor is the stage's from now on, as with a shared block.
+        pending = chunks.unsent(_bytes_in_place(tensor), self._chunk_bytes)
         with self._lock:
             while len(self._unsent) >= _MAX_UNSENT:  # encoded but never sent: a bug
                 dropped = self._unsent.pop(next(iter(self._unsent)))
@@ -275,6 +270,13 @@ class TensorSender:
                 kind,
                 reason,
             )
+
+
+def _bytes_in_place(tensor: torch.Tensor) -> memoryview:
+    """``tensor``'s bytes, C order, left in its own memory (a copy only if it is not
+    contiguous on the CPU); the view keeps that memory alive."""
+    flat = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    return flat.reshape(-1).view(torch.uint8).numpy().data
 
 
 class TensorReceiver:
