@@ -74,7 +74,7 @@ class PullServer:
         self._slots = threading.BoundedSemaphore(_MAX_SERVING)
         self._open: set[socket.socket] = set()
         self._closed = False
-        self.served = 0  # pulls answered with bytes
+        self.served = 0  # pulls answered with bytes (counted as the answer starts)
         self.connections = 0  # connections accepted
         self._thread = threading.Thread(target=self._accept, name="pull-server", daemon=True)
         self._thread.start()
@@ -190,10 +190,10 @@ class PullServer:
             reason = str(exc).encode()
             conn.sendall(HEAD.pack(REFUSED, len(reason)) + reason)
             return exc.in_step
+        with self._lock:  # counted before the bytes go: a consumer holding them sees it
+            self.served += 1
         conn.sendall(HEAD.pack(OK, view.nbytes))
         conn.sendall(view)
-        with self._lock:
-            self.served += 1
         return True
 
     def _lookup(self, conn: socket.socket, first: bytes) -> memoryview:
