@@ -40,6 +40,7 @@ struct Q4_1Blocks {
     const uint16_t *d, *m;
     explicit Q4_1Blocks(const BlockWeight &w)
         : qs(static_cast<const uint8_t *>(w.qs)), d(w.d), m(w.m) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
     void operator()(int64_t block, __m256 *w) const {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2)));
         const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -57,6 +58,7 @@ struct Q8_0Blocks {
     const int8_t *qs;
     const uint16_t *d;
     explicit Q8_0Blocks(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)), d(w.d) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
     void operator()(int64_t block, __m256 *w) const {
         const int8_t *q = qs + block * QK;
         const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[block]));
@@ -84,6 +86,7 @@ inline float sum8(__m256 v) {
 template <int BT, int R, class Blocks>
 void tile(const Blocks &blocks, const float *xp, int64_t nb, int64_t n0, int64_t n1, float *y,
           int64_t n, int64_t real) {
+    const int64_t ahead = PREFETCH_ROWS * nb;
     for (int64_t r0 = n0; r0 < n1; r0 += R) {
         int64_t rows[R];
         for (int k = 0; k < R; k++) rows[k] = r0 + k < n1 ? r0 + k : n1 - 1;
@@ -94,6 +97,7 @@ void tile(const Blocks &blocks, const float *xp, int64_t nb, int64_t n0, int64_t
             const float *xj = xp + j * (BT * QK);
             for (int k = 0; k < R; k++) {
                 __m256 w[4];
+                if (rows[k] + PREFETCH_ROWS < n) blocks.prefetch(rows[k] * nb + j + ahead);
                 blocks(rows[k] * nb + j, w);
                 for (int b = 0; b < BT; b++)
                     for (int i = 0; i < 4; i++)

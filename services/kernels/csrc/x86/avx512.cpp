@@ -44,6 +44,7 @@ struct Q4_1Blocks {
     __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     explicit Q4_1Blocks(const BlockWeight &w)
         : qs(static_cast<const uint8_t *>(w.qs)), d(w.d), m(w.m) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
     void operator()(int64_t block, __m512 &lo, __m512 &hi) const {
         const __m512i q = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2))));
@@ -60,6 +61,7 @@ struct Q8_0Blocks {
     const int8_t *qs;
     const uint16_t *d;
     explicit Q8_0Blocks(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)), d(w.d) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
     void operator()(int64_t block, __m512 &lo, __m512 &hi) const {
         const int8_t *q = qs + block * QK;
         const __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[block]));
@@ -77,12 +79,17 @@ struct Q8_0Blocks {
 template <int BT, class Blocks>
 void tile(const Blocks &blocks, const float *xp, int64_t nb, int64_t n0, int64_t n1, float *y,
           int64_t n, int64_t real) {
+    const int64_t ahead = PREFETCH_ROWS * nb;
     for (int64_t r = n0; r < n1; r += 2) {
         const int64_t r1 = r + 1 < n1 ? r + 1 : r;
         __m512 a0[BT], a1[BT];
         for (int b = 0; b < BT; b++) a0[b] = a1[b] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nb; j++) {
             __m512 w0lo, w0hi, w1lo, w1hi;
+            if (r1 + PREFETCH_ROWS < n) {
+                blocks.prefetch(r * nb + j + ahead);
+                blocks.prefetch(r1 * nb + j + ahead);
+            }
             blocks(r * nb + j, w0lo, w0hi);
             blocks(r1 * nb + j, w1lo, w1hi);
             const float *xj = xp + j * (BT * QK);

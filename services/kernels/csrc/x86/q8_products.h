@@ -27,6 +27,7 @@ struct Q4_1Bytes {
     const uint8_t *qs;
     static constexpr bool has_min = true;
     explicit Q4_1Bytes(const BlockWeight &w) : qs(static_cast<const uint8_t *>(w.qs)) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
     /* weights 0-15 from the low nibbles, 16-31 from the high */
     __m256i operator()(int64_t block) const {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2)));
@@ -43,6 +44,7 @@ struct Q8_0Bytes {
     const int8_t *qs;
     static constexpr bool has_min = false;
     explicit Q8_0Bytes(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
     __m256i operator()(int64_t block) const {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + block * QK));
     }
@@ -85,6 +87,7 @@ void q8_tile(const Bytes &blocks, const BlockWeight &w, const Q8Rows &x, int64_t
         for (int64_t j = 0; j < nb; j++)
             for (int k = 0; k < R; k++) {
                 const int64_t block = rows[k] * nb + j;
+                if (rows[k] + PREFETCH_ROWS < w.n) blocks.prefetch(block + PREFETCH_ROWS * nb);
                 const __m256i wq = blocks(block);
                 const float dw = _cvtsh_ss(w.d[block]);
                 for (int b = 0; b < BT; b++) {

@@ -28,6 +28,7 @@ inline __m512 float_pair(const float *d) {
 struct Q4_1Pairs {
     const uint8_t *qs;
     explicit Q4_1Pairs(const BlockWeight &w) : qs(static_cast<const uint8_t *>(w.qs)) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
     /* blocks `block` and `block` + 1 as [low nibbles, high nibbles] each */
     __m512i operator()(int64_t block) const {
         const __m512i raw = _mm512_castsi256_si512(
@@ -46,6 +47,7 @@ struct Q4_1Pairs {
 struct Q8_0Pairs {
     const int8_t *qs;
     explicit Q8_0Pairs(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)) {}
+    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
     __m512i operator()(int64_t block) const {
         return _mm512_loadu_si512(qs + block * QK);
     }
@@ -78,6 +80,7 @@ void q8_tile512(const Pairs &pairs, const Bytes &blocks, const BlockWeight &w, c
         for (; j + 2 <= nb; j += 2)
             for (int k = 0; k < R; k++) {
                 const int64_t block = rows[k] * nb + j;
+                if (rows[k] + PREFETCH_ROWS < w.n) pairs.prefetch(block + PREFETCH_ROWS * nb);
                 const __m512i wq = pairs(block);
                 const __m512 dw = half_pair(w.d + block);
                 for (int b = 0; b < BT; b++) {
