@@ -29,8 +29,10 @@ class Voice:
     def __init__(self, name: str, tts: Hibari) -> None:
         self.name = name
         self._tts = tts
-        # One synthesis at a time per voice: the G2P keeps state between calls.
-        self._lock = threading.Lock()
+        # The G2P keeps state between calls: one spelling-to-sound at a time per
+        # voice. The model (onnxruntime's run is thread-safe) and the vocoder run
+        # outside it, so requests' sentences are synthesised side by side.
+        self._g2p_lock = threading.Lock()
 
     @classmethod
     def named(cls, name: str, threads: int = 1) -> Voice:
@@ -62,10 +64,15 @@ class Voice:
         return cls(name, tts)
 
     def speak(self, sentence: str, speed: float, seed: int) -> np.ndarray:
-        """float32 mono samples in [-1, 1] at ``sample_rate`` (empty: nothing to say)."""
-        with self._lock:
-            audio: np.ndarray = self._tts(sentence, speed=speed, seed=seed)
-        return audio
+        """float32 mono samples in [-1, 1] at ``sample_rate`` (empty: nothing to say):
+        what ``Hibari.__call__`` returns (its phrases in order, one generator from
+        ``seed`` through them), with only the G2P under the voice's lock."""
+        tts = self._tts
+        with self._g2p_lock:
+            phrases = tts.phonemize(sentence)
+        noise = np.random.default_rng(seed)
+        parts = [tts.from_ids(tts.ids(phrase), speed, noise) for phrase in phrases]
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
     def warm(self) -> None:
         self.speak("Warm up.", 1.0, 0)

@@ -103,3 +103,24 @@ def test_a_voice_download_after_the_model_is_paused_by_the_watchdog_too() -> Non
     stage.event(P.LOAD_START, 3)
     assert failure_free(watchdog)
     assert watchdog.paused_s == pytest.approx(32.1) and watchdog.counted_s == pytest.approx(5)
+
+
+def test_sentences_spoken_at_once_are_each_what_hibari_says_alone() -> None:
+    """The voice's lock covers its G2P only, so requests' sentences are synthesised
+    side by side: each is still bit for bit hibari's own audio of it, with its seed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.engines.speech.voice import Voice
+
+    voice = Voice.named("heart")
+    said = [
+        ("The capital of France is Paris.", 0),
+        ("Mr. Smith paid $3.50 for 2 apples, didn't he?", 7),
+        ("A long sentence, with commas, pauses; and a question at its end?", 3),
+        ("", 0),
+    ] * 3
+    alone = {(text, seed): Hibari()(text, seed=seed) for text, seed in set(said)}
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda ts: voice.speak(ts[0], 1.0, ts[1]), said))
+    for (text, seed), audio in zip(said, together, strict=True):
+        assert np.array_equal(audio, alone[text, seed]), text
