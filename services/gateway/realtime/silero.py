@@ -13,9 +13,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 RATE = 16000
 WINDOW = 512  # samples a score covers: 32 ms
@@ -32,6 +35,11 @@ def model_path() -> Path:
 
 @functools.cache
 def _session() -> ort.InferenceSession:
+    # Imported here, when a session first turns server VAD on: importing onnxruntime
+    # writes ~/.cache/Microsoft, which a gateway that never scores audio (and the
+    # image's build, which runs `omni gateway --help`) should not.
+    import onnxruntime as ort
+
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     options.log_severity_level = 3
