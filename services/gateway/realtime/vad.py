@@ -18,12 +18,12 @@ from typing import Literal
 import numpy as np
 
 from services.gateway.realtime.session_config import RATE, SemanticVadSettings, ServerVadSettings
-from services.gateway.realtime.silero import Silero
+from services.gateway.realtime.silero import RATE as VAD_RATE
+from services.gateway.realtime.silero import WINDOW, Silero
 
-VAD_RATE = 16000
-FRAME = 512 * RATE // VAD_RATE  # 768 input samples: one 512-sample frame at 16 kHz
+FRAME = WINDOW * RATE // VAD_RATE  # 768 input samples: one 512-sample window at 16 kHz
 FRAME_MS = 1000 * FRAME // RATE  # 32
-_AT = np.linspace(0, FRAME - 1, 512)  # where the 16 kHz samples fall in a frame
+_AT = np.linspace(0, FRAME - 1, WINDOW)  # where the 16 kHz samples fall in a frame
 # Quiet after which the turn is likely over: a pause between words is shorter
 # (~100-150 ms), the silence window longer (500 ms by default).
 PAUSE_MS = 6 * FRAME_MS
