@@ -78,15 +78,20 @@ constexpr int64_t PREFETCH_ROWS = 16;
  * d = max|x| / 127, q = x * (1 / d) rounded to nearest (ties to even), s = d * sum(q)
  * (the block sum a Q4_1 weight's minimum multiplies). q int8 [rows][k]; d and s
  * float32 [rows][k/32]. Every variant quantises with the same function, so the
- * rounded activations are bit for bit one's whatever the variant. */
+ * rounded activations are bit for bit one's whatever the variant. d8 holds d again,
+ * each value 8 times over ([rows][k/32][8]): the vector products load a block's scale
+ * (two blocks' side by side in 512 bits) as it is, where a broadcast or a permute per
+ * weight row and activation row cost an instruction of the few a block takes. */
 struct Q8Rows {
     int8_t *q;
-    float *d, *s;
+    float *d, *s, *d8;
     int64_t k;
 };
 void quantize_q8_row(const float *x, int64_t k, int8_t *q, float *d, float *s);
+/* d8 of one row: each of its k/32 scales d 8 times over. */
+void spread_q8_scales(const float *d, int64_t blocks, float *d8);
 /* Q8Rows for `rows` rows of k laid out in scratch that holds tiled_rows(rows) * k
- * floats (at least 1.25 bytes a value, as it must). */
+ * floats (at least 2.25 bytes a value, as it must). */
 Q8Rows q8_rows(float *scratch, int64_t rows, int64_t k);
 /* Whether the OS saves the register state in `xcr0_bits` (XCR0 via xgetbv, after
  * CPUID's OSXSAVE): a CPU with AVX-512 under an OS that does not save the zmm
@@ -208,11 +213,15 @@ struct StackShape {
  * column `column` of keys/values + l * layer_stride ([rows][kv_heads][room][dim],
  * row and head strides in floats), and attends columns 0..column (those set in mask
  * [rows][column + 1], where given); states [rows][size] gets the final norm's
- * output; `int8`: every product on 8-bit activations. 0, or -1 when out of memory. */
+ * output; `int8`: every product on 8-bit activations. As a `sequence` (a prefill of
+ * one cache row: keys/values [1][kv_heads][room][dim], no mask), row r of h is the
+ * position at column + r: it writes there and attends columns 0..column + r, so the
+ * call is, bit for bit, `rows` one-row steps at columns column, column + 1, ...
+ * 0, or -1 when out of memory. */
 int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &shape, float *h,
                  int64_t rows, const float *cos, const float *sin, float *keys, float *values,
                  int64_t layer_stride, int64_t row_stride, int64_t head_stride,
                  const uint8_t *mask, int64_t column, const float *norm, float eps,
-                 float *states, bool int8, int threads);
+                 float *states, bool int8, bool sequence, int threads);
 
 }  // namespace omni

@@ -54,8 +54,11 @@ const float *prepare_for(const Variant &v, const float *x, int64_t rows, int64_t
                          const Q8Rows &q8, bool int8) {
     if (int8) {
 #pragma omp for schedule(static) nowait
-        for (int64_t r = 0; r < rows; r++)
-            quantize_q8_row(x + r * k, k, q8.q + r * k, q8.d + r * (k / QK), q8.s + r * (k / QK));
+        for (int64_t r = 0; r < rows; r++) {
+            const int64_t nb = k / QK;
+            quantize_q8_row(x + r * k, k, q8.q + r * k, q8.d + r * nb, q8.s + r * nb);
+            spread_q8_scales(q8.d + r * nb, nb, q8.d8 + r * nb * 8);
+        }
         return x;
     }
     if (v.packs && rows > 1) {

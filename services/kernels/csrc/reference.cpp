@@ -163,10 +163,16 @@ void quantize_q8_row(const float *x, int64_t k, int8_t *q, float *d, float *s) {
     }
 }
 
+void spread_q8_scales(const float *d, int64_t blocks, float *d8) {
+    for (int64_t j = 0; j < blocks; j++)
+        for (int64_t i = 0; i < 8; i++) d8[j * 8 + i] = d[j];
+}
+
 Q8Rows q8_rows(float *scratch, int64_t rows, int64_t k) {
     int8_t *q = reinterpret_cast<int8_t *>(scratch);
-    float *d = reinterpret_cast<float *>(q + ((rows * k + 63) & ~int64_t{63}));
-    return {q, d, d + rows * (k / QK), k};
+    float *d8 = reinterpret_cast<float *>(q + ((rows * k + 63) & ~int64_t{63}));
+    float *d = d8 + rows * (k / QK) * 8;
+    return {q, d, d + rows * (k / QK), d8, k};
 }
 
 /* A float32 dot product over 16 partial sums, added pairwise at the end. */

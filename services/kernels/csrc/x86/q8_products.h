@@ -72,11 +72,11 @@ void q8_tile(const Bytes &blocks, const BlockWeight &w, const Q8Rows &x, int64_t
              int64_t n0, int64_t n1, float *y) {
     const int64_t nb = w.k / QK;
     const int8_t *xq[BT];
-    const float *xd[BT];
+    const float *xd8[BT];
     for (int b = 0; b < BT; b++) {
         const int64_t row = b0 + (b < real ? b : real - 1);
         xq[b] = x.q + row * w.k;
-        xd[b] = x.d + row * nb;
+        xd8[b] = x.d8 + row * nb * 8;
     }
     for (int64_t r0 = n0; r0 < n1; r0 += R) {
         int64_t rows[R];
@@ -89,11 +89,11 @@ void q8_tile(const Bytes &blocks, const BlockWeight &w, const Q8Rows &x, int64_t
                 const int64_t block = rows[k] * nb + j;
                 if (rows[k] + PREFETCH_ROWS < w.n) blocks.prefetch(block + PREFETCH_ROWS * nb);
                 const __m256i wq = blocks(block);
-                const float dw = _cvtsh_ss(w.d[block]);
+                const __m256 dw = _mm256_set1_ps(_cvtsh_ss(w.d[block]));
                 for (int b = 0; b < BT; b++) {
                     const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(xq[b] + j * QK));
                     const __m256 p = _mm256_cvtepi32_ps(Bytes::template dot<Dot>(wq, xb));
-                    acc[b][k] = _mm256_fmadd_ps(p, _mm256_set1_ps(dw * xd[b][j]), acc[b][k]);
+                    acc[b][k] = _mm256_fmadd_ps(p, _mm256_mul_ps(dw, _mm256_loadu_ps(xd8[b] + j * 8)), acc[b][k]);
                 }
             }
         for (int k = 0; k < R && r0 + k < n1; k++)

@@ -21,10 +21,6 @@ inline __m512 half_pair(const uint16_t *d) {
     return pair_of(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
 }
 
-inline __m512 float_pair(const float *d) {
-    return pair_of(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double *>(d))));
-}
-
 struct Q4_1Pairs {
     const uint8_t *qs;
     explicit Q4_1Pairs(const BlockWeight &w) : qs(static_cast<const uint8_t *>(w.qs)) {}
@@ -64,11 +60,12 @@ void q8_tile512(const Pairs &pairs, const Bytes &blocks, const BlockWeight &w, c
                 int64_t b0, int64_t real, int64_t n0, int64_t n1, float *y) {
     const int64_t nb = w.k / QK;
     const int8_t *xq[BT];
-    const float *xd[BT];
+    const float *xd[BT], *xd8[BT];
     for (int b = 0; b < BT; b++) {
         const int64_t row = b0 + (b < real ? b : real - 1);
         xq[b] = x.q + row * w.k;
         xd[b] = x.d + row * nb;
+        xd8[b] = x.d8 + row * nb * 8;
     }
     for (int64_t r0 = n0; r0 < n1; r0 += R) {
         int64_t rows[R];
@@ -86,7 +83,7 @@ void q8_tile512(const Pairs &pairs, const Bytes &blocks, const BlockWeight &w, c
                 for (int b = 0; b < BT; b++) {
                     const __m512i xb = _mm512_loadu_si512(xq[b] + j * QK);
                     const __m512 p = _mm512_cvtepi32_ps(Pairs::template dot<Dot>(wq, xb));
-                    acc[b][k] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, float_pair(xd[b] + j)), acc[b][k]);
+                    acc[b][k] = _mm512_fmadd_ps(p, _mm512_mul_ps(dw, _mm512_loadu_ps(xd8[b] + j * 8)), acc[b][k]);
                 }
             }
         if (j < nb) /* an odd last block, 256 bits wide */
