@@ -86,4 +86,5 @@ class KernelOps(Protocol):
         mask: torch.Tensor | None,
         column: int,
         int8: bool = False,
+        sequence: bool = False,
     ) -> torch.Tensor: ...

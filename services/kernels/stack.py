@@ -160,9 +160,17 @@ class DecodeStack:
         mask: torch.Tensor | None,
         column: int,
         int8: bool = False,
+        sequence: bool = False,
     ) -> torch.Tensor:
         """One step: ``h`` [rows, size] (added into), ``cos``/``sin`` [rows, dim], the
         cache's ``keys``/``values`` [layers, rows, kv_heads, room, dim] (column
         ``column`` written), ``mask`` uint8 [rows, column + 1] or None. The final
-        norm's output [rows, size]."""
-        return ops().decode_stack(self.handle, h, cos, sin, keys, values, mask, column, int8)
+        norm's output [rows, size].
+
+        As a ``sequence`` (a prefill): ``h``'s rows are the positions ``column`` to
+        ``column + rows - 1`` of a cache of one row (``keys``/``values`` [layers, 1,
+        kv_heads, room, dim], no mask), each attending the columns up to its own; bit
+        for bit ``rows`` one-row steps, in one call."""
+        return ops().decode_stack(
+            self.handle, h, cos, sin, keys, values, mask, column, int8, sequence
+        )

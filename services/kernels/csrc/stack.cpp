@@ -1,4 +1,5 @@
-/* A decode step's whole layer stack in one call.
+/* A decode step's whole layer stack in one call; or, as a `sequence`, a prompt's
+ * positions of one cache row (a prefill), each row of h one position.
  *
  * Run as separate calls, a layer is about ten (four products, the glue between them,
  * attention, the cache write), each with its Python dispatch and its own OpenMP
@@ -27,10 +28,18 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                  int64_t rows, const float *cos, const float *sin, float *keys, float *values,
                  int64_t layer_stride, int64_t row_stride, int64_t head_stride,
                  const uint8_t *mask, int64_t column, const float *norm, float eps,
-                 float *states, bool int8, int threads) {
+                 float *states, bool int8, bool sequence, int threads) {
     const int64_t heads = shape.heads, kv_heads = shape.kv_heads, dim = shape.dim;
     const int64_t size = shape.size, inter = shape.inter, group = heads / kv_heads;
-    const int64_t width = (heads + 2 * kv_heads) * dim, columns = column + 1;
+    const int64_t width = (heads + 2 * kv_heads) * dim;
+    /* the widest any row attends; a sequence's row r sees columns 0..column + r */
+    const int64_t columns = column + (sequence ? rows : 1);
+    /* where row r's keys and values sit in a layer's cache, before the head's offset:
+     * its own cache row at `column`, or a sequence's one row at column + r */
+    const auto kv_at = [&](int64_t r) {
+        return sequence ? (column + r) * dim : r * row_stride + column * dim;
+    };
+    const auto kv_row = [&](int64_t r) { return sequence ? int64_t{0} : r * row_stride; };
     int64_t widest = size > inter ? size : inter;
     widest = widest > heads * dim ? widest : heads * dim;
     float *x = aligned_floats(rows * size), *xp = aligned_floats(tiled_rows(rows) * widest);
@@ -70,7 +79,7 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                                          row + hd * dim);
                     rotary_row(row, heads + kv_heads, dim, cos + r * dim, sin + r * dim);
                     for (int64_t kh = 0; kh < kv_heads; kh++) {
-                        const int64_t at = r * row_stride + kh * head_stride + column * dim;
+                        const int64_t at = kv_at(r) + kh * head_stride;
                         std::memcpy(lk + at, row + (heads + kh) * dim, dim * sizeof(float));
                         std::memcpy(lv + at, row + (heads + kv_heads + kh) * dim,
                                     dim * sizeof(float));
@@ -80,9 +89,10 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
 #pragma omp for schedule(static) nowait
                 for (int64_t rh = 0; rh < rows * heads; rh++) {
                     const int64_t r = rh / heads, hd = rh % heads;
-                    const int64_t at = r * row_stride + (hd / group) * head_stride;
+                    const int64_t at = kv_row(r) + (hd / group) * head_stride;
                     v.attend_head(qkv + r * width + hd * dim, lk + at, lv + at,
-                                  mask ? mask + r * columns : nullptr, columns, dim, L.scale, p,
+                                  mask ? mask + r * columns : nullptr,
+                                  sequence ? column + r + 1 : columns, dim, L.scale, p,
                                   att + rh * dim);
                 }
                 barrier.wait();

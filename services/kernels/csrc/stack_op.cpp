@@ -91,10 +91,13 @@ struct DecodeStack : torch::CustomClassHolder {
 
 /* One step: h [rows][size] (added into), cos and sin [rows][dim], keys and values
  * [layers][rows][kv_heads][room][dim] (column `column` written), mask uint8
- * [rows][column + 1] or none. Returns the final norm's output [rows][size]. */
+ * [rows][column + 1] or none. As a `sequence`: h's rows are one cache row's positions
+ * column.. column + rows - 1 (keys and values [layers][1][kv_heads][room][dim], no
+ * mask). Returns the final norm's output [rows][size]. */
 Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, const Tensor &cos,
                     const Tensor &sin, Tensor &keys, Tensor &values,
-                    const std::optional<Tensor> &mask, int64_t column, bool int8) {
+                    const std::optional<Tensor> &mask, int64_t column, bool int8,
+                    bool sequence) {
     const omni::StackShape &shape = stack->shape;
     check_2d(h, "h");
     const int64_t rows = h.size(0);
@@ -103,12 +106,18 @@ Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, con
     check(cos, "cos", at::kFloat, {rows, shape.dim});
     check(sin, "sin", at::kFloat, {rows, shape.dim});
     check_cache(keys, values, 5);
-    TORCH_CHECK(keys.size(0) == shape.layers && keys.size(1) == rows &&
+    const int64_t cache_rows = sequence ? 1 : rows, last = column + (sequence ? rows : 1) - 1;
+    TORCH_CHECK(keys.size(0) == shape.layers && keys.size(1) == cache_rows &&
                     keys.size(2) == shape.kv_heads && keys.size(4) == shape.dim,
-                "keys must be [", shape.layers, ", ", rows, ", ", shape.kv_heads, ", room, ",
-                shape.dim, "], not ", keys.sizes());
-    TORCH_CHECK(column >= 0 && column < keys.size(3), "column ", column,
-                " is outside a cache of ", keys.size(3), " columns");
+                "keys must be [", shape.layers, ", ", cache_rows, ", ", shape.kv_heads,
+                ", room, ", shape.dim, "], not ", keys.sizes());
+    TORCH_CHECK(column >= 0 && last < keys.size(3),
+                sequence ? "columns " + std::to_string(column) + ".." + std::to_string(last) +
+                               " are"
+                         : "column " + std::to_string(column) + " is",
+                " outside a cache of ", keys.size(3), " columns");
+    TORCH_CHECK(!(sequence && mask), "a sequence takes no mask: its rows see the columns "
+                "before them");
     if (mask) check(*mask, "mask", at::kByte, {rows, column + 1});
     Tensor states = at::empty_like(h);
     const int failed = omni::decode_stack(
@@ -116,7 +125,7 @@ Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, con
         cos.data_ptr<float>(), sin.data_ptr<float>(), keys.data_ptr<float>(),
         values.data_ptr<float>(), keys.stride(0), keys.stride(1), keys.stride(2),
         mask ? mask->data_ptr<uint8_t>() : nullptr, column, stack->norm, stack->eps,
-        states.data_ptr<float>(), int8, threads());
+        states.data_ptr<float>(), int8, sequence, threads());
     TORCH_CHECK(!failed, "decode_stack: out of memory");
     return states;
 }
@@ -129,6 +138,6 @@ TORCH_LIBRARY_FRAGMENT(omni_kernels, m) {
                          std::vector<int64_t>>());
     m.def("decode_stack(__torch__.torch.classes.omni_kernels.DecodeStack stack, Tensor(a!) h, "
           "Tensor cos, Tensor sin, Tensor(b!) keys, Tensor(c!) values, Tensor? mask, "
-          "int column, bool int8=False) -> Tensor",
+          "int column, bool int8=False, bool sequence=False) -> Tensor",
           &decode_stack);
 }

@@ -118,3 +118,31 @@ def test_bad_activations_are_refused_naming_the_field(
     with pytest.raises(InitFailed, match=message) as caught:
         TransformersEngine(EngineSettings(cache_dir=omni_cache_dir, engine_args=engine_args))
     assert caught.value.field == field
+
+
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+@torch.inference_mode()
+def test_a_prefill_is_its_prompt_stepped_token_by_token(
+    engines: list[TransformersEngine], precision: str
+) -> None:
+    """A prompt without padding prefills through the decode stack, row by row: the
+    logits after it are bit for bit those of the prompt's first two tokens prefilled
+    and the rest fed one decode step at a time, for each row of a batch."""
+    runner = engines[0 if precision == "int8" else 1].runner
+    assert isinstance(runner, LlamaCpuRunner) and runner.int8 == (precision == "int8")
+    model = runner.model
+    embed = model.get_input_embeddings()
+    ids = torch.randint(100, 40000, (3, 11), generator=torch.Generator().manual_seed(1))
+
+    def cache() -> KvCache:
+        return KvCache(KvShape.of(model.config, model.dtype, model.device), 3)
+
+    prefills = runner.stack_prefills
+    whole, _ = runner.forward(cache(), embed(ids), torch.ones_like(ids), False)
+    assert runner.stack_prefills == prefills + 1
+    kv = cache()
+    logits, _ = runner.forward(kv, embed(ids[:, :2]), torch.ones_like(ids[:, :2]), False)
+    for column in range(2, ids.shape[1]):
+        one = ids[:, column : column + 1]
+        logits, _ = runner.forward(kv, embed(one), torch.ones_like(one), False)
+    assert torch.equal(whole, logits)
