@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.engines.base import EngineEvent, FinishOutput, FinishReason, TokenOutput
 from services.engines.detokenizer import IncrementalDetokenizer
-from services.engines.sampling import sample
+from services.engines.sampling import greedy_tokens, sample
 from services.engines.scheduler import Delivery, Outbox
 from services.engines.transformers.intake import Plan
 from services.engines.transformers.text import StopStrings
@@ -118,7 +118,8 @@ def emit_tokens(
 ) -> None:
     """Pick the next token of each row in ``which`` (its logits and, if it asked,
     its hidden state row) and queue the events that follow in ``outbox``."""
-    greedy = logits[which].argmax(dim=-1).tolist()
+    every = which == list(range(len(logits)))
+    greedy = greedy_tokens(logits if every else logits[which])
     for n, i in enumerate(which):
         request = rows[i]
         sampling = request.plan.sampling
