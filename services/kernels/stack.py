@@ -169,8 +169,8 @@ class DecodeStack:
 
         As a ``sequence`` (a prefill): ``h``'s rows are the positions ``column`` to
         ``column + rows - 1`` of a cache of one row (``keys``/``values`` [layers, 1,
-        kv_heads, room, dim], no mask), each attending the columns up to its own; bit
-        for bit ``rows`` one-row steps, in one call."""
+        kv_heads, room, dim], ``mask`` [1, column + rows] or None), each attending the
+        columns up to its own; bit for bit ``rows`` one-row steps, in one call."""
         return ops().decode_stack(
             self.handle, h, cos, sin, keys, values, mask, column, int8, sequence
         )

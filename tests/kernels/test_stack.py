@@ -220,41 +220,52 @@ def test_a_part_given_in_anothers_place_is_refused_naming_both() -> None:
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize(("column", "positions"), [(0, 1), (0, 13), (6, 9)])
+@pytest.mark.parametrize(
+    ("column", "positions", "masked"), [(0, 1, False), (0, 13, False), (6, 9, False), (6, 9, True)]
+)
 @torch.inference_mode()
 def test_a_sequence_is_its_positions_stepped_one_by_one_bit_for_bit(
-    variant: str, kind: str, column: int, positions: int, int8: bool
+    variant: str, kind: str, column: int, positions: int, masked: bool, int8: bool
 ) -> None:
     """A prefill of one cache row: ``positions`` rows in one call, each attending the
-    columns up to its own, equal to that many one-row steps at columns column,
-    column + 1, ...: every final state, every cache column, the residual stream."""
+    columns up to its own (those its mask sets), equal to that many one-row steps at
+    columns column, column + 1, ...: every final state, every cache column, the
+    residual stream."""
     model = _model(positions, kind, head_norms=kind == "q8_0")
     room = column + positions + 3
     h, cos, sin, keys, values, _mask = _inputs(positions, column, room, False, seed=positions)
     keys, values = keys[:, :1].contiguous(), values[:, :1].contiguous()
+    before = keys.clone()
+    mask = None
+    if masked:  # padding among the earlier columns
+        mask = torch.ones(1, column + positions, dtype=torch.uint8)
+        mask[0, [1, 4]] = 0
     mine_h, mine_keys, mine_values = h.clone(), keys.clone(), values.clone()
-    states = model.stack.step(mine_h, cos, sin, mine_keys, mine_values, None, column, int8,
+    states = model.stack.step(mine_h, cos, sin, mine_keys, mine_values, mask, column, int8,
                               sequence=True)  # fmt: skip
     stepped = []
     for r in range(positions):
         row = h[r : r + 1].clone()
+        seen = None if mask is None else mask[:, : column + r + 1].contiguous()
         stepped.append(model.stack.step(row, cos[r : r + 1], sin[r : r + 1], keys, values,
-                                        None, column + r, int8))  # fmt: skip
+                                        seen, column + r, int8))  # fmt: skip
         h[r] = row[0]
     assert torch.equal(states, torch.cat(stepped)), variant
     assert torch.equal(mine_h, h)
     assert torch.equal(mine_keys, keys) and torch.equal(mine_values, values)
-    written = mine_keys != _inputs(positions, column, room, False, positions)[3][:, :1]
-    assert written.any(dim=(0, 1, 2, 4)).tolist() == [
-        column <= c < column + positions for c in range(room)
-    ]
+    written = (mine_keys != before).any(dim=(0, 1, 2, 4))
+    assert written.tolist() == [column <= c < column + positions for c in range(room)]
+    if masked:  # the mask mattered: without it the answer is another
+        unmasked = model.stack.step(h.clone(), cos, sin, keys.clone(), values.clone(), None,
+                                    column, int8, sequence=True)  # fmt: skip
+        assert not torch.equal(unmasked, states)
 
 
-def test_a_sequence_is_refused_a_mask_and_columns_past_the_cache() -> None:
+def test_a_sequence_is_refused_a_wrong_mask_and_columns_past_the_cache() -> None:
     model = _model(0, "q4_1", head_norms=False)
     h, cos, sin, keys, values, mask = _inputs(4, 3, 8, padded=True, seed=0)
     keys, values = keys[:, :1].contiguous(), values[:, :1].contiguous()
-    with pytest.raises(RuntimeError, match="a sequence takes no mask"):
+    with pytest.raises(RuntimeError, match=r"a sequence's mask must be \[1, 7\]"):
         model.stack.step(h, cos, sin, keys, values, mask, 3, sequence=True)
     with pytest.raises(RuntimeError, match=r"columns 5\.\.8 are outside a cache of 8 columns"):
         model.stack.step(h, cos, sin, keys, values, None, 5, sequence=True)

@@ -214,9 +214,10 @@ struct StackShape {
  * row and head strides in floats), and attends columns 0..column (those set in mask
  * [rows][column + 1], where given); states [rows][size] gets the final norm's
  * output; `int8`: every product on 8-bit activations. As a `sequence` (a prefill of
- * one cache row: keys/values [1][kv_heads][room][dim], no mask), row r of h is the
- * position at column + r: it writes there and attends columns 0..column + r, so the
- * call is, bit for bit, `rows` one-row steps at columns column, column + 1, ...
+ * one cache row: keys/values [1][kv_heads][room][dim]; mask, where given, the row's
+ * [column + rows]), row r of h is the position at column + r: it writes there and
+ * attends columns 0..column + r (those set in the mask), so the call is, bit for
+ * bit, `rows` one-row steps at columns column, column + 1, ...
  * 0, or -1 when out of memory. */
 int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &shape, float *h,
                  int64_t rows, const float *cos, const float *sin, float *keys, float *values,

@@ -91,7 +91,7 @@ int decode_stack(const Variant &v, const StackLayer *layers, const StackShape &s
                     const int64_t r = rh / heads, hd = rh % heads;
                     const int64_t at = kv_row(r) + (hd / group) * head_stride;
                     v.attend_head(qkv + r * width + hd * dim, lk + at, lv + at,
-                                  mask ? mask + r * columns : nullptr,
+                                  mask ? (sequence ? mask : mask + r * columns) : nullptr,
                                   sequence ? column + r + 1 : columns, dim, L.scale, p,
                                   att + rh * dim);
                 }

@@ -92,8 +92,8 @@ struct DecodeStack : torch::CustomClassHolder {
 /* One step: h [rows][size] (added into), cos and sin [rows][dim], keys and values
  * [layers][rows][kv_heads][room][dim] (column `column` written), mask uint8
  * [rows][column + 1] or none. As a `sequence`: h's rows are one cache row's positions
- * column.. column + rows - 1 (keys and values [layers][1][kv_heads][room][dim], no
- * mask). Returns the final norm's output [rows][size]. */
+ * column.. column + rows - 1 (keys and values [layers][1][kv_heads][room][dim], mask
+ * [1][column + rows] or none). Returns the final norm's output [rows][size]. */
 Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, const Tensor &cos,
                     const Tensor &sin, Tensor &keys, Tensor &values,
                     const std::optional<Tensor> &mask, int64_t column, bool int8,
@@ -116,9 +116,10 @@ Tensor decode_stack(const c10::intrusive_ptr<DecodeStack> &stack, Tensor &h, con
                                " are"
                          : "column " + std::to_string(column) + " is",
                 " outside a cache of ", keys.size(3), " columns");
-    TORCH_CHECK(!(sequence && mask), "a sequence takes no mask: its rows see the columns "
-                "before them");
-    if (mask) check(*mask, "mask", at::kByte, {rows, column + 1});
+    if (mask && sequence)
+        check(*mask, "a sequence's mask", at::kByte, {1, column + rows});
+    else if (mask)
+        check(*mask, "mask", at::kByte, {rows, column + 1});
     Tensor states = at::empty_like(h);
     const int failed = omni::decode_stack(
         omni::active_variant(), stack->layers.data(), shape, h.data_ptr<float>(), rows,

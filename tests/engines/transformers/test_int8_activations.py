@@ -146,3 +146,41 @@ def test_a_prefill_is_its_prompt_stepped_token_by_token(
         one = ids[:, column : column + 1]
         logits, _ = runner.forward(kv, embed(one), torch.ones_like(one), False)
     assert torch.equal(whole, logits)
+
+
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+@torch.inference_mode()
+def test_a_row_prefilled_in_a_padded_batch_is_the_row_alone(
+    engines: list[TransformersEngine], precision: str
+) -> None:
+    """Prompts of different lengths prefill together, padded on the left: each row's
+    logits, and the decode steps after, are bit for bit the row's own alone."""
+    runner = engines[0 if precision == "int8" else 1].runner
+    assert isinstance(runner, LlamaCpuRunner)
+    model = runner.model
+    embed = model.get_input_embeddings()
+    g = torch.Generator().manual_seed(2)
+    lengths = (9, 4, 13)
+    prompts = [torch.randint(100, 40000, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    valid = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, -len(prompt) :], valid[row, -len(prompt) :] = prompt, 1
+
+    def run(rows: torch.Tensor, seen: torch.Tensor) -> list[torch.Tensor]:
+        kv = KvCache(KvShape.of(model.config, model.dtype, model.device), rows.shape[0])
+        one = torch.ones(rows.shape[0], 1, dtype=torch.long)
+        logits, _ = runner.forward(kv, embed(rows), seen, False)
+        every = [logits]
+        for _ in range(3):
+            logits, _ = runner.forward(kv, embed(logits.argmax(-1)[:, None]), one, False)
+            every.append(logits)
+        return every
+
+    prefills = runner.stack_prefills
+    together = run(ids, valid)
+    assert runner.stack_prefills == prefills + 1
+    for row, prompt in enumerate(prompts):
+        alone = run(prompt[None], torch.ones(1, len(prompt), dtype=torch.long))
+        for step, (mine, theirs) in enumerate(zip(together, alone, strict=True)):
+            assert torch.equal(mine[row], theirs[0]), (row, step)

@@ -3,12 +3,12 @@
 A decode step (one new position a row, fewer than MANY_ROWS rows) runs the whole
 layer stack in one call of the kernels (``decode_stack``: every layer inside one
 OpenMP region, the keys and values written into the cache in place); only the
-output head is a separate product. So do prefills without padding, row by row (the
-stack's ``sequence``: a row's positions as the stack's rows, each attending the
-columns up to its own), on 8-bit activations at any length and on float32 below
-MANY_ROWS positions. Other prefills and mixed steps (prefill and decode rows in one
-forward, so the weights are read once) run the lean forward (lean.py), its attention
-per part, each part against its own cache and mask.
+output head is a separate product. So do prefills, row by row (the stack's
+``sequence``: a row's new positions as the stack's rows, each attending the columns
+up to its own, its padding masked), on 8-bit activations at any length and on float32
+below MANY_ROWS positions. Longer float32 prefills and mixed steps (prefill and
+decode rows in one forward, so the weights are read once) run the lean forward
+(lean.py), its attention per part, each part against its own cache and mask.
 
 It takes a model when the lean forward does, every projection is on blocks (q, k, v
 and gate, up fused), every norm is Llama's float32 RMSNorm (Qwen3's per-head q/k
@@ -180,34 +180,39 @@ class LlamaCpuRunner(TextRunner):
         return self.lean.lm_head(states).float(), states if hidden else None
 
     def _one_sequence(self, kv: KvCache, embeds: torch.Tensor, valid: torch.Tensor) -> bool:
-        """Whether the stack takes this prefill row by row, each row a sequence: rows
-        without padding (before or among the new positions), on 8-bit activations or
-        fewer than MANY_ROWS positions (from there float32's products are the
-        dequantised weight through torch's matmul)."""
+        """Whether the stack takes this prefill row by row, each row's new positions a
+        sequence: every row has some (its last ones: padding on the left), on 8-bit
+        activations or fewer than MANY_ROWS positions (from there float32's products
+        are the dequantised weight through torch's matmul)."""
         if not 0 < kv.rows < MANY_ROWS or embeds.shape[1] < 2:
             return False
         if not self.int8 and embeds.shape[1] >= MANY_ROWS:
             return False
-        return bool(valid.all()) and bool(kv.mask.all())
+        left_padded = bool((valid[:, 1:] >= valid[:, :-1]).all())
+        return left_padded and bool(valid[:, -1].all())
 
     def _stack_prefill(
         self, kv: KvCache, embeds: torch.Tensor, valid: torch.Tensor, hidden: bool
     ) -> Forwarded:
         """Each row's new positions through the decode stack as a sequence: every layer
-        in one call, the positions written into the row's cache in place (the kernels'
-        glue and attention: bit for bit the positions stepped one by one, so a row's
-        prefill is the same whatever else is in its batch)."""
-        rows, width, column = embeds.shape[0], embeds.shape[1], kv.width
+        in one call, the positions written into the row's cache in place, its padding
+        columns (left as they are, zero) masked (the kernels' glue and attention: bit
+        for bit the positions stepped one by one, so a row's prefill is the same
+        whatever else is in its batch, padded or not)."""
+        width, column = embeds.shape[1], kv.width
         cos, sin = self.lean.rotary_rows(embeds, kv.positions(valid))
         kv.reserve(width)
+        seen = torch.cat([kv.mask, valid], dim=1).to(torch.uint8)
         last = []
-        for row in range(rows):
-            at = slice(row * width, (row + 1) * width)
-            h = embeds[row].clone()
-            keys, values = kv.keys[:, row : row + 1], kv.values[:, row : row + 1]
+        for row, real in enumerate(valid.sum(1).tolist()):
+            pad = width - real
+            at = slice(row * width + pad, (row + 1) * width)
+            mask = None if bool(seen[row].all()) else seen[row : row + 1].contiguous()
             states = self._stack.step(
-                h, cos[at], sin[at], keys, values, None, column, self.int8, sequence=True
-            )
+                embeds[row, pad:].clone(), cos[at], sin[at],
+                kv.keys[:, row : row + 1], kv.values[:, row : row + 1],
+                mask, column + pad, self.int8, sequence=True,
+            )  # fmt: skip
             last.append(states[-1])
         kv.extend(valid)
         self.stack_prefills += 1
