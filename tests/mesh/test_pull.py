@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from services.mesh.data.pull import MAGIC, key_name, pull
+from services.mesh.data.pull import MAGIC, STREAMS, STRIPE_BYTES, key_name, pull
 from services.mesh.data.pull_server import PullServer
 from services.mesh.data.ref_reader import RefReader
 from services.mesh.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -222,3 +222,39 @@ def test_pulls_in_a_row_share_a_connection_and_one_the_producer_closed_is_redial
     time.sleep(0.1)
     assert torch.equal(receiver().decode(msgs[2], "t", request_id="r"), sources[2])
     assert server.connections == 2 and server.served == 3
+
+
+def _stripe_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "pull-stripe"]
+
+
+def test_a_large_tensor_is_pulled_over_several_connections_at_once(
+    sender: TensorSender, server: PullServer
+) -> None:
+    """From STRIPE_BYTES a pull is STREAMS ranges on as many connections: each byte
+    lands where it belongs (a count, so a range out of place shows), the size need
+    not divide, and no stripe thread is left behind."""
+    count = STRIPE_BYTES // 8 + 12345  # int64: not a whole number of pages
+    source = torch.arange(count, dtype=torch.int64)
+    msg = sender.encode(source, "t", "req-1", ELSEWHERE)
+    assert msg.WhichOneof("data") == "pull"
+    got = receiver().decode(msg, "t", request_id="req-1")
+    assert torch.equal(got, source)
+    assert server.served == STREAMS and server.connections == STREAMS
+    assert not _stripe_threads()
+    small = sender.encode(torch.randn(BIG), "t", "req-1", ELSEWHERE)  # one range
+    receiver().decode(small, "t", request_id="req-1")
+    assert server.served == STREAMS + 1 and server.connections == STREAMS
+
+
+def test_a_refused_large_pull_fails_once_every_stripe_is_done(
+    sender: TensorSender, server: PullServer
+) -> None:
+    source = torch.randn(STRIPE_BYTES // 4)
+    msg = sender.encode(source, "t", "req-1", ELSEWHERE)
+    with pytest.raises(FailedPrecondition, match=r"t\.pull: .*held for another request"):
+        receiver().decode(msg, "t", request_id="req-2")
+    assert not _stripe_threads() and server.served == 0
+    # the producer serves on: the right request's pull goes through
+    assert torch.equal(receiver().decode(msg, "t", request_id="req-1"), source)
+    assert server.served == STREAMS and not _stripe_threads()

@@ -5,10 +5,11 @@ namespace) used to hand a large tensor over as chunks on the gRPC streams,
 through the orchestrator: two hops, each copying the bytes several times inside
 gRPC (64 MiB at about half ZeroMQ's speed, docs/benchmarks.md). Instead the
 producing stage keeps the tensor where it is and sends a PullRef (its data
-port, a random key, the size); the consumer reads the bytes over one TCP
-connection straight into the tensor's memory, as Mooncake's and NIXL's
-transfer engines do for KV caches: the kernel's two copies, like ZeroMQ's, and
-the orchestrator carries only the ref.
+port, a random key, the size); the consumer reads the bytes over TCP straight
+into the tensor's memory, as Mooncake's and NIXL's transfer engines do for KV
+caches: the kernel's two copies, like ZeroMQ's, and the orchestrator carries only
+the ref. From STRIPE_BYTES a pull is STREAMS ranges on as many connections at
+once.
 
 The wire, integers big-endian; a connection carries one pull after another (the
 consumer keeps a few open per producer for a moment, so a pull costs one round
@@ -53,6 +54,14 @@ IO_TIMEOUT_S = 30.0
 IDLE_S = 10.0
 _REUSE_S = 5.0
 _KEPT_PER_PRODUCER = 4  # idle connections a consumer keeps to one producer
+# From this size a pull goes as STREAMS ranges over as many connections at once, as
+# NCCL's socket transport splits a transfer over several sockets: one TCP stream is
+# held by the one core that runs its send path (on loopback, its receive path as
+# well), so a second stream moves as much again beside it. 64 MiB on loopback: one
+# stream 36-49 ms p50, two 22-29, three or four no better (docs/benchmarks.md).
+STRIPE_BYTES = 8 << 20
+STREAMS = 2
+_PAGE = 4096
 
 
 def key_name(key: bytes) -> str:
@@ -104,29 +113,69 @@ def pull_into(
     if into.nbytes != ref.nbytes:
         raise ValueError(f"pull_into: {into.nbytes} bytes to fill, the ref holds {ref.nbytes}")
     secret, rid = (token or "").encode(), request_id.encode()
-    hello = b"".join(
-        (
-            MAGIC,
-            struct.pack(">H", len(secret)),
-            secret,
-            struct.pack(">H", len(rid)),
-            rid,
-            ref.key,
-            RANGE.pack(ref.offset, ref.nbytes),
-        )
+    greeting = b"".join(
+        (MAGIC, struct.pack(">H", len(secret)), secret, struct.pack(">H", len(rid)), rid, ref.key)
     )
     address = (host.strip("[]"), int(port))
+    out = into.cast("B")
+    ranges = _stripes(ref.nbytes)
+    errors: list[BaseException] = []
+
+    def stripe(start: int, end: int) -> None:
+        try:
+            _pull_range(address, greeting, ref, start, end, out, where)
+        except BaseException as exc:  # raised again below, once every stripe is done
+            errors.append(exc)
+
+    helpers = [
+        threading.Thread(target=stripe, args=pair, name="pull-stripe", daemon=True)
+        for pair in ranges[1:]
+    ]
+    for helper in helpers:
+        helper.start()
+    try:
+        _pull_range(address, greeting, ref, *ranges[0], out, where)
+    finally:
+        for helper in helpers:  # none may still be writing into ``into`` when we return
+            helper.join()
+    if errors:
+        raise errors[0]
+
+
+def _stripes(nbytes: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of a pull: one below STRIPE_BYTES, else STREAMS, each a
+    whole number of pages but the last."""
+    if nbytes < STRIPE_BYTES:
+        return [(0, nbytes)]
+    step = (nbytes // STREAMS + _PAGE - 1) // _PAGE * _PAGE
+    starts = range(0, nbytes, step)
+    return [(start, min(start + step, nbytes)) for start in starts]
+
+
+def _pull_range(
+    address: tuple[str, int],
+    greeting: bytes,
+    ref: tensor_pb2.PullRef,
+    start: int,
+    end: int,
+    out: memoryview,
+    where: str,
+) -> None:
+    """Bytes [start, end) of what ``ref`` names into out[start:end], on a kept
+    connection to the producer or a new one."""
+    hello = greeting + RANGE.pack(ref.offset + start, end - start)
+    into = out[start:end]
     try:
         conn, reused = _connection(address)
         try:
             try:
-                _exchange(conn, hello, into.cast("B"), where, ref)
+                _exchange(conn, hello, into, where, ref.address)
             except _Stale:
                 if not reused:
                     raise
                 conn.close()  # the producer closed it meanwhile: once more, on a new one
                 conn = _dial(address)
-                _exchange(conn, hello, into.cast("B"), where, ref)
+                _exchange(conn, hello, into, where, ref.address)
         except BaseException:
             conn.close()
             raise
@@ -139,9 +188,7 @@ def pull_into(
     _keep(address, conn)
 
 
-def _exchange(
-    conn: socket.socket, hello: bytes, into: memoryview, where: str, ref: tensor_pb2.PullRef
-) -> None:
+def _exchange(conn: socket.socket, hello: bytes, into: memoryview, where: str, source: str) -> None:
     """One pull on ``conn``; _Stale when it ended before any answer (a kept
     connection the producer had closed). A refusal leaves the connection in step."""
     conn.sendall(hello)
@@ -153,16 +200,16 @@ def _exchange(
     if got == 0:
         raise _Stale
     if got < HEAD.size:
-        _recv_into(conn, memoryview(head)[got:], where, ref.address)
+        _recv_into(conn, memoryview(head)[got:], where, source)
     status, n = HEAD.unpack(head)
     if status != OK:
-        said = _recv_exact(conn, min(n, 4096), where, ref.address).decode(errors="replace")
-        raise FailedPrecondition(f"{where}: {ref.address} refused the pull: {said}", field=where)
-    if n != ref.nbytes:
+        said = _recv_exact(conn, min(n, 4096), where, source).decode(errors="replace")
+        raise FailedPrecondition(f"{where}: {source} refused the pull: {said}", field=where)
+    if n != into.nbytes:
         raise FailedPrecondition(
-            f"{where}: {ref.address} holds {n} bytes, the ref says {ref.nbytes}", field=where
+            f"{where}: {source} sends {n} bytes, the pull asked {into.nbytes}", field=where
         )
-    _recv_into(conn, into, where, ref.address)
+    _recv_into(conn, into, where, source)
 
 
 class _Stale(Exception):
