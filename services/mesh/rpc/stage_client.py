@@ -9,8 +9,9 @@ How it authenticates (TLS, the mesh token) is a ``Dialing``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 
@@ -32,6 +33,7 @@ RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 1000
 READINESS_SERVICE = "omni.v1.Stage"  # the health name a stage turns SERVING when READY
 GENERATE = "/omni.v1.Stage/Generate"
+GENERATE_ATTEMPTS = 3  # a request's Generate calls in all, when one finds a dead replica
 
 
 def service_config(health_service: str | None = None) -> str:
@@ -168,9 +170,28 @@ class StageClient:
         )
 
     async def generate(self, submit: stage_pb2.Submit) -> AsyncIterator[stage_pb2.StageOutput]:
-        """One request on its own stream; yields its events through the final one."""
+        """One request on its own stream; yields its events through the final one.
+
+        A call that fails UNAVAILABLE before any event of it arrived (the replica it
+        went to had died, its connection not yet seen closed) goes again, to the next
+        replica round_robin picks, up to GENERATE_ATTEMPTS times in all, as the
+        orchestrator moves a request a dead replica had not started."""
         if not submit.is_last:
             submit.is_last = True
+        for attempt in range(1, GENERATE_ATTEMPTS + 1):
+            answered = False
+            try:
+                async with contextlib.aclosing(self._one_call(submit)) as outputs:
+                    async for output in outputs:
+                        answered = True
+                        yield output
+                return
+            except grpc.aio.AioRpcError as exc:
+                again = exc.code() == grpc.StatusCode.UNAVAILABLE and not answered
+                if not again or attempt == GENERATE_ATTEMPTS:
+                    raise
+
+    async def _one_call(self, submit: stage_pb2.Submit) -> AsyncGenerator[stage_pb2.StageOutput]:
         call = self.open_stream()
         try:
             try:
