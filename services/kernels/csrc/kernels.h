@@ -69,10 +69,16 @@ struct BlockWeight {
  * not stay in cache from one token to the next), and the hardware prefetcher alone,
  * with the few weight rows a tile walks side by side, streamed well under what a core
  * can: SmolLM2's Q8_0 output head (49152 x 576) took 4.9 ms at one row, ~6 GB/s. With
- * it a one-row decode step of SmolLM2 on one thread takes ~20 % less on AVX2 and
- * AVX-512, float32 and 8-bit activations alike (docs/benchmarks.md); at eight rows,
- * where the arithmetic per byte is eight times more, ~5 %. */
-constexpr int64_t PREFETCH_ROWS = 16;
+ * 16 rows ahead into L1 a one-row decode step of SmolLM2 on one thread took ~20 % less
+ * on AVX2 and AVX-512, float32 and 8-bit activations alike; at eight rows, where the
+ * arithmetic per byte is eight times more, ~5 %. Two threads on the head still
+ * streamed 13-16 GB/s where a plain sum streams 40: with 32 rows ahead (9 to 18 KiB of
+ * SmolLM2's weights) into L2 (PREFETCH_LOCALITY 1, prefetcht2; L1's few miss buffers
+ * no longer hold the stream back) the head's product in a decode step took 2.3-2.7 ms
+ * -> 1.5-1.8 ms (docs/benchmarks.md). */
+constexpr int64_t PREFETCH_ROWS = 32;
+constexpr int PREFETCH_LOCALITY = 1;
+inline void prefetch_weight(const void *at) { __builtin_prefetch(at, 0, PREFETCH_LOCALITY); }
 
 /* Activation rows rounded to 8 bits, per 32-block of a row as llama.cpp's Q8_1 does:
  * d = max|x| / 127, q = x * (1 / d) rounded to nearest (ties to even), s = d * sum(q)

@@ -40,7 +40,7 @@ struct Q4_1Blocks {
     const uint16_t *d, *m;
     explicit Q4_1Blocks(const BlockWeight &w)
         : qs(static_cast<const uint8_t *>(w.qs)), d(w.d), m(w.m) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * (QK / 2)); }
     void operator()(int64_t block, __m256 *w) const {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2)));
         const __m128i nibble = _mm_set1_epi8(0x0F);
@@ -58,7 +58,7 @@ struct Q8_0Blocks {
     const int8_t *qs;
     const uint16_t *d;
     explicit Q8_0Blocks(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)), d(w.d) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * QK); }
     void operator()(int64_t block, __m256 *w) const {
         const int8_t *q = qs + block * QK;
         const __m256 scale = _mm256_set1_ps(_cvtsh_ss(d[block]));

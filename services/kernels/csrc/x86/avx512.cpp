@@ -44,7 +44,7 @@ struct Q4_1Blocks {
     __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     explicit Q4_1Blocks(const BlockWeight &w)
         : qs(static_cast<const uint8_t *>(w.qs)), d(w.d), m(w.m) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * (QK / 2)); }
     void operator()(int64_t block, __m512 &lo, __m512 &hi) const {
         const __m512i q = _mm512_cvtepu8_epi32(
             _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2))));
@@ -61,7 +61,7 @@ struct Q8_0Blocks {
     const int8_t *qs;
     const uint16_t *d;
     explicit Q8_0Blocks(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)), d(w.d) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * QK); }
     void operator()(int64_t block, __m512 &lo, __m512 &hi) const {
         const int8_t *q = qs + block * QK;
         const __m512 scale = _mm512_set1_ps(_cvtsh_ss(d[block]));

@@ -27,7 +27,7 @@ struct Q4_1Bytes {
     const uint8_t *qs;
     static constexpr bool has_min = true;
     explicit Q4_1Bytes(const BlockWeight &w) : qs(static_cast<const uint8_t *>(w.qs)) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * (QK / 2)); }
     /* weights 0-15 from the low nibbles, 16-31 from the high */
     __m256i operator()(int64_t block) const {
         const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i *>(qs + block * (QK / 2)));
@@ -44,7 +44,7 @@ struct Q8_0Bytes {
     const int8_t *qs;
     static constexpr bool has_min = false;
     explicit Q8_0Bytes(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * QK); }
     __m256i operator()(int64_t block) const {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i *>(qs + block * QK));
     }

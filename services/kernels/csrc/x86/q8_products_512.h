@@ -24,7 +24,7 @@ inline __m512 half_pair(const uint16_t *d) {
 struct Q4_1Pairs {
     const uint8_t *qs;
     explicit Q4_1Pairs(const BlockWeight &w) : qs(static_cast<const uint8_t *>(w.qs)) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * (QK / 2), 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * (QK / 2)); }
     /* blocks `block` and `block` + 1 as [low nibbles, high nibbles] each */
     __m512i operator()(int64_t block) const {
         const __m512i raw = _mm512_castsi256_si512(
@@ -43,7 +43,7 @@ struct Q4_1Pairs {
 struct Q8_0Pairs {
     const int8_t *qs;
     explicit Q8_0Pairs(const BlockWeight &w) : qs(static_cast<const int8_t *>(w.qs)) {}
-    void prefetch(int64_t block) const { __builtin_prefetch(qs + block * QK, 0, 3); }
+    void prefetch(int64_t block) const { prefetch_weight(qs + block * QK); }
     __m512i operator()(int64_t block) const {
         return _mm512_loadu_si512(qs + block * QK);
     }
