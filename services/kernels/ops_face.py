@@ -35,8 +35,16 @@ class KernelOps(Protocol):
         m: torch.Tensor | None,
         bias: torch.Tensor | None,
         int8: bool = False,
+        packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [rows, k] float32 times the blocks' [n, k] weight, transposed: [rows, n]."""
+        """x [rows, k] float32 times the blocks' [n, k] weight, transposed: [rows, n];
+        on 8-bit activations over ``packed`` (``pack_q4_1``'s of the same weight) where
+        given and the variant has packed products."""
+        ...
+
+    def pack_q4_1(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        """A Q4_1 weight of a multiple of 16 rows laid out for the 8-bit products:
+        uint8 [n / 16, k / 32, 320]."""
         ...
 
     def quantize_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """A decode step's layer stack, built layer by layer from named parts.
 
-The C++ ``DecodeStack`` (csrc/stack_op.cpp) takes each layer's 20 tensors and 4
+The C++ ``DecodeStack`` (csrc/stack_op.cpp) takes each layer's 24 tensors and 4
 scalars as one flat list, by position. Here a layer is a ``StackLayer`` whose parts
 are named (keywords only: two norms of one shape cannot trade places by order), each
 checked against the shape its role needs before anything reaches C++, and
@@ -18,9 +18,9 @@ import torch
 from services.kernels.library import ops
 
 # A block weight's parts, in stack_op.cpp's order.
-WEIGHT_PARTS = ("qs", "d", "m", "bias")
-# A layer's tensors (a weight standing for its four parts) and scalars, in
-# stack_op.cpp's order: 4 + 4 * 4 = its TENSORS (20), and its SCALARS (4).
+WEIGHT_PARTS = ("qs", "d", "m", "bias", "packed")
+# A layer's tensors (a weight standing for its five parts) and scalars, in
+# stack_op.cpp's order: 4 + 4 * 5 = its TENSORS (24), and its SCALARS (4).
 TENSORS = ("norm_in", "norm_post", "q_norm", "k_norm", "qkv", "o", "gate_up", "down")
 SCALARS = ("eps_in", "eps_post", "eps_head", "scale")
 BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0)
@@ -30,12 +30,14 @@ BLOCK = 32  # weights per GGUF block (Q4_1, Q8_0)
 class BlockWeight:
     """One linear on GGUF blocks, [n, k]: ``qs`` its quants ([n, k / 32, 16] uint8
     for Q4_1, [n, k / 32, 32] int8 for Q8_0), ``d`` its scales and ``m`` its mins
-    (Q4_1) [n, k / 32] float16, ``bias`` [n] float32 or None."""
+    (Q4_1) [n, k / 32] float16, ``bias`` [n] float32 or None; ``packed`` the same
+    Q4_1 weight laid out for the 8-bit products (``pack_q4_1``) or None."""
 
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:

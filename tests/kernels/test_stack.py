@@ -22,15 +22,20 @@ SHAPE = StackShape(heads=HEADS, kv_heads=KV_HEADS, dim=DIM, size=SIZE, inter=INT
 
 
 def _weight(g: torch.Generator, n: int, k: int, kind: str, bias: bool) -> BlockWeight:
+    """``kind``: q4_1, q8_0, or q4_1 packed for the 8-bit products (``q4_1_packed``;
+    float32 activations read the file's layout beside it)."""
     blocks = k // 32
     d = (torch.rand(n, blocks, generator=g) * 0.02 + 0.001).half()
-    if kind == "q4_1":
+    packed = None
+    if kind.startswith("q4_1"):
         qs = torch.randint(0, 256, (n, blocks, 16), generator=g, dtype=torch.uint8)
         m = (-8 * d.float() * (1 + 0.1 * torch.randn(n, blocks, generator=g))).half()
+        packed = kernels.ops().pack_q4_1(qs, d, m) if kind == "q4_1_packed" else None
     else:
         qs = torch.randint(-128, 128, (n, blocks, 32), generator=g, dtype=torch.int8)
         m = None
-    return BlockWeight(qs=qs, d=d, m=m, bias=torch.randn(n, generator=g) * 0.1 if bias else None)
+    bias_ = torch.randn(n, generator=g) * 0.1 if bias else None
+    return BlockWeight(qs=qs, d=d, m=m, bias=bias_, packed=packed)
 
 
 @dataclass
@@ -76,7 +81,7 @@ def _by_ops(model: Model, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     ops, rows = kernels.ops(), h.shape[0]
 
     def _product(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
-        return ops.block_linear(x, w.qs, w.d, w.m, w.bias, int8)
+        return ops.block_linear(x, w.qs, w.d, w.m, w.bias, int8, w.packed)
 
     delta = None
     for index, layer in enumerate(model.layers):
@@ -117,7 +122,7 @@ def _inputs(rows: int, column: int, room: int, padded: bool, seed: int):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("head_norms", [False, True], ids=["llama", "qwen3"])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed"])
 @pytest.mark.parametrize(("rows", "padded"), [(1, False), (3, True), (8, False), (13, True)])
 @torch.inference_mode()
 def test_the_stack_is_the_separate_ops_bit_for_bit(
@@ -186,7 +191,7 @@ def test_bad_weights_are_refused_when_the_stack_is_built() -> None:
         Model(layers, good.norm)
     with pytest.raises(ValueError, match=r"the final norm is \[65\], it needs \[64\]"):
         Model(good.layers, torch.ones(SIZE + 1))
-    with pytest.raises(RuntimeError, match="takes 61 tensors and 13 scalars"):
+    with pytest.raises(RuntimeError, match="takes 73 tensors and 13 scalars"):
         torch.classes.omni_kernels.DecodeStack([None], [1.0], dims)
 
 
@@ -219,7 +224,7 @@ def test_a_part_given_in_anothers_place_is_refused_naming_both() -> None:
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed"])
 @pytest.mark.parametrize(
     ("column", "positions", "masked"), [(0, 1, False), (0, 13, False), (6, 9, False), (6, 9, True)]
 )

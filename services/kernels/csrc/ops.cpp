@@ -37,9 +37,11 @@ void check_2d(const Tensor &t, const char *name) {
 }
 
 /* A weight in blocks: qs uint8 [n][k/32][16] with m (Q4_1) or int8 [n][k/32][32]
- * without (Q8_0); d and m float16 [n][k/32]; bias float32 [n]. */
+ * without (Q8_0); d and m float16 [n][k/32]; bias float32 [n]; packed (Q4_1 only)
+ * uint8 [n/16][k/32][320], pack_q4_1's of the same weight. */
 BlockWeight block_weight(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m,
-                         const std::optional<Tensor> &bias, const std::string &name) {
+                         const std::optional<Tensor> &bias, const std::string &name,
+                         const std::optional<Tensor> &packed) {
     TORCH_CHECK(qs.dim() == 3, name, ".qs must be [n, k/32, 16 or 32], not ", qs.sizes());
     const int64_t n = qs.size(0), blocks = qs.size(1);
     const bool q4_1 = qs.scalar_type() == at::kByte;
@@ -50,13 +52,20 @@ BlockWeight block_weight(const Tensor &qs, const Tensor &d, const std::optional<
     TORCH_CHECK(m.has_value() == q4_1, name, q4_1 ? ": Q4_1 blocks need m" : ": Q8_0 blocks take no m");
     if (m) check(*m, (name + ".m").c_str(), at::kHalf, {n, blocks});
     if (bias) check(*bias, (name + ".bias").c_str(), at::kFloat, {n});
+    if (packed) {
+        TORCH_CHECK(q4_1 && n % omni::PACK_ROWS == 0, name,
+                    ": only Q4_1 weights of a multiple of 16 rows are packed");
+        check(*packed, (name + ".packed").c_str(), at::kByte,
+              {n / omni::PACK_ROWS, blocks, omni::PACKED_RECORD});
+    }
     return {q4_1 ? omni::Q4_1 : omni::Q8_0,
             qs.data_ptr(),
             reinterpret_cast<const uint16_t *>(d.data_ptr()),
             m ? reinterpret_cast<const uint16_t *>(m->data_ptr()) : nullptr,
             n,
             blocks * omni::QK,
-            bias ? bias->data_ptr<float>() : nullptr};
+            bias ? bias->data_ptr<float>() : nullptr,
+            packed ? packed->data_ptr<uint8_t>() : nullptr};
 }
 
 /* keys and values [...][columns or room][dim]: each key's dim floats and a head's keys
@@ -84,8 +93,8 @@ using namespace omni::ops;
 
 Tensor block_linear(const Tensor &x, const Tensor &qs, const Tensor &d,
                     const std::optional<Tensor> &m, const std::optional<Tensor> &bias,
-                    bool int8) {
-    const BlockWeight w = block_weight(qs, d, m, bias, "weight");
+                    bool int8, const std::optional<Tensor> &packed) {
+    const BlockWeight w = block_weight(qs, d, m, bias, "weight", packed);
     check_2d(x, "x");
     TORCH_CHECK(x.size(1) == w.k, "x has ", x.size(1), " columns, the weight ", w.k);
     Tensor y = at::empty({x.size(0), w.n}, x.options());
@@ -93,6 +102,19 @@ Tensor block_linear(const Tensor &x, const Tensor &qs, const Tensor &d,
                                            x.size(0), y.data_ptr<float>(), int8, threads());
     TORCH_CHECK(!failed, "block_linear: out of memory");
     return y;
+}
+
+/* A Q4_1 weight of a multiple of 16 rows laid out for the 8-bit products: uint8
+ * [n/16][k/32][320] (kernels.h: pack_q4_1). */
+Tensor pack_q4_1(const Tensor &qs, const Tensor &d, const Tensor &m) {
+    const BlockWeight w = block_weight(qs, d, m, std::nullopt, "weight", std::nullopt);
+    TORCH_CHECK(w.kind == omni::Q4_1, "pack_q4_1: the weight must be Q4_1 (uint8 qs)");
+    TORCH_CHECK(w.n % omni::PACK_ROWS == 0, "pack_q4_1: the weight's ", w.n,
+                " rows are not a multiple of ", omni::PACK_ROWS);
+    Tensor out = at::empty({w.n / omni::PACK_ROWS, w.k / omni::QK, omni::PACKED_RECORD},
+                           qs.options().dtype(at::kByte));
+    omni::pack_q4_1(w, out.data_ptr<uint8_t>());
+    return out;
 }
 
 /* x's rows rounded to 8 bits as every 8-bit product rounds them: (q int8 [rows][k],
@@ -112,7 +134,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_q8(const Tensor &x) {
 
 void block_dequantize(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m,
                       Tensor &out) {
-    const BlockWeight w = block_weight(qs, d, m, std::nullopt, "weight");
+    const BlockWeight w = block_weight(qs, d, m, std::nullopt, "weight", std::nullopt);
     check(out, "out", at::kFloat, {w.n, w.k});
     omni::dequantize(omni::active_variant(), w, out.data_ptr<float>(), threads());
 }
@@ -212,8 +234,9 @@ TORCH_LIBRARY(omni_kernels, m) {
     m.def("use(str name) -> ()", &use);
     m.def("build_hash() -> str", &build_hash);
     m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias, "
-          "bool int8=False) -> Tensor",
+          "bool int8=False, Tensor? packed=None) -> Tensor",
           &block_linear);
+    m.def("pack_q4_1(Tensor qs, Tensor d, Tensor m) -> Tensor", &pack_q4_1);
     m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &quantize_q8);
     m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor(a!) out) -> ()",
           &block_dequantize);

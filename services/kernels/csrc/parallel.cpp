@@ -19,6 +19,7 @@ namespace {
 /* Output rows per OpenMP chunk: small enough to balance two to a few dozen threads,
  * big enough that a chunk reads a few pages of weights. */
 constexpr int64_t ROW_CHUNK = 16;
+static_assert(ROW_CHUNK % PACK_ROWS == 0, "a chunk is whole packed groups");
 /* Blocks per chunk of a dequantisation (128 KiB of float32 out). */
 constexpr int64_t DEQUANT_CHUNK = 1024;
 /* A decode step has 1 to a few dozen rows: the glue splits rows over threads only from
@@ -41,7 +42,9 @@ void rows_for(const Variant &v, const BlockWeight &w, const float *in, const Q8R
 #pragma omp for schedule(static) nowait
     for (int64_t c = 0; c < (w.n + ROW_CHUNK - 1) / ROW_CHUNK; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < w.n ? n0 + ROW_CHUNK : w.n;
-        if (int8)
+        if (int8 && w.packed && v.product_packed)
+            v.product_packed(w, q8, rows, n0, n1, y);
+        else if (int8)
             v.product_q8(w, q8, rows, n0, n1, y);
         else
             v.product_rows(w, in, rows, n0, n1, y);

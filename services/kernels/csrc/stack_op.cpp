@@ -14,11 +14,11 @@ namespace {
 using at::Tensor;
 using namespace omni::ops;
 
-/* Per layer, in `tensors`: norm_in, norm_post, q_norm?, k_norm?, then qs, d, m?, bias?
- * of qkv, o, gate_up and down; the final norm last. Per layer, in `scalars`: eps_in,
+/* Per layer, in `tensors`: norm_in, norm_post, q_norm?, k_norm?, then qs, d, m?, bias?,
+ * packed? of qkv, o, gate_up and down; the final norm last. Per layer, in `scalars`: eps_in,
  * eps_post, eps_head (the per-head norms'), scale; the final norm's eps last. `dims`:
  * layers, heads, kv_heads, dim, size, inter. */
-constexpr int64_t TENSORS = 20, SCALARS = 4;
+constexpr int64_t TENSORS = 24, SCALARS = 4, PER_WEIGHT = 5;
 
 struct DecodeStack : torch::CustomClassHolder {
     std::vector<Tensor> held; /* what the pointers below point into */
@@ -63,15 +63,15 @@ struct DecodeStack : torch::CustomClassHolder {
             layer.k_norm = vector(3, dim, "k_norm");
             omni::BlockWeight *weights[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
             for (int w = 0; w < 4; w++) {
-                const int64_t first = 4 + 4 * w;
+                const int64_t first = 4 + PER_WEIGHT * w;
                 const std::optional<Tensor> qs = tensor(first), d = tensor(first + 1);
                 TORCH_CHECK(qs && d, at, names[w], " needs qs and d");
                 *weights[w] = block_weight(*qs, *d, tensor(first + 2), tensor(first + 3),
-                                           at + names[w]);
+                                           at + names[w], tensor(first + 4));
                 TORCH_CHECK(weights[w]->n == out[w] && weights[w]->k == in[w], at, names[w],
                             " is ", weights[w]->n, " x ", weights[w]->k, ", not ", out[w], " x ",
                             in[w]);
-                for (int64_t i = first; i < first + 4; i++)
+                for (int64_t i = first; i < first + PER_WEIGHT; i++)
                     if (tensor(i)) held.push_back(*tensor(i));
             }
             layer.eps_in = static_cast<float>(scalars[l * SCALARS]);

@@ -94,7 +94,8 @@ def llama_cpu_refuses(model: PreTrainedModel) -> str | None:
 
 def _weight(module: object) -> BlockWeight:
     assert isinstance(module, BlockLinear)
-    return BlockWeight(qs=module.qs, d=module.d, m=module.m, bias=module.bias)
+    return BlockWeight(qs=module.qs, d=module.d, m=module.m, bias=module.bias,
+                       packed=module.packed)  # fmt: skip
 
 
 def _norm(module: nn.Module | None) -> tuple[torch.Tensor | None, float]:

@@ -32,6 +32,9 @@ QK = 32  # weights per block, both formats
 # SmolLM2-135M's layers the kernel was faster than dequantise + GEMM up to 128 rows
 # and no faster from 192 (docs/benchmarks.md).
 MANY_ROWS = 128
+# A Q4_1 weight's rows a packed group holds (the kernels' PACK_ROWS): one of a multiple
+# of it runs its 8-bit products on the packed layout.
+PACK_ROWS = 16
 # GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
 Q4_1, Q8_0 = 3, 8
 BLOCK_BYTES = {Q4_1: 20, Q8_0: 34}
@@ -117,6 +120,21 @@ class BlockLinear(nn.Module):
         self.register_buffer("d", blocks.d, persistent=False)
         self.register_buffer("m", blocks.m, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
+        self._packed: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> torch.Tensor | None:
+        """On 8-bit activations, a Q4_1 weight of a multiple of PACK_ROWS rows laid out
+        for the kernels' integer products (kernels.h: pack_q4_1; the same bytes,
+        rearranged so that a vector's lanes are 16 rows: a third of the instructions a
+        block), made on first use and kept beside the file's layout (the reference
+        kernels and the float32 products read that). None otherwise."""
+        if not self.int8 or self.kind != "q4_1" or self.out_features % PACK_ROWS:
+            return None
+        if self._packed is None:
+            assert self.m is not None
+            self._packed = kernels.ops().pack_q4_1(self.qs, self.d, self.m)
+        return self._packed
 
     @property
     def blocks(self) -> Blocks:
@@ -131,7 +149,9 @@ class BlockLinear(nn.Module):
             weight = self.blocks.dequantize(_scratch(self.out_features, self.in_features))
             y = nn.functional.linear(x2, weight, self.bias)
         else:
-            y = kernels.ops().block_linear(x2, self.qs, self.d, self.m, self.bias, self.int8)
+            y = kernels.ops().block_linear(
+                x2, self.qs, self.d, self.m, self.bias, self.int8, self.packed
+            )
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

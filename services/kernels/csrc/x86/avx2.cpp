@@ -27,6 +27,7 @@ bool supported() {
 
 #pragma GCC target("avx2,fma,f16c")
 
+#include "q8_packed.h"
 #include "q8_products.h"
 
 namespace omni {
@@ -233,7 +234,7 @@ void attend_head(const float *q, const float *k, const float *v, const uint8_t *
 
 const Variant avx2_variant = {
     "avx2", "AVX2, FMA and F16C", supported, true, product_rows, q8_product<MaddDot>,
-    dequant, silu_row, attend_head,
+    dequant, silu_row, attend_head, packed_product256,
 };
 
 }  // namespace omni

@@ -16,6 +16,8 @@ namespace omni {
 /* avx512_vnni.cpp */
 void avx512vnni_product_q8(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0,
                            int64_t n1, float *y);
+void avx512vnni_product_packed(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0,
+                               int64_t n1, float *y);
 namespace {
 /* Before the pragma, as the includes are: the check itself, and whatever they define
  * inline, stay plain x86-64 (the linker keeps one copy of an inline function, and it
@@ -32,6 +34,8 @@ bool supported_vnni() { return supported() && __builtin_cpu_supports("avx512vnni
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,f16c,fma")
 
+#include "q8_packed.h"
+#include "q8_packed_512.h"
 #include "q8_products.h"
 #include "q8_products_512.h"
 
@@ -233,13 +237,14 @@ void attend_head(const float *q, const float *k, const float *v, const uint8_t *
 const Variant avx512_variant = {
     "avx512", "AVX-512 F/BW/VL, FMA and F16C", supported, true, product_rows,
     q8_product512<MaddDot512, MaddDot>, dequant, silu_row, attend_head,
+    packed_product512<MaddAcc512>,
 };
 
 /* The same with the 8-bit products on VNNI's vpdpbusd (avx512_vnni.cpp): one
  * instruction where maddubs and madd take two. */
 const Variant avx512vnni_variant = {
     "avx512vnni", "AVX-512 F/BW/VL with VNNI, FMA and F16C", supported_vnni, true, product_rows,
-    avx512vnni_product_q8, dequant, silu_row, attend_head,
+    avx512vnni_product_q8, dequant, silu_row, attend_head, avx512vnni_product_packed,
 };
 
 }  // namespace omni

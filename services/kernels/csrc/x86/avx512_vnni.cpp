@@ -9,6 +9,8 @@
 
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
 
+#include "q8_packed.h"
+#include "q8_packed_512.h"
 #include "q8_products.h"
 #include "q8_products_512.h"
 
@@ -19,6 +21,11 @@ struct VnniDot {
     static __m256i unsigned_signed(__m256i u, __m256i s) {
         return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
     }
+};
+
+struct VnniAcc512 {
+    static __m512i step(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
+    static __m512i finish(__m512i acc) { return acc; }
 };
 
 struct VnniDot512 {
@@ -32,6 +39,11 @@ struct VnniDot512 {
 void avx512vnni_product_q8(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0,
                            int64_t n1, float *y) {
     q8_product512<VnniDot512, VnniDot>(w, x, rows, n0, n1, y);
+}
+
+void avx512vnni_product_packed(const BlockWeight &w, const Q8Rows &x, int64_t rows, int64_t n0,
+                               int64_t n1, float *y) {
+    packed_product512<VnniAcc512>(w, x, rows, n0, n1, y);
 }
 
 }  // namespace omni
