@@ -14,6 +14,12 @@ every one of the 32 fixed chat prompts (services/testing/chat_prompts.py), 32 to
 each, on SmolLM2-135M (services/engines/transformers/config.py, CPU_DIFFERING).
 This measures that: per precision, how many of the 32 answers differ and at which
 token each first does, and the wall time of the 32 (8 at a time) beside float32's.
+
+``--llama-cpp`` adds llama.cpp's own greedy answers on the same GGUF (``llama-server``
+as benchmarks/vs_llamacpp.py finds or builds it, ``--isa``): each prompt sent as the
+very token ids our chat template gives (``/completion``, prompt cache off), its
+answer's token ids compared like the rest. What llama.cpp's 8-bit activations do to
+float32's answers is the yardstick for ours.
 """
 
 from __future__ import annotations
@@ -21,11 +27,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from benchmarks._common import table, write_json
-from benchmarks.vs_llamacpp import gguf_path
+from benchmarks._llamacpp_build import ISA_FLAGS, build_server, find_server
+from benchmarks.vs_llamacpp import gguf_path, start_llama
 from services.engines.base import EngineRequest, EngineSettings, SamplingParams
 from services.engines.transformers import TransformersEngine
 from services.mesh import environment
@@ -41,6 +51,38 @@ async def answers(engine: TransformersEngine, max_tokens: int) -> list[list[int]
         return tokens_of(await collect(generate(engine, request)))
 
     return list(await asyncio.gather(*(answer(i, p) for i, p in enumerate(CHAT_PROMPTS))))
+
+
+async def llama_answers(prompts: list[list[int]], max_tokens: int, isa: str) -> list[list[int]]:
+    """llama-server's greedy answers to these prompt ids (8 slots, 2 threads)."""
+    server = find_server(None, isa) or build_server(isa)
+    if server is None:
+        raise SystemExit("no llama-server to compare with (see benchmarks/vs_llamacpp.py)")
+    llama, url = await start_llama(server, gguf_path())
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+
+            async def one(ids: list[int]) -> list[int]:
+                body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0.0,
+                        "cache_prompt": False, "return_tokens": True}  # fmt: skip
+                reply = await http.post("/completion", json=body)
+                reply.raise_for_status()
+                return [int(t) for t in reply.json()["tokens"]]
+
+            return list(await asyncio.gather(*(one(ids) for ids in prompts)))
+    finally:
+        llama.terminate()
+        await llama.wait()
+
+
+def chat_ids(engine: TransformersEngine, prompt: str) -> list[int]:
+    """The prompt's token ids as the engine's chat template gives them."""
+    encoded = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+        return_dict=True,
+    )  # fmt: skip
+    assert isinstance(encoded, Mapping), "return_dict=True gives a mapping"
+    return [int(t) for t in encoded["input_ids"]]
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -63,10 +105,13 @@ async def main() -> int:
         ],
     )
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--llama-cpp", action="store_true", help="compare llama.cpp's answers too")
+    parser.add_argument("--isa", choices=sorted(ISA_FLAGS), default="native")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     cache = environment.CACHE_DIR.get().expanduser()
     got: dict[str, tuple[float, list[list[int]]]] = {}
+    prompts: list[list[int]] = []
     for mode in ["float32/packed/reference", *args.modes]:
         dtype, weights, runner, activations = ([*mode.split("/"), "", "", ""])[:4]
         engine_args = {"weights": weights or "packed", "runner": runner or "auto"}
@@ -78,10 +123,16 @@ async def main() -> int:
         engine = TransformersEngine(settings)
         engine.load(gguf_path())
         engine.warmup()
+        if not prompts:
+            prompts = [chat_ids(engine, prompt) for prompt in CHAT_PROMPTS]
         start = time.perf_counter()
         ids = await answers(engine, args.max_tokens)
         got[mode] = (time.perf_counter() - start, ids)
         engine.close()
+    if args.llama_cpp:
+        start = time.perf_counter()
+        theirs = await llama_answers(prompts, args.max_tokens, args.isa)
+        got[f"llama.cpp ({args.isa})"] = (time.perf_counter() - start, theirs)
     base_s, base = got["float32/packed/reference"]
     rows: list[dict[str, Any]] = []
     for mode, (seconds, ids) in got.items():

@@ -38,13 +38,15 @@ class KernelOps(Protocol):
         packed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [rows, k] float32 times the blocks' [n, k] weight, transposed: [rows, n];
-        on 8-bit activations over ``packed`` (``pack_q4_1``'s of the same weight) where
+        on 8-bit activations over ``packed`` (``pack_blocks``' of the same weight) where
         given and the variant has packed products."""
         ...
 
-    def pack_q4_1(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-        """A Q4_1 weight of a multiple of 16 rows laid out for the 8-bit products:
-        uint8 [n / 16, k / 32, 320]."""
+    def pack_blocks(
+        self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A weight of a multiple of 16 rows laid out for the 8-bit products: uint8
+        [n / 16, k / 32, 320] (Q4_1) or [n / 16, k / 32, 544] (Q8_0)."""
         ...
 
     def quantize_q8(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ class BlockWeight:
     """One linear on GGUF blocks, [n, k]: ``qs`` its quants ([n, k / 32, 16] uint8
     for Q4_1, [n, k / 32, 32] int8 for Q8_0), ``d`` its scales and ``m`` its mins
     (Q4_1) [n, k / 32] float16, ``bias`` [n] float32 or None; ``packed`` the same
-    Q4_1 weight laid out for the 8-bit products (``pack_q4_1``) or None."""
+    weight laid out for the 8-bit products (``pack_blocks``) or None."""
 
     qs: torch.Tensor
     d: torch.Tensor

@@ -14,8 +14,8 @@ two derived bounds hold for every variant, never a constant fitted to one CPU:
 
 The reference variant is the oracle of the vector ones: both within the first bound of
 the same float64 sum. A block one quantisation step off fails it. Every test runs on
-the file's layout and (``layout`` packed, Q4_1) on the weight packed for the 8-bit
-products, as a model on 8-bit activations holds its Q4_1 layers.
+the file's layout and (``layout`` packed) on the weight packed for the 8-bit products,
+as a model on 8-bit activations holds its weights.
 """
 
 from __future__ import annotations
@@ -49,9 +49,7 @@ def _exact(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(params=["file", "packed"])
-def layout(request: pytest.FixtureRequest, file_weight: FileWeight) -> str:
-    if request.param == "packed" and file_weight.blocks.kind != "q4_1":
-        pytest.skip("only Q4_1 weights are packed")
+def layout(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
@@ -59,10 +57,7 @@ def _product(
     blocks: Blocks, x: torch.Tensor, bias: torch.Tensor | None = None, layout: str = "file"
 ) -> torch.Tensor:
     ops = kernels.ops()
-    packed = None
-    if layout == "packed":
-        assert blocks.m is not None
-        packed = ops.pack_q4_1(blocks.qs, blocks.d, blocks.m)
+    packed = ops.pack_blocks(blocks.qs, blocks.d, blocks.m) if layout == "packed" else None
     return ops.block_linear(x, blocks.qs, blocks.d, blocks.m, bias, True, packed)
 
 

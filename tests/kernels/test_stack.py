@@ -22,18 +22,17 @@ SHAPE = StackShape(heads=HEADS, kv_heads=KV_HEADS, dim=DIM, size=SIZE, inter=INT
 
 
 def _weight(g: torch.Generator, n: int, k: int, kind: str, bias: bool) -> BlockWeight:
-    """``kind``: q4_1, q8_0, or q4_1 packed for the 8-bit products (``q4_1_packed``;
-    float32 activations read the file's layout beside it)."""
+    """``kind``: q4_1 or q8_0, ``_packed`` for the 8-bit products as well (float32
+    activations read the file's layout beside it)."""
     blocks = k // 32
     d = (torch.rand(n, blocks, generator=g) * 0.02 + 0.001).half()
-    packed = None
     if kind.startswith("q4_1"):
         qs = torch.randint(0, 256, (n, blocks, 16), generator=g, dtype=torch.uint8)
         m = (-8 * d.float() * (1 + 0.1 * torch.randn(n, blocks, generator=g))).half()
-        packed = kernels.ops().pack_q4_1(qs, d, m) if kind == "q4_1_packed" else None
     else:
         qs = torch.randint(-128, 128, (n, blocks, 32), generator=g, dtype=torch.int8)
         m = None
+    packed = kernels.ops().pack_blocks(qs, d, m) if kind.endswith("_packed") else None
     bias_ = torch.randn(n, generator=g) * 0.1 if bias else None
     return BlockWeight(qs=qs, d=d, m=m, bias=bias_, packed=packed)
 
@@ -122,7 +121,7 @@ def _inputs(rows: int, column: int, room: int, padded: bool, seed: int):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
 @pytest.mark.parametrize("head_norms", [False, True], ids=["llama", "qwen3"])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed", "q8_0_packed"])
 @pytest.mark.parametrize(("rows", "padded"), [(1, False), (3, True), (8, False), (13, True)])
 @torch.inference_mode()
 def test_the_stack_is_the_separate_ops_bit_for_bit(
@@ -224,7 +223,7 @@ def test_a_part_given_in_anothers_place_is_refused_naming_both() -> None:
 
 
 @pytest.mark.parametrize("int8", [False, True], ids=["float32", "int8"])
-@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0", "q4_1_packed", "q8_0_packed"])
 @pytest.mark.parametrize(
     ("column", "positions", "masked"), [(0, 1, False), (0, 13, False), (6, 9, False), (6, 9, True)]
 )
@@ -236,7 +235,7 @@ def test_a_sequence_is_its_positions_stepped_one_by_one_bit_for_bit(
     columns up to its own (those its mask sets), equal to that many one-row steps at
     columns column, column + 1, ...: every final state, every cache column, the
     residual stream."""
-    model = _model(positions, kind, head_norms=kind == "q8_0")
+    model = _model(positions, kind, head_norms=kind.startswith("q8_0"))
     room = column + positions + 3
     h, cos, sin, keys, values, _mask = _inputs(positions, column, room, False, seed=positions)
     keys, values = keys[:, :1].contiguous(), values[:, :1].contiguous()

@@ -61,25 +61,25 @@ struct BlockWeight {
     const uint16_t *d, *m;
     int64_t n, k;
     const float *bias;
-    /* The same Q4_1 weight laid out for 8-bit products (pack_q4_1), or null. */
+    /* The same weight laid out for 8-bit products (pack_blocks), or null. */
     const uint8_t *packed = nullptr;
 };
 
-/* A Q4_1 weight packed for the 8-bit products: its rows in groups of PACK_ROWS, each
- * group's block j one record of PACKED_RECORD bytes, the records group by group:
- *   bytes 0-255: four chunks of 64, chunk t the group's rows side by side, 4 bytes a
- *     row: a row's block bytes 4t..4t+3 (weights 4t..4t+3 in the low nibbles,
- *     16+4t..16+4t+3 in the high);
- *   bytes 256-287: the 16 rows' d, float16; bytes 288-319: their m.
+/* A weight packed for the 8-bit products: its rows in groups of PACK_ROWS, each
+ * group's block j one record, the records group by group. Its quants in 64-byte
+ * chunks, chunk t the group's rows side by side, 4 bytes a row: a row's block bytes
+ * 4t..4t+3. Q4_1 (PACKED_RECORD[Q4_1], 320 bytes): four chunks (weights 4t..4t+3 in
+ * the low nibbles, 16+4t..16+4t+3 in the high), then the 16 rows' d (float16), then
+ * their m. Q8_0 (544 bytes): eight chunks (weights 4t..4t+3, int8), then the d.
  * So one 512-bit load holds four weights of 16 rows (256 bits: of 8 rows), each 32-bit
  * lane a row: an integer dot product against four activation bytes broadcast gives 16
- * rows' partial sums at once, a block's scale and minimum are one vector for 16 rows,
+ * rows' partial sums at once, a block's scale (and minimum) is one vector for 16 rows,
  * and the outputs leave as vectors, with no sum across lanes (llama.cpp's repacked
  * "8x8" layouts, ggml-cpu/repack.cpp, are the same idea). The bytes are the file's,
  * rearranged: as many as qs, d and m. n must be a multiple of PACK_ROWS. */
 constexpr int64_t PACK_ROWS = 16;
-constexpr int64_t PACKED_RECORD = 320;
-void pack_q4_1(const BlockWeight &w, uint8_t *out);
+constexpr int64_t PACKED_RECORD[2] = {320, 544}; /* by BlockKind */
+void pack_blocks(const BlockWeight &w, uint8_t *out);
 
 /* Every x86 product, reading a weight row's blocks, asks memory for the same blocks
  * PREFETCH_ROWS rows below (each block struct's prefetch; never past the weight's

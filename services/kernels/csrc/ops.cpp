@@ -38,7 +38,7 @@ void check_2d(const Tensor &t, const char *name) {
 
 /* A weight in blocks: qs uint8 [n][k/32][16] with m (Q4_1) or int8 [n][k/32][32]
  * without (Q8_0); d and m float16 [n][k/32]; bias float32 [n]; packed (Q4_1 only)
- * uint8 [n/16][k/32][320], pack_q4_1's of the same weight. */
+ * uint8 [n/16][k/32][320 (Q4_1) or 544 (Q8_0)], pack_blocks' of the same weight. */
 BlockWeight block_weight(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m,
                          const std::optional<Tensor> &bias, const std::string &name,
                          const std::optional<Tensor> &packed) {
@@ -53,10 +53,10 @@ BlockWeight block_weight(const Tensor &qs, const Tensor &d, const std::optional<
     if (m) check(*m, (name + ".m").c_str(), at::kHalf, {n, blocks});
     if (bias) check(*bias, (name + ".bias").c_str(), at::kFloat, {n});
     if (packed) {
-        TORCH_CHECK(q4_1 && n % omni::PACK_ROWS == 0, name,
-                    ": only Q4_1 weights of a multiple of 16 rows are packed");
+        TORCH_CHECK(n % omni::PACK_ROWS == 0, name,
+                    ": only weights of a multiple of 16 rows are packed, not ", n);
         check(*packed, (name + ".packed").c_str(), at::kByte,
-              {n / omni::PACK_ROWS, blocks, omni::PACKED_RECORD});
+              {n / omni::PACK_ROWS, blocks, omni::PACKED_RECORD[q4_1 ? omni::Q4_1 : omni::Q8_0]});
     }
     return {q4_1 ? omni::Q4_1 : omni::Q8_0,
             qs.data_ptr(),
@@ -104,16 +104,15 @@ Tensor block_linear(const Tensor &x, const Tensor &qs, const Tensor &d,
     return y;
 }
 
-/* A Q4_1 weight of a multiple of 16 rows laid out for the 8-bit products: uint8
- * [n/16][k/32][320] (kernels.h: pack_q4_1). */
-Tensor pack_q4_1(const Tensor &qs, const Tensor &d, const Tensor &m) {
+/* A weight of a multiple of 16 rows laid out for the 8-bit products: uint8
+ * [n/16][k/32][320 (Q4_1) or 544 (Q8_0)] (kernels.h: pack_blocks). */
+Tensor pack_blocks(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m) {
     const BlockWeight w = block_weight(qs, d, m, std::nullopt, "weight", std::nullopt);
-    TORCH_CHECK(w.kind == omni::Q4_1, "pack_q4_1: the weight must be Q4_1 (uint8 qs)");
-    TORCH_CHECK(w.n % omni::PACK_ROWS == 0, "pack_q4_1: the weight's ", w.n,
+    TORCH_CHECK(w.n % omni::PACK_ROWS == 0, "pack_blocks: the weight's ", w.n,
                 " rows are not a multiple of ", omni::PACK_ROWS);
-    Tensor out = at::empty({w.n / omni::PACK_ROWS, w.k / omni::QK, omni::PACKED_RECORD},
+    Tensor out = at::empty({w.n / omni::PACK_ROWS, w.k / omni::QK, omni::PACKED_RECORD[w.kind]},
                            qs.options().dtype(at::kByte));
-    omni::pack_q4_1(w, out.data_ptr<uint8_t>());
+    omni::pack_blocks(w, out.data_ptr<uint8_t>());
     return out;
 }
 
@@ -236,7 +235,7 @@ TORCH_LIBRARY(omni_kernels, m) {
     m.def("block_linear(Tensor x, Tensor qs, Tensor d, Tensor? m, Tensor? bias, "
           "bool int8=False, Tensor? packed=None) -> Tensor",
           &block_linear);
-    m.def("pack_q4_1(Tensor qs, Tensor d, Tensor m) -> Tensor", &pack_q4_1);
+    m.def("pack_blocks(Tensor qs, Tensor d, Tensor? m) -> Tensor", &pack_blocks);
     m.def("quantize_q8(Tensor x) -> (Tensor, Tensor, Tensor)", &quantize_q8);
     m.def("block_dequantize(Tensor qs, Tensor d, Tensor? m, Tensor(a!) out) -> ()",
           &block_dequantize);

@@ -118,19 +118,20 @@ const Variant reference_variant = {
  * again, so 7 rows as 4 + 2 + 1 cost more than 8 (a stage's 7-row decode step:
  * docs/benchmarks.md), while a padded row costs only its FMAs. A
  * row's sum does not depend on its tile. */
-void pack_q4_1(const BlockWeight &w, uint8_t *out) {
-    const int64_t nb = w.k / QK;
+void pack_blocks(const BlockWeight &w, uint8_t *out) {
+    const int64_t nb = w.k / QK, record = PACKED_RECORD[w.kind];
+    const int64_t quant_bytes = w.kind == Q4_1 ? QK / 2 : QK, chunks = quant_bytes / 4;
     const uint8_t *qs = static_cast<const uint8_t *>(w.qs);
     for (int64_t g = 0; g < w.n / PACK_ROWS; g++)
         for (int64_t j = 0; j < nb; j++) {
-            uint8_t *record = out + (g * nb + j) * PACKED_RECORD;
-            uint16_t *d = reinterpret_cast<uint16_t *>(record + 256), *m = d + PACK_ROWS;
+            uint8_t *at = out + (g * nb + j) * record;
+            uint16_t *d = reinterpret_cast<uint16_t *>(at + chunks * 64), *m = d + PACK_ROWS;
             for (int64_t r = 0; r < PACK_ROWS; r++) {
                 const int64_t block = (g * PACK_ROWS + r) * nb + j;
-                for (int64_t t = 0; t < 4; t++)
-                    std::memcpy(record + t * 64 + r * 4, qs + block * (QK / 2) + 4 * t, 4);
+                for (int64_t t = 0; t < chunks; t++)
+                    std::memcpy(at + t * 64 + r * 4, qs + block * quant_bytes + 4 * t, 4);
                 d[r] = w.d[block];
-                m[r] = w.m[block];
+                if (w.kind == Q4_1) m[r] = w.m[block];
             }
         }
 }

@@ -32,8 +32,8 @@ QK = 32  # weights per block, both formats
 # SmolLM2-135M's layers the kernel was faster than dequantise + GEMM up to 128 rows
 # and no faster from 192 (docs/benchmarks.md).
 MANY_ROWS = 128
-# A Q4_1 weight's rows a packed group holds (the kernels' PACK_ROWS): one of a multiple
-# of it runs its 8-bit products on the packed layout.
+# The rows a packed group holds (the kernels' PACK_ROWS): a weight of a multiple of
+# it runs its 8-bit products on the packed layout.
 PACK_ROWS = 16
 # GGML type ids (gguf.GGMLQuantizationType) and bytes per block.
 Q4_1, Q8_0 = 3, 8
@@ -124,16 +124,15 @@ class BlockLinear(nn.Module):
 
     @property
     def packed(self) -> torch.Tensor | None:
-        """On 8-bit activations, a Q4_1 weight of a multiple of PACK_ROWS rows laid out
-        for the kernels' integer products (kernels.h: pack_q4_1; the same bytes,
+        """On 8-bit activations, a weight of a multiple of PACK_ROWS rows laid out for
+        the kernels' integer products (kernels.h: pack_blocks; the same bytes,
         rearranged so that a vector's lanes are 16 rows: a third of the instructions a
         block), made on first use and kept beside the file's layout (the reference
         kernels and the float32 products read that). None otherwise."""
-        if not self.int8 or self.kind != "q4_1" or self.out_features % PACK_ROWS:
+        if not self.int8 or self.out_features % PACK_ROWS:
             return None
         if self._packed is None:
-            assert self.m is not None
-            self._packed = kernels.ops().pack_q4_1(self.qs, self.d, self.m)
+            self._packed = kernels.ops().pack_blocks(self.qs, self.d, self.m)
         return self._packed
 
     @property

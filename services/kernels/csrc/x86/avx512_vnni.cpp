@@ -23,9 +23,35 @@ struct VnniDot {
     }
 };
 
+/* q8_packed_512.h's integer dot on vpdpbusd. */
 struct VnniAcc512 {
-    static __m512i step(__m512i acc, __m512i u, __m512i s) { return _mm512_dpbusd_epi32(acc, u, s); }
-    static __m512i finish(__m512i acc) { return acc; }
+    static __m512i q4_1(const __m512i *lo, const __m512i *hi, const int8_t *q) {
+        __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            low = _mm512_dpbusd_epi32(low, lo[t], _mm512_set1_epi32(four_bytes(q + 4 * t)));
+            high = _mm512_dpbusd_epi32(high, hi[t], _mm512_set1_epi32(four_bytes(q + 16 + 4 * t)));
+        }
+        return _mm512_add_epi32(low, high);
+    }
+    /* 128 times each row's weight sum over the block */
+    struct Q8Prep {
+        __m512i shift;
+        explicit Q8Prep(const Q8Chunks &c) {
+            const __m512i ones = _mm512_set1_epi8(1);
+            __m512i sum = _mm512_setzero_si512();
+            for (int t = 0; t < 8; t++) sum = _mm512_dpbusd_epi32(sum, ones, c.w[t]);
+            shift = _mm512_slli_epi32(sum, 7);
+        }
+    };
+    static __m512i q8_0(const Q8Chunks &c, const Q8Prep &p, const int8_t *q) {
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t += 2) {
+            const int32_t flip = static_cast<int32_t>(0x80808080u);
+            even = _mm512_dpbusd_epi32(even, _mm512_set1_epi32(four_bytes(q + 4 * t) ^ flip), c.w[t]);
+            odd = _mm512_dpbusd_epi32(odd, _mm512_set1_epi32(four_bytes(q + 4 * t + 4) ^ flip), c.w[t + 1]);
+        }
+        return _mm512_sub_epi32(_mm512_add_epi32(even, odd), p.shift);
+    }
 };
 
 struct VnniDot512 {

@@ -1,67 +1,98 @@
-/* The 8-bit-activation products over a packed Q4_1 weight (kernels.h: pack_q4_1), on
- * 512-bit vectors: a vector is a whole group of 16 rows. For one activation row, a
- * block is 8 integer dot products (a chunk's low or high nibbles against 4 activation
- * bytes broadcast) into two accumulators (the low nibbles' and the high's, so that
- * two chains run side by side), converted and scaled by d_w d_x, m_w s_x into a
- * second accumulator. `Acc` is the integer dot: VNNI's vpdpbusd into int32, or
- * maddubs added as int16 (four a lane, at most 15240) and one madd with ones at the
- * end. Activation rows go in tiles of 8, 4, 2 or 1, a last tile's missing rows
- * repeating its last row (computed, never stored). Included after the file's target
- * pragma, after q8_packed.h. */
+/* The 8-bit-activation products over a packed weight (kernels.h: pack_blocks), on
+ * 512-bit vectors: a vector is a whole group of 16 rows, and a block against one
+ * activation row is one integer dot a chunk (4 activation bytes broadcast), in two
+ * chains side by side, then converted and scaled by d_w d_x (Q4_1's m_w s_x into a
+ * second accumulator). `Acc` is the integer dot:
+ * - VNNI (avx512_vnni.cpp): vpdpbusd into int32. Q8_0's weights are signed and
+ *   vpdpbusd's first operand unsigned, so the activations go in as x + 128 (the
+ *   broadcast bytes' top bits flipped) and 128 times the block's weight sum, one
+ *   vpdpbusd of ones a chunk for all the tile's rows, comes off again: exact.
+ * - AVX-512BW (`MaddAcc512`): maddubs. Q4_1 adds four a chain as int16 (at most
+ *   15240) before one madd; Q8_0 takes |w| against x with w's sign, each maddubs its
+ *   own madd (at most 2 * 128 * 127 a lane).
+ * Every variant's sums are the same integers and the same float32 operations after
+ * them, so all are equal bit for bit. Activation rows go in tiles of 8, 4, 2 or 1, a
+ * last tile's missing rows repeating its last row (computed, never stored). Included
+ * after the file's target pragma, after q8_packed.h. */
 #pragma once
 
 namespace omni {
 namespace {
 
+/* A group's block of Q8_0 weights in registers: its eight chunks, and what the dot
+ * needs of them beside (`Acc::Q8Prep`). */
+struct Q8Chunks {
+    __m512i w[8];
+};
+
 struct MaddAcc512 {
-    static __m512i step(__m512i acc, __m512i u, __m512i s) {
-        return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, s));
+    static __m512i q4_1(const __m512i *lo, const __m512i *hi, const int8_t *q) {
+        __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+        for (int t = 0; t < 4; t++) {
+            low = _mm512_add_epi16(low, _mm512_maddubs_epi16(lo[t], _mm512_set1_epi32(four_bytes(q + 4 * t))));
+            high = _mm512_add_epi16(high, _mm512_maddubs_epi16(hi[t], _mm512_set1_epi32(four_bytes(q + 16 + 4 * t))));
+        }
+        const __m512i ones = _mm512_set1_epi16(1);
+        return _mm512_add_epi32(_mm512_madd_epi16(low, ones), _mm512_madd_epi16(high, ones));
     }
-    static __m512i finish(__m512i acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
+    struct Q8Prep {
+        __m512i magnitude[8];
+        explicit Q8Prep(const Q8Chunks &c) {
+            for (int t = 0; t < 8; t++) magnitude[t] = _mm512_abs_epi8(c.w[t]);
+        }
+    };
+    static __m512i q8_0(const Q8Chunks &c, const Q8Prep &p, const int8_t *q) {
+        const __m512i ones = _mm512_set1_epi16(1);
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int t = 0; t < 8; t++) {
+            const __m512i x = _mm512_set1_epi32(four_bytes(q + 4 * t));
+            const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(c.w[t]), _mm512_setzero_si512(), x);
+            const __m512i pairs = _mm512_madd_epi16(_mm512_maddubs_epi16(p.magnitude[t], signed_x), ones);
+            if (t % 2) odd = _mm512_add_epi32(odd, pairs);
+            else even = _mm512_add_epi32(even, pairs);
+        }
+        return _mm512_add_epi32(even, odd);
+    }
 };
 
 template <int BT, class Acc>
 void packed_tile512(const BlockWeight &w, const Q8Rows &x, int64_t b0, int64_t real, int64_t g0,
                     int64_t g1, float *y) {
-    const int64_t nb = w.k / QK, groups = w.n / PACK_ROWS;
-    const int8_t *xq[BT];
-    const float *xd[BT], *xs[BT];
-    for (int b = 0; b < BT; b++) {
-        const int64_t row = b0 + (b < real ? b : real - 1);
-        xq[b] = x.q + row * w.k;
-        xd[b] = x.d + row * nb;
-        xs[b] = x.s + row * nb;
-    }
+    const int64_t nb = w.k / QK, groups = w.n / PACK_ROWS, bytes = PACKED_RECORD[w.kind];
+    const bool q4_1 = w.kind == Q4_1;
+    const TileRows<BT> xr(x, w.k, b0, real);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     for (int64_t g = g0; g < g1; g++) {
         __m512 acc[BT], mins[BT];
         for (int b = 0; b < BT; b++) acc[b] = mins[b] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nb; j++) {
-            const uint8_t *record = w.packed + (g * nb + j) * PACKED_RECORD;
-            if (g + 2 < groups)
-                for (int line = 0; line < PACKED_RECORD; line += 64)
-                    prefetch_weight(record + 2 * nb * PACKED_RECORD + line);
-            __m512i lo[4], hi[4];
-            for (int t = 0; t < 4; t++) {
-                const __m512i raw = _mm512_loadu_si512(record + t * 64);
-                lo[t] = _mm512_and_si512(raw, nibble);
-                hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-            }
-            const uint16_t *dm = reinterpret_cast<const uint16_t *>(record + 256);
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(dm)));
-            const __m512 mw = _mm512_cvtph_ps(
-                _mm256_loadu_si256(reinterpret_cast<const __m256i *>(dm + PACK_ROWS)));
-            for (int b = 0; b < BT; b++) {
-                const int8_t *q = xq[b] + j * QK;
-                __m512i low = _mm512_setzero_si512(), high = _mm512_setzero_si512();
+            const uint8_t *record = w.packed + (g * nb + j) * bytes;
+            if (g + 2 < groups) prefetch_record(record, nb, bytes);
+            __m512i dots[BT];
+            if (q4_1) {
+                __m512i lo[4], hi[4];
                 for (int t = 0; t < 4; t++) {
-                    low = Acc::step(low, lo[t], _mm512_set1_epi32(four_bytes(q + 4 * t)));
-                    high = Acc::step(high, hi[t], _mm512_set1_epi32(four_bytes(q + 16 + 4 * t)));
+                    const __m512i raw = _mm512_loadu_si512(record + t * 64);
+                    lo[t] = _mm512_and_si512(raw, nibble);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
                 }
-                const __m512 dot =
-                    _mm512_cvtepi32_ps(_mm512_add_epi32(Acc::finish(low), Acc::finish(high)));
-                acc[b] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, _mm512_set1_ps(xd[b][j])), acc[b]);
-                mins[b] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[b][j]), mins[b]);
+                for (int b = 0; b < BT; b++) dots[b] = Acc::q4_1(lo, hi, xr.q[b] + j * QK);
+            } else {
+                Q8Chunks c;
+                for (int t = 0; t < 8; t++) c.w[t] = _mm512_loadu_si512(record + t * 64);
+                const typename Acc::Q8Prep prep(c);
+                for (int b = 0; b < BT; b++) dots[b] = Acc::q8_0(c, prep, xr.q[b] + j * QK);
+            }
+            const uint16_t *dm = reinterpret_cast<const uint16_t *>(record + (q4_1 ? 4 : 8) * 64);
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i *>(dm)));
+            for (int b = 0; b < BT; b++)
+                acc[b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[b]),
+                                         _mm512_mul_ps(dw, _mm512_set1_ps(xr.d[b][j])), acc[b]);
+            if (q4_1) {
+                const __m512 mw = _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i *>(dm + PACK_ROWS)));
+                for (int b = 0; b < BT; b++)
+                    mins[b] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xr.s[b][j]), mins[b]);
             }
         }
         for (int b = 0; b < real; b++)
