@@ -153,7 +153,7 @@ class LlamaCpuRunner(TextRunner):
     ) -> Forwarded:
         if embeds.shape[1] == 1 and 0 < kv.rows < MANY_ROWS and kv.width > 0:
             return self._stack_step(kv, embeds, valid, hidden)
-        if self._one_sequence(kv, embeds, valid):
+        if self._stack_takes_prefill(kv, embeds, valid):
             return self._stack_prefill(kv, embeds, valid, hidden)
         mask = attention_mask(kv.mask, valid)
         kv.reserve(embeds.shape[1])
@@ -180,7 +180,7 @@ class LlamaCpuRunner(TextRunner):
         self.stack_steps += 1
         return self.lean.lm_head(states).float(), states if hidden else None
 
-    def _one_sequence(self, kv: KvCache, embeds: torch.Tensor, valid: torch.Tensor) -> bool:
+    def _stack_takes_prefill(self, kv: KvCache, embeds: torch.Tensor, valid: torch.Tensor) -> bool:
         """Whether the stack takes this prefill row by row, each row's new positions a
         sequence: every row has some (its last ones: padding on the left), on 8-bit
         activations or fewer than MANY_ROWS positions (from there float32's products
