@@ -16,7 +16,7 @@ from services import kernels
 from services.engines.base import EngineSettings
 from services.engines.kv_cache import KvCache, KvShape
 from services.engines.transformers import TransformersEngine
-from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner
+from services.engines.transformers.runners.llama_cpu import LlamaCpuRunner, _weight
 from services.engines.transformers.weights.blocks import BlockLinear
 from services.mesh.errors import InitFailed
 
@@ -184,3 +184,36 @@ def test_a_row_prefilled_in_a_padded_batch_is_the_row_alone(
         alone = run(prompt[None], torch.ones(1, len(prompt), dtype=torch.long))
         for step, (mine, theirs) in enumerate(zip(together, alone, strict=True)):
             assert torch.equal(mine[row], theirs[0]), (row, step)
+
+
+@torch.inference_mode()
+def test_on_int8_every_weight_runs_packed_and_on_float32_none_is_held(
+    engines: list[TransformersEngine],
+) -> None:
+    """The runner's products (its layers' four, the output head) and its decode stack
+    run the packed layout on 8-bit activations: a product through the module is the
+    kernels' over its packed weight, bit for bit, and not the file layout's (the two
+    add in another order); the stack is built from the same packed tensors. On float32
+    activations nothing is packed (no second copy held)."""
+    fast, floats = engines
+    runner = fast.runner
+    assert isinstance(runner, LlamaCpuRunner)
+    ops = kernels.ops()
+    lean = runner.lean
+    modules = [
+        m for layer in lean.layers for m in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    ]
+    modules.append(lean.lm_head)
+    assert all(isinstance(m, BlockLinear) and m.packed is not None for m in modules)
+    differs = 0
+    for module in (lean.layers[0].qkv, lean.layers[3].down, lean.lm_head):
+        assert isinstance(module, BlockLinear) and module.packed is not None
+        x = torch.randn(3, module.in_features, generator=torch.Generator().manual_seed(1))
+        got = module(x)
+        args = (x, module.qs, module.d, module.m, module.bias, True)
+        assert torch.equal(got, ops.block_linear(*args, module.packed))
+        differs += not torch.equal(got, ops.block_linear(*args))
+    assert differs, "the packed products add as the file layout's did: is packed used?"
+    assert _weight(lean.layers[2].gate_up).packed is lean.layers[2].gate_up.packed
+    float_blocks = [m for m in floats.model.modules() if isinstance(m, BlockLinear)]
+    assert float_blocks and all(m.packed is None and m._packed is None for m in float_blocks)
