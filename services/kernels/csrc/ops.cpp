@@ -37,7 +37,7 @@ void check_2d(const Tensor &t, const char *name) {
 }
 
 /* A weight in blocks: qs uint8 [n][k/32][16] with m (Q4_1) or int8 [n][k/32][32]
- * without (Q8_0); d and m float16 [n][k/32]; bias float32 [n]; packed (Q4_1 only)
+ * without (Q8_0); d and m float16 [n][k/32]; bias float32 [n]; packed (either kind)
  * uint8 [n/16][k/32][320 (Q4_1) or 544 (Q8_0)], pack_blocks' of the same weight. */
 BlockWeight block_weight(const Tensor &qs, const Tensor &d, const std::optional<Tensor> &m,
                          const std::optional<Tensor> &bias, const std::string &name,

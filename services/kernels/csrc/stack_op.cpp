@@ -18,7 +18,7 @@ using namespace omni::ops;
  * packed? of qkv, o, gate_up and down; the final norm last. Per layer, in `scalars`: eps_in,
  * eps_post, eps_head (the per-head norms'), scale; the final norm's eps last. `dims`:
  * layers, heads, kv_heads, dim, size, inter. */
-constexpr int64_t TENSORS = 24, SCALARS = 4, PER_WEIGHT = 5;
+constexpr int64_t PER_WEIGHT = 5, TENSORS = 4 + 4 * PER_WEIGHT, SCALARS = 4;
 
 struct DecodeStack : torch::CustomClassHolder {
     std::vector<Tensor> held; /* what the pointers below point into */
