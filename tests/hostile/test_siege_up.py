@@ -102,6 +102,7 @@ async def up(tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path) -> 
         },
     }
     (folder / "pipeline.yaml").write_text(yaml.safe_dump(pipeline))
+    said = (folder / "up.log").open("wb")  # what `omni up` said, should it end early
     process = await asyncio.create_subprocess_exec(
         OMNI,
         "up",
@@ -111,13 +112,18 @@ async def up(tmp_path_factory: pytest.TempPathFactory, omni_cache_dir: Path) -> 
         "--run-dir",
         str(folder / "run"),
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
+        stderr=said,
         env={**os.environ, "OMNI_TOKENS_FILE": str(folder / "tokens.yaml")},
         preexec_fn=_low_descriptors,
     )
+    said.close()
     try:
         assert process.stdout is not None
-        ready = await read_until(process.stdout, "ready in", 240)
+        try:
+            ready = await read_until(process.stdout, "ready in", 240)
+        except AssertionError as exc:
+            tail = (folder / "up.log").read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{exc}; it said:\n{tail}") from None
         (child,) = psutil.Process(process.pid).children(recursive=True)
         port = stage_port(folder / "run", "thinker")
         yield Up(process.pid, ready.rsplit(" ", 1)[1], f"127.0.0.1:{port}", tokens, child.pid)
